@@ -1,0 +1,181 @@
+{{/*
+One Overworld service: a Deployment running `overworld serve <component>` and, unless
+.headless is set, a ClusterIP Service for its gRPC (and metrics) port.
+
+Usage: include "overworld.component" (dict
+  "context" $                 root context
+  "component" "replay-buffer" the service name (also the `overworld serve` argument)
+  "values" .Values.replayBuffer
+  "replicas" 2                nil for a singleton (Recreate strategy)
+  "env" (include ...)         YAML list of the service's own environment
+  "image" .Values.image
+  "gpu" nil or .Values.rolloutWorker.gpu
+  "service" true
+  "configMount" false         mount the run config at /etc/overworld
+  "shm" ""                    size of an in-memory /dev/shm, "" for none)
+*/}}
+{{- define "overworld.component" -}}
+{{- $ := .context -}}
+{{- $v := .values -}}
+{{- $labels := dict "context" $ "component" .component -}}
+apiVersion: apps/v1
+kind: Deployment
+metadata:
+  name: {{ printf "%s-%s" (include "overworld.fullname" $) .component }}
+  namespace: {{ $.Release.Namespace }}
+  labels:
+    {{- include "overworld.componentLabels" $labels | nindent 4 }}
+  {{- include "overworld.annotations" (dict "context" $) | indent 2 }}
+spec:
+  {{- if .singleton }}
+  replicas: 1
+  strategy:
+    type: Recreate
+  {{- else }}
+  replicas: {{ $v.replicaCount }}
+  strategy:
+    type: RollingUpdate
+    rollingUpdate:
+      maxSurge: 25%
+      maxUnavailable: 25%
+  {{- end }}
+  revisionHistoryLimit: 5
+  selector:
+    matchLabels:
+      {{- include "overworld.componentSelectorLabels" $labels | nindent 6 }}
+  template:
+    metadata:
+      labels:
+        {{- include "overworld.componentLabels" $labels | nindent 8 }}
+        {{- with $v.podLabels }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      {{- if or .configMount $v.podAnnotations }}
+      annotations:
+        {{- if .configMount }}
+        checksum/run-config: {{ include (print $.Template.BasePath "/configmap.yaml") $ | sha256sum }}
+        {{- end }}
+        {{- with $v.podAnnotations }}
+        {{- toYaml . | nindent 8 }}
+        {{- end }}
+      {{- end }}
+    spec:
+      serviceAccountName: {{ include "overworld.serviceAccountName" $ }}
+      automountServiceAccountToken: {{ $.Values.serviceAccount.automountServiceAccountToken }}
+      {{- include "overworld.imagePullSecrets" $ | nindent 6 }}
+      securityContext:
+        {{- toYaml $.Values.podSecurityContext | nindent 8 }}
+      {{- with $v.terminationGracePeriodSeconds }}
+      terminationGracePeriodSeconds: {{ . }}
+      {{- end }}
+      {{- include "overworld.scheduling" $v | nindent 6 }}
+      containers:
+        - name: {{ .component }}
+          image: {{ include "overworld.image" (dict "image" .image "context" $) }}
+          imagePullPolicy: {{ .image.pullPolicy }}
+          command: ["overworld"]
+          args:
+            - serve
+            - {{ .component }}
+            {{- with $v.extraArgs }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+          env:
+            {{- include "overworld.env.ports" (dict "context" $ "port" $v.port) | nindent 12 }}
+            {{- with .env }}
+            {{- . | nindent 12 }}
+            {{- end }}
+            {{- with $v.extraEnv }}
+            {{- toYaml . | nindent 12 }}
+            {{- end }}
+          ports:
+            - name: grpc
+              containerPort: {{ $v.port }}
+              protocol: TCP
+            {{- if $.Values.metrics.enabled }}
+            - name: metrics
+              containerPort: {{ $.Values.metrics.port }}
+              protocol: TCP
+            {{- end }}
+          startupProbe:
+            grpc:
+              port: {{ $v.port }}
+            periodSeconds: 5
+            failureThreshold: 60
+          livenessProbe:
+            grpc:
+              port: {{ $v.port }}
+            periodSeconds: 10
+            timeoutSeconds: 5
+            failureThreshold: 6
+          readinessProbe:
+            grpc:
+              port: {{ $v.port }}
+            periodSeconds: 5
+            timeoutSeconds: 3
+            failureThreshold: 3
+          resources:
+            {{- $resources := deepCopy $v.resources }}
+            {{- if and .gpu .gpu.enabled }}
+            {{- $limits := default (dict) $resources.limits }}
+            {{- $_ := set $limits .gpu.resourceName .gpu.count }}
+            {{- $_ := set $resources "limits" $limits }}
+            {{- end }}
+            {{- toYaml $resources | nindent 12 }}
+          securityContext:
+            {{- toYaml $.Values.containerSecurityContext | nindent 12 }}
+          volumeMounts:
+            - name: tmp
+              mountPath: /tmp
+            {{- if .configMount }}
+            - name: run-config
+              mountPath: /etc/overworld
+              readOnly: true
+            {{- end }}
+            {{- if .shm }}
+            - name: dshm
+              mountPath: /dev/shm
+            {{- end }}
+      volumes:
+        - name: tmp
+          emptyDir: {}
+        {{- if .configMount }}
+        - name: run-config
+          configMap:
+            name: {{ include "overworld.configMapName" $ }}
+        {{- end }}
+        {{- if .shm }}
+        - name: dshm
+          emptyDir:
+            medium: Memory
+            sizeLimit: {{ .shm }}
+        {{- end }}
+{{- if .service }}
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ printf "%s-%s" (include "overworld.fullname" $) .component }}
+  namespace: {{ $.Release.Namespace }}
+  labels:
+    {{- include "overworld.componentLabels" $labels | nindent 4 }}
+  {{- include "overworld.annotations" (dict "context" $) | indent 2 }}
+spec:
+  type: ClusterIP
+  selector:
+    {{- include "overworld.componentSelectorLabels" $labels | nindent 4 }}
+  ports:
+    - name: grpc
+      port: {{ $v.port }}
+      targetPort: grpc
+      protocol: TCP
+      appProtocol: grpc
+    {{- if $.Values.metrics.enabled }}
+    - name: metrics
+      port: {{ $.Values.metrics.port }}
+      targetPort: metrics
+      protocol: TCP
+      appProtocol: http
+    {{- end }}
+{{- end }}
+{{- end -}}

@@ -1,0 +1,272 @@
+{{/*
+Chart name (app.kubernetes.io/name).
+*/}}
+{{- define "overworld.name" -}}
+{{- default .Chart.Name .Values.nameOverride | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+Prefix of every object name. It is the release name (not <release>-<chart>) so that the
+objects are the ones the docs name: deployment/<release>-rollout-worker,
+<release>-rollout-manager:50051. Truncated so that "<prefix>-rollout-manager" fits 63.
+*/}}
+{{- define "overworld.fullname" -}}
+{{- default .Release.Name .Values.fullnameOverride | trunc 40 | trimSuffix "-" -}}
+{{- end -}}
+
+{{- define "overworld.chart" -}}
+{{- printf "%s-%s" .Chart.Name .Chart.Version | replace "+" "_" | trunc 63 | trimSuffix "-" -}}
+{{- end -}}
+
+{{/*
+Labels on every object.
+*/}}
+{{- define "overworld.labels" -}}
+helm.sh/chart: {{ include "overworld.chart" . }}
+app.kubernetes.io/name: {{ include "overworld.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+app.kubernetes.io/version: {{ .Chart.AppVersion | quote }}
+app.kubernetes.io/managed-by: {{ .Release.Service }}
+app.kubernetes.io/part-of: overworld
+{{- with .Values.commonLabels }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{- define "overworld.selectorLabels" -}}
+app.kubernetes.io/name: {{ include "overworld.name" . }}
+app.kubernetes.io/instance: {{ .Release.Name }}
+{{- end -}}
+
+{{/*
+Labels of one component. Usage: include "overworld.componentLabels" (dict "context" $ "component" "gae")
+*/}}
+{{- define "overworld.componentLabels" -}}
+{{ include "overworld.labels" .context }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{- define "overworld.componentSelectorLabels" -}}
+{{ include "overworld.selectorLabels" .context }}
+app.kubernetes.io/component: {{ .component }}
+{{- end -}}
+
+{{/*
+Common annotations (metadata.annotations), rendered only when there are any.
+Usage: include "overworld.annotations" (dict "context" $ "extra" $someMap)
+*/}}
+{{- define "overworld.annotations" -}}
+{{- $all := merge (deepCopy (default (dict) .extra)) (deepCopy .context.Values.commonAnnotations) -}}
+{{- if $all }}
+annotations:
+  {{- toYaml $all | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/*
+A full image reference. Usage: include "overworld.image" (dict "image" .Values.image "context" $)
+The tag defaults to the chart's appVersion; a digest wins over the tag.
+*/}}
+{{- define "overworld.image" -}}
+{{- $registry := default .image.registry .context.Values.global.imageRegistry -}}
+{{- $repository := .image.repository -}}
+{{- $name := ternary $repository (printf "%s/%s" $registry $repository) (empty $registry) -}}
+{{- if .image.digest -}}
+{{- printf "%s@%s" $name .image.digest -}}
+{{- else -}}
+{{- printf "%s:%s" $name (default .context.Chart.AppVersion .image.tag | toString) -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "overworld.imagePullSecrets" -}}
+{{- with .Values.global.imagePullSecrets }}
+imagePullSecrets:
+{{- range . }}
+  - name: {{ . }}
+{{- end }}
+{{- end }}
+{{- end -}}
+
+{{- define "overworld.serviceAccountName" -}}
+{{- if .Values.serviceAccount.create -}}
+{{- default (include "overworld.fullname" .) .Values.serviceAccount.name -}}
+{{- else -}}
+{{- default "default" .Values.serviceAccount.name -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+host:port of an Overworld service inside the namespace. Usage:
+include "overworld.address" (dict "context" $ "component" "rollout-manager" "port" 50051)
+*/}}
+{{- define "overworld.address" -}}
+{{- printf "%s-%s:%v" (include "overworld.fullname" .context) .component .port -}}
+{{- end -}}
+
+{{- define "overworld.redisName" -}}
+{{- printf "%s-redis" (include "overworld.fullname" .) -}}
+{{- end -}}
+
+{{- define "overworld.minioName" -}}
+{{- printf "%s-minio" (include "overworld.fullname" .) -}}
+{{- end -}}
+
+{{- define "overworld.configMapName" -}}
+{{- printf "%s-run-config" (include "overworld.fullname" .) -}}
+{{- end -}}
+
+{{- define "overworld.trainingRunName" -}}
+{{- default (include "overworld.fullname" .) .Values.trainingRun.name -}}
+{{- end -}}
+
+{{/*
+Secret holding the S3 credentials, and its keys.
+*/}}
+{{- define "overworld.s3SecretName" -}}
+{{- if .Values.minio.enabled -}}
+{{- default (include "overworld.minioName" .) .Values.minio.auth.existingSecret -}}
+{{- else -}}
+{{- .Values.externalS3.existingSecret -}}
+{{- end -}}
+{{- end -}}
+
+{{- define "overworld.s3AccessKeyKey" -}}
+{{- ternary "root-user" .Values.externalS3.accessKeyKey .Values.minio.enabled -}}
+{{- end -}}
+
+{{- define "overworld.s3SecretKeyKey" -}}
+{{- ternary "root-password" .Values.externalS3.secretKeyKey .Values.minio.enabled -}}
+{{- end -}}
+
+{{- define "overworld.s3Endpoint" -}}
+{{- if .Values.minio.enabled -}}
+{{- printf "http://%s:9000" (include "overworld.minioName" .) -}}
+{{- else -}}
+{{- .Values.externalS3.endpoint -}}
+{{- end -}}
+{{- end -}}
+
+{{/*
+Environment of the services that touch the object store.
+*/}}
+{{- define "overworld.env.objectStore" -}}
+- name: OVERWORLD_BLOBS
+  value: {{ printf "s3://%s/%s" .Values.objectStore.bucket .Values.objectStore.prefix | quote }}
+- name: OVERWORLD_S3_ENDPOINT
+  value: {{ include "overworld.s3Endpoint" . | quote }}
+- name: OVERWORLD_S3_ACCESS_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "overworld.s3SecretName" . }}
+      key: {{ include "overworld.s3AccessKeyKey" . }}
+- name: OVERWORLD_S3_SECRET_KEY
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "overworld.s3SecretName" . }}
+      key: {{ include "overworld.s3SecretKeyKey" . }}
+{{- end -}}
+
+{{/*
+OVERWORLD_INDEX: the bundled Redis, an external URL, or an external URL from a Secret.
+*/}}
+{{- define "overworld.env.index" -}}
+{{- if .Values.redis.enabled }}
+- name: OVERWORLD_INDEX
+  value: {{ printf "redis://%s:6379/0" (include "overworld.redisName" .) | quote }}
+{{- else if .Values.externalRedis.existingSecret }}
+- name: OVERWORLD_INDEX
+  valueFrom:
+    secretKeyRef:
+      name: {{ .Values.externalRedis.existingSecret }}
+      key: {{ .Values.externalRedis.urlKey }}
+{{- else }}
+- name: OVERWORLD_INDEX
+  value: {{ .Values.externalRedis.url | quote }}
+{{- end }}
+{{- end -}}
+
+{{/*
+Environment every Overworld service gets: its ports.
+Usage: include "overworld.env.ports" (dict "context" $ "port" 50051)
+*/}}
+{{- define "overworld.env.ports" -}}
+- name: OVERWORLD_HOST
+  value: "0.0.0.0"
+- name: OVERWORLD_PORT
+  value: {{ .port | quote }}
+- name: OVERWORLD_METRICS_PORT
+  value: {{ ternary .context.Values.metrics.port 0 .context.Values.metrics.enabled | quote }}
+{{- end -}}
+
+{{/*
+Addresses of the services, by the flag names of docs/architecture.md.
+*/}}
+{{- define "overworld.env.rolloutManager" -}}
+- name: OVERWORLD_ROLLOUT_MANAGER
+  value: {{ include "overworld.address" (dict "context" . "component" "rollout-manager" "port" .Values.rolloutManager.port) | quote }}
+{{- end -}}
+
+{{- define "overworld.env.replayBuffer" -}}
+- name: OVERWORLD_REPLAY_BUFFER
+  value: {{ include "overworld.address" (dict "context" . "component" "replay-buffer" "port" .Values.replayBuffer.port) | quote }}
+{{- end -}}
+
+{{- define "overworld.env.gae" -}}
+- name: OVERWORLD_GAE
+  value: {{ include "overworld.address" (dict "context" . "component" "gae" "port" .Values.gae.port) | quote }}
+{{- end -}}
+
+{{- define "overworld.env.modelRegistry" -}}
+- name: OVERWORLD_MODEL_REGISTRY
+  value: {{ include "overworld.address" (dict "context" . "component" "model-registry" "port" .Values.modelRegistry.port) | quote }}
+{{- end -}}
+
+{{/*
+The environment of the trainer (in the RayJob's head and worker pods).
+*/}}
+{{- define "overworld.env.trainer" -}}
+{{ include "overworld.env.ports" (dict "context" . "port" .Values.trainer.port) }}
+{{ include "overworld.env.rolloutManager" . }}
+{{ include "overworld.env.replayBuffer" . }}
+{{ include "overworld.env.gae" . }}
+{{ include "overworld.env.modelRegistry" . }}
+{{ include "overworld.env.objectStore" . }}
+- name: OVERWORLD_WORKDIR
+  value: /tmp/overworld
+{{- with .Values.trainer.extraEnv }}
+{{ toYaml . }}
+{{- end }}
+{{- end -}}
+
+{{/*
+Pod-level scheduling block. Usage: include "overworld.scheduling" .Values.gae
+*/}}
+{{- define "overworld.scheduling" -}}
+{{- with .nodeSelector }}
+nodeSelector:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .tolerations }}
+tolerations:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .affinity }}
+affinity:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- end -}}
+
+{{/*
+Checks of the values that the JSON schema cannot express.
+*/}}
+{{- define "overworld.validateValues" -}}
+{{- if and (not .Values.minio.enabled) (not .Values.externalS3.endpoint) -}}
+{{- fail "minio.enabled=false needs externalS3.endpoint (an S3 endpoint such as https://s3.amazonaws.com)" -}}
+{{- end -}}
+{{- if and (not .Values.minio.enabled) (not .Values.externalS3.existingSecret) -}}
+{{- fail "minio.enabled=false needs externalS3.existingSecret (a Secret with the access and secret keys)" -}}
+{{- end -}}
+{{- if and (not .Values.redis.enabled) (not .Values.externalRedis.url) (not .Values.externalRedis.existingSecret) -}}
+{{- fail "redis.enabled=false needs externalRedis.url or externalRedis.existingSecret" -}}
+{{- end -}}
+{{- end -}}
