@@ -1,0 +1,92 @@
+"""overworld run | serve | status."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+import threading
+
+from overworld.core.service import env_default
+
+
+def _serve_parser(sub: argparse._SubParsersAction) -> None:
+    from overworld.services import BUILDERS
+
+    p = sub.add_parser("serve", help="run one service (the container entry point)")
+    p.add_argument("service", choices=[*BUILDERS, "run-controller"])
+    p.add_argument("--host", default=env_default("host", "0.0.0.0"))
+    p.add_argument("--port", type=int, default=env_default("port", 0), help="gRPC port (default: the service's)")
+    p.add_argument("--metrics-port", type=int, default=env_default("metrics-port", 9090))
+    p.add_argument("--config", default=env_default("config", ""))
+    p.add_argument("--set", action="append", default=[], metavar="dotted.key=value")
+    p.add_argument("--rollout-manager", default=env_default("rollout-manager", "127.0.0.1:50051"))
+    p.add_argument("--replay-buffer", default=env_default("replay-buffer", "127.0.0.1:50052"))
+    p.add_argument("--gae", default=env_default("gae", "127.0.0.1:50053"))
+    p.add_argument("--model-registry", default=env_default("model-registry", "127.0.0.1:50054"))
+    p.add_argument("--index", default=env_default("index", ""))
+    p.add_argument("--blobs", default=env_default("blobs", ""))
+    p.add_argument("--ray-address", default=env_default("ray-address", ""))
+    p.add_argument("--resume", default=env_default("resume", ""))
+    p.add_argument("--workdir", default=env_default("workdir", "."))
+    p.add_argument("--retain", type=int, default=env_default("retain", 20))
+    p.add_argument("--lease-seconds", type=float, default=env_default("lease-seconds", 15.0))
+
+
+def serve_main(args: argparse.Namespace) -> int:
+    from overworld.core.service import run_until_signalled
+    from overworld.services import BUILDERS, DEFAULT_PORTS
+
+    if args.service == "run-controller":
+        from overworld.run_controller import main as controller_main
+
+        return controller_main()
+    if not args.port:
+        args.port = DEFAULT_PORTS[args.service]
+    done = threading.Event()
+    handle: list = []
+
+    def start():  # type: ignore[no-untyped-def]
+        handle.append(BUILDERS[args.service](args, done))
+        return handle[0]
+
+    code = run_until_signalled(args.service, start, args.metrics_port, done)
+    return 1 if handle and getattr(handle[0], "failed", False) else code
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(prog="overworld", description="Online RL for Minecraft agents, as services.")
+    sub = parser.add_subparsers(dest="command", required=True)
+    r = sub.add_parser("run", help="train a task on this machine: every service as its own process")
+    r.add_argument("config", help="YAML file, or a .py file defining online_dict (MineStudio style)")
+    r.add_argument("--set", action="append", default=[], metavar="dotted.key=value", help="override a config key")
+    r.add_argument("--max-env-steps", type=int, default=None)
+    r.add_argument("--target-return", type=float, default=None,
+                   help="stop once the mean return of the last 100 episodes reaches this")
+    r.add_argument("--summary", default=None, help="write the JSON run summary here")
+    r.add_argument("--workdir", default=None, help="default: runs/<run_id>")
+    _serve_parser(sub)
+    s = sub.add_parser("status", help="print the fleet status of a running run")
+    s.add_argument("--rollout-manager", default=env_default("rollout-manager", "127.0.0.1:50051"))
+    args = parser.parse_args(argv)
+
+    if args.command == "run":
+        from overworld.core.config import ConfigError
+        from overworld.launcher import run
+
+        try:
+            summary = run(args.config, args.set, args.max_env_steps, args.summary, args.workdir, args.target_return)
+        except ConfigError as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        return 0 if summary["status"] in ("completed", "target_reached", "max_env_steps") else 1
+    if args.command == "serve":
+        return serve_main(args)
+    if args.command == "status":
+        from overworld.status import print_status
+
+        return print_status(args.rollout_manager)
+    return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

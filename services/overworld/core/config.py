@@ -1,0 +1,282 @@
+"""The run configuration: MineStudio's `online_dict`, plus Overworld's own keys.
+
+Keys and meanings follow MineStudio's quick start (see docs/config.md). Loading is strict:
+an unknown key or a value of the wrong type is a ConfigError that names the dotted key.
+"""
+
+from __future__ import annotations
+
+import hashlib
+import runpy
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from omegaconf import DictConfig, OmegaConf
+from omegaconf.errors import OmegaConfBaseException
+
+
+class ConfigError(ValueError):
+    """A run config that cannot be used; the message names the key."""
+
+
+@dataclass
+class DatabaseConfig:
+    path: str = "replay_buffer"  # MineStudio's cache folder; here the default local blob directory
+    num_shards: int = 8  # accepted for compatibility; the embedded index is not sharded
+    index: str = "memory"  # memory | redis://HOST:PORT/DB
+    blobs: str = ""  # a local directory or s3://BUCKET/PREFIX; empty = <workdir>/<path>
+
+
+@dataclass
+class ReplayBufferConfig:
+    max_chunks: int = 4800
+    max_reuse: int = 2
+    max_staleness: int = 2
+    fragments_per_report: int = 40
+    fragments_per_chunk: int = 1
+    database_config: DatabaseConfig = field(default_factory=DatabaseConfig)
+    # Reverb-style rate limiter, in chunks: samples per inserted chunk, with an error band.
+    # null disables it (MineStudio's behaviour: workers never wait for the learner).
+    samples_per_insert: float | None = None
+    samples_per_insert_error: float = 0.0  # the band; validated so that it cannot deadlock
+    min_size_to_sample: int = 1
+    max_fragment_bytes: int = 64 * 1024 * 1024
+    keep_on_resume: bool = True
+
+
+@dataclass
+class WorkerConfig:
+    num_envs: int = 16
+    batch_size: int = 8
+    restart_interval: float | None = 3600.0
+    video_fps: int = 20
+    video_output_dir: str = "output/videos"
+    num_env_processes: int = 0  # 0: one process per env, capped at the CPU count
+    step_timeout: float = 60.0
+    device: str = "auto"  # auto | cpu | cuda
+
+
+@dataclass
+class RolloutConfig:
+    num_rollout_workers: int = 2
+    num_gpus_per_worker: float = 1.0
+    num_cpus_per_worker: float = 1.0
+    fragment_length: int = 256
+    to_send_queue_size: int = 6
+    worker_config: WorkerConfig = field(default_factory=WorkerConfig)
+    replay_buffer_config: ReplayBufferConfig = field(default_factory=ReplayBufferConfig)
+    episode_statistics_config: dict[str, Any] = field(default_factory=dict)
+
+
+@dataclass
+class TrainConfig:
+    num_workers: int = 2
+    num_gpus_per_worker: float = 1.0
+    num_iterations: int = 4000
+    vf_warmup: int = 0
+    learning_rate: float = 2e-5
+    anneal_lr_linearly: bool = False
+    weight_decay: float = 0.04
+    adam_eps: float = 1e-8
+    batch_size_per_gpu: int = 1
+    batches_per_iteration: int = 200
+    gradient_accumulation: int = 10
+    epochs_per_iteration: int = 1
+    context_length: int = 64
+    discount: float = 0.999
+    gae_lambda: float = 0.95
+    ppo_clip: float = 0.2
+    clip_vloss: bool = False
+    max_grad_norm: float = 5.0
+    max_grad_value: float | None = None
+    zero_initial_vf: bool = True
+    ppo_policy_coef: float = 1.0
+    ppo_vf_coef: float = 0.5
+    kl_divergence_coef_rho: float = 0.0
+    coef_rho_decay: float = 0.9995
+    entropy_bonus_coef: float = 0.0
+    log_ratio_range: float = 50.0
+    normalize_advantage_full_batch: bool = True
+    use_normalized_vf: bool = False
+    num_readers: int = 1
+    num_cpus_per_reader: float = 0.1
+    prefetch_batches: int = 2
+    save_interval: int = 10
+    keep_interval: int = 40
+    record_video_interval: int = 0
+    fix_decoder: bool = False
+    resume: str | None = None
+    resume_optimizer: bool = True
+    save_path: str = "output"
+    use_amp: bool = False
+    optim_steps_per_batch: int = 1
+    log_interval: int = 1
+    sample_timeout: float = 120.0
+    vtrace: bool = False
+
+
+@dataclass
+class LoggerConfig:
+    project: str = "overworld"
+    name: str = "run"
+    console: bool = True
+    tensorboard: bool = False
+    wandb: bool = False
+    wandb_mode: str = "offline"
+
+
+@dataclass
+class RunConfig:
+    trainer_name: str = "PPOTrainer"
+    detach_rollout_manager: bool = True  # accepted for compatibility; the manager is always its own process
+    env_generator: str = "overworld.envs.gym_tasks:make_env"
+    env_kwargs: dict[str, Any] = field(default_factory=dict)
+    policy_generator: str = "overworld.policies.nets:make_mlp_policy"
+    policy_kwargs: dict[str, Any] = field(default_factory=dict)
+    task_name: str = ""
+    seed: int = 0
+    run_id: str = ""
+    rollout_config: RolloutConfig = field(default_factory=RolloutConfig)
+    train_config: TrainConfig = field(default_factory=TrainConfig)
+    logger_config: LoggerConfig = field(default_factory=LoggerConfig)
+
+
+def _user_dict(source: str | Path | dict[str, Any]) -> dict[str, Any]:
+    if isinstance(source, dict):
+        return source
+    path = Path(source)
+    if not path.exists():
+        raise ConfigError(f"config file {path} does not exist")
+    if path.suffix == ".py":
+        namespace = runpy.run_path(str(path))
+        if "online_dict" not in namespace:
+            raise ConfigError(f"{path} defines no `online_dict`")
+        data = dict(namespace["online_dict"])
+        # MineStudio quick starts define the generators next to online_dict.
+        for key in ("env_generator", "policy_generator"):
+            if callable(namespace.get(key)) and key not in data:
+                data[key] = f"{path.resolve()}:{key}"
+        return data
+    loaded = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
+    if not isinstance(loaded, dict):
+        raise ConfigError(f"{path} must hold a mapping at the top level")
+    return loaded
+
+
+def _dotted_key(err: OmegaConfBaseException) -> str:
+    key = getattr(err, "full_key", None) or getattr(err, "key", None)
+    return str(key) if key else "?"
+
+
+def load_config(source: str | Path | dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
+    """Load and validate a run config from YAML, a Python file with `online_dict`, or a dict.
+
+    `overrides` are `dotted.key=value` strings (the CLI's --set).
+    """
+    schema = OmegaConf.structured(RunConfig)
+    try:
+        merged = OmegaConf.merge(schema, _user_dict(source))
+        for item in overrides or []:
+            if "=" not in item:
+                raise ConfigError(f"--set {item!r}: expected dotted.key=value")
+            key, value = item.split("=", 1)
+            if OmegaConf.select(merged, key, default="__missing__") == "__missing__":
+                raise ConfigError(f"--set {key}: unknown config key")
+            merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([f"{key}={value}"]))
+    except OmegaConfBaseException as err:
+        msg = str(err).splitlines()[0]
+        raise ConfigError(f"config key {_dotted_key(err)}: {msg}") from None
+    config: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    validate(config)
+    return config
+
+
+def validate(config: RunConfig) -> None:
+    """Checks across keys that a type system cannot express."""
+    rollout, train = config.rollout_config, config.train_config
+    rb = rollout.replay_buffer_config
+    positive = {
+        "rollout_config.fragment_length": rollout.fragment_length,
+        "rollout_config.worker_config.num_envs": rollout.worker_config.num_envs,
+        "rollout_config.to_send_queue_size": rollout.to_send_queue_size,
+        "rollout_config.replay_buffer_config.max_chunks": rb.max_chunks,
+        "rollout_config.replay_buffer_config.max_reuse": rb.max_reuse,
+        "rollout_config.replay_buffer_config.fragments_per_chunk": rb.fragments_per_chunk,
+        "train_config.num_workers": train.num_workers,
+        "train_config.batch_size_per_gpu": train.batch_size_per_gpu,
+        "train_config.batches_per_iteration": train.batches_per_iteration,
+        "train_config.gradient_accumulation": train.gradient_accumulation,
+        "train_config.epochs_per_iteration": train.epochs_per_iteration,
+        "train_config.context_length": train.context_length,
+        "train_config.num_iterations": train.num_iterations,
+    }
+    for key, value in positive.items():
+        if value <= 0:
+            raise ConfigError(f"config key {key}: must be > 0, got {value}")
+    if rollout.num_rollout_workers < 0:
+        raise ConfigError("config key rollout_config.num_rollout_workers: must be >= 0")
+    if not 0.0 < train.discount <= 1.0:
+        raise ConfigError(f"config key train_config.discount: must be in (0, 1], got {train.discount}")
+    if not 0.0 <= train.gae_lambda <= 1.0:
+        raise ConfigError(f"config key train_config.gae_lambda: must be in [0, 1], got {train.gae_lambda}")
+    if ":" not in config.env_generator or ":" not in config.policy_generator:
+        raise ConfigError("config keys env_generator / policy_generator: expected 'module:function'")
+    chunk_steps = rollout.fragment_length * rb.fragments_per_chunk
+    if chunk_steps % min(train.context_length, chunk_steps):
+        raise ConfigError(
+            f"config key train_config.context_length: {train.context_length} must divide the chunk length "
+            f"fragment_length x fragments_per_chunk = {chunk_steps}"
+        )
+    per_iteration = train.num_workers * train.batch_size_per_gpu * train.batches_per_iteration
+    if per_iteration > rb.max_chunks:
+        raise ConfigError(
+            f"config key rollout_config.replay_buffer_config.max_chunks: {rb.max_chunks} is smaller than one "
+            f"iteration's batch (num_workers x batch_size_per_gpu x batches_per_iteration = {per_iteration})"
+        )
+    if train.batches_per_iteration % train.gradient_accumulation:
+        raise ConfigError(
+            "config key train_config.gradient_accumulation: must divide train_config.batches_per_iteration "
+            f"({train.gradient_accumulation} does not divide {train.batches_per_iteration})"
+        )
+    if rb.samples_per_insert is not None:
+        try:
+            check_rate_limit(rb.samples_per_insert, rb.samples_per_insert_error, rb.max_reuse)
+        except ValueError as err:
+            raise ConfigError(f"config key rollout_config.replay_buffer_config.samples_per_insert: {err}") from None
+
+
+def check_rate_limit(samples_per_insert: float, error: float, max_reuse: int) -> None:
+    """Reject samples-per-insert settings under which inserters and samplers can block each other forever.
+
+    The band must admit at least one whole insert and one whole sample from any state, and the ratio
+    cannot ask for more samples per chunk than `max_reuse` allows.
+    """
+    if samples_per_insert <= 0:
+        raise ValueError(f"must be > 0, got {samples_per_insert}")
+    if error < max(1.0, samples_per_insert):
+        raise ValueError(
+            f"samples_per_insert_error ({error}) must be >= max(1, samples_per_insert) = "
+            f"{max(1.0, samples_per_insert)}, or inserts and samples can block each other forever"
+        )
+    if samples_per_insert > max_reuse:
+        raise ValueError(
+            f"{samples_per_insert} samples per chunk cannot be met when a chunk is sampled at most "
+            f"max_reuse = {max_reuse} times"
+        )
+
+
+def to_yaml(config: RunConfig) -> str:
+    return OmegaConf.to_yaml(OmegaConf.structured(config))
+
+
+def from_yaml(text: str) -> RunConfig:
+    return load_config(OmegaConf.to_container(OmegaConf.create(text), resolve=True))  # type: ignore[arg-type]
+
+
+def config_hash(config: RunConfig) -> str:
+    return hashlib.sha256(to_yaml(config).encode()).hexdigest()[:16]
+
+
+def as_dict(config: RunConfig | DictConfig) -> dict[str, Any]:
+    return OmegaConf.to_container(OmegaConf.structured(config), resolve=True)  # type: ignore[return-value]

@@ -1,0 +1,24 @@
+from __future__ import annotations
+
+import numpy as np
+
+from overworld.core import tensors
+from overworld.core.grpc_util import channel, retry
+from overworld.v1 import gae_pb2, gae_pb2_grpc
+
+
+class GaeClient:
+    def __init__(self, address: str) -> None:
+        self._channel = channel(address)
+        self._stub = gae_pb2_grpc.GaeStub(self._channel)
+
+    def estimate(self, batch: dict[str, np.ndarray], discount: float, gae_lambda: float,
+                 vtrace: bool = False, timeout: float = 60.0) -> tuple[np.ndarray, np.ndarray]:
+        request = gae_pb2.EstimateRequest(discount=discount, gae_lambda=gae_lambda,
+                                          tensors=tensors.encode(batch), vtrace=vtrace)
+        reply = retry(lambda: self._stub.Estimate(request, timeout=timeout), "gae.Estimate", timeout)
+        out = tensors.decode(reply.tensors)
+        return out["advantage"], out["value_target"]
+
+    def close(self) -> None:
+        self._channel.close()

@@ -1,0 +1,221 @@
+"""`overworld run`: every service as its own process on loopback, live progress, a JSON summary."""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import IO, Any
+
+import grpc
+
+from overworld.core.config import RunConfig, load_config, to_yaml
+from overworld.core.grpc_util import channel, wait_healthy
+from overworld.rollout_manager.client import RolloutManagerClient
+from overworld.v1 import trainer_pb2, trainer_pb2_grpc
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+@dataclass
+class Child:
+    name: str
+    address: str
+    proc: subprocess.Popen
+    log_path: Path
+    log_file: IO[bytes] = field(repr=False)
+
+
+class Launcher:
+    def __init__(self, config: RunConfig, workdir: Path, config_path: Path) -> None:
+        self.config = config
+        self.workdir = workdir
+        self.config_path = config_path
+        self.children: list[Child] = []
+        self.addresses: dict[str, str] = {}
+
+    def start(self, name: str, *flags: str, port: int | None = None) -> Child:
+        port = port or free_port()
+        address = f"127.0.0.1:{port}"
+        log_path = self.workdir / "logs" / f"{name}.log"
+        log_path.parent.mkdir(parents=True, exist_ok=True)
+        log_file = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
+        env = {**os.environ, "OVERWORLD_LOG_FORMAT": "text", "PYTHONUNBUFFERED": "1"}
+        service = name.split("#")[0]
+        cmd = [sys.executable, "-m", "overworld.cli", "serve", service, "--host", "127.0.0.1", "--port", str(port),
+               "--metrics-port", "0", "--workdir", str(self.workdir), *flags]
+        proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
+        child = Child(name, address, proc, log_path, log_file)
+        self.children.append(child)
+        self.addresses[name] = address
+        print(f"  {name:<18} {address:<18} pid {proc.pid:<8} log {log_path}", flush=True)
+        return child
+
+    def start_all(self) -> None:
+        a = self.addresses
+        print("starting services:", flush=True)
+        self.start("model-registry")
+        self.start("gae")
+        self.start("rollout-manager", "--config", str(self.config_path))
+        for name in ("model-registry", "gae", "rollout-manager"):
+            self.wait(name, 60)
+        self.start("replay-buffer", "--rollout-manager", a["rollout-manager"])
+        self.wait("replay-buffer", 60)
+        self.start("trainer", "--rollout-manager", a["rollout-manager"], "--replay-buffer", a["replay-buffer"],
+                   "--gae", a["gae"], "--model-registry", a["model-registry"])
+        for i in range(self.config.rollout_config.num_rollout_workers):
+            self.start(f"rollout-worker#{i}", "--rollout-manager", a["rollout-manager"],
+                       "--replay-buffer", a["replay-buffer"], "--model-registry", a["model-registry"])
+
+    def wait(self, name: str, timeout: float) -> None:
+        child = next(c for c in self.children if c.name == name)
+        deadline = time.monotonic() + timeout
+        while True:
+            if child.proc.poll() is not None:
+                raise RuntimeError(f"{name} exited with code {child.proc.returncode}; see {child.log_path}:\n"
+                                   + tail(child.log_path))
+            try:
+                wait_healthy(child.address, timeout=min(2.0, max(0.1, deadline - time.monotonic())))
+                return
+            except TimeoutError:
+                if time.monotonic() > deadline:
+                    raise RuntimeError(f"{name} not healthy after {timeout}s; see {child.log_path}") from None
+
+    def dead(self) -> list[Child]:
+        return [c for c in self.children if c.proc.poll() is not None]
+
+    def stop(self) -> None:
+        """Workers first (they flush), then the trainer, then the rest; SIGKILL whatever lingers."""
+        order = sorted(self.children, key=lambda c: (not c.name.startswith("rollout-worker"), c.name != "trainer"))
+        for group in (order[: sum(c.name.startswith("rollout-worker") for c in order)], order):
+            for c in group:
+                if c.proc.poll() is None:
+                    c.proc.send_signal(signal.SIGTERM)
+            deadline = time.monotonic() + 40
+            for c in group:
+                try:
+                    c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+                except subprocess.TimeoutExpired:
+                    pass
+        for c in self.children:
+            try:
+                os.killpg(c.proc.pid, signal.SIGKILL)  # Ray and env processes started by the service
+            except (ProcessLookupError, PermissionError):
+                pass
+            c.proc.wait()
+            c.log_file.close()
+
+
+def tail(path: Path, lines: int = 20) -> str:
+    try:
+        return "\n".join(path.read_text(errors="replace").splitlines()[-lines:])
+    except OSError:
+        return ""
+
+
+def run(config_source: str, overrides: list[str], max_env_steps: int | None, summary_path: str | None,
+        workdir: str | None, target_return: float | None, progress_interval: float = 2.0) -> dict[str, Any]:
+    config = load_config(config_source, overrides)
+    if not config.run_id:
+        config.run_id = f"run-{time.strftime('%Y%m%d-%H%M%S')}"
+    work = Path(workdir or Path("runs") / config.run_id).resolve()
+    work.mkdir(parents=True, exist_ok=True)
+    resolved = work / "config.yaml"
+    resolved.write_text(to_yaml(config))
+    print(f"overworld run {config.run_id}: workdir {work}", flush=True)
+    launcher = Launcher(config, work, resolved)
+    started = time.monotonic()
+    summary: dict[str, Any] = {"status": "failed", "run_id": config.run_id, "workdir": str(work), "env_steps": 0,
+                               "episodes": 0, "mean_return_last_100": None, "model_version": 0, "updates": 0,
+                               "resumed_from": None, "start_env_steps": 0, "start_model_version": 0,
+                               "steps_to_target": None}
+    fleet: Any = None
+    trainer_status: Any = None
+    try:
+        launcher.start_all()
+        manager = RolloutManagerClient(launcher.addresses["rollout-manager"])
+        trainer = trainer_pb2_grpc.TrainerStub(channel(launcher.addresses["trainer"]))
+        is_tty = sys.stdout.isatty()
+        last_print = 0.0
+        while True:
+            time.sleep(0.5)
+            dead = launcher.dead()
+            if dead:
+                c = dead[0]
+                if c.name == "trainer" and trainer_status is not None and trainer_status.state == "finished":
+                    summary["status"] = "completed"
+                    break
+                raise RuntimeError(f"{c.name} exited with code {c.proc.returncode}; last lines of {c.log_path}:\n"
+                                   + tail(c.log_path))
+            try:
+                fleet = manager.fleet_status()
+                trainer_status = trainer.GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=5)
+            except grpc.RpcError:
+                continue
+            if trainer_status.state == "failed":
+                raise RuntimeError(f"trainer failed: {trainer_status.error}")
+            if trainer_status.state == "finished":
+                summary["status"] = "completed"
+                break
+            reached = (target_return is not None and fleet.episodes >= 100
+                       and fleet.mean_return_last_100 >= target_return)
+            now = time.monotonic()
+            if now - last_print >= progress_interval or reached:
+                last_print = now
+                line = progress_line(fleet, trainer_status, now - started, max_env_steps)
+                print(("\r" + line) if is_tty else line, end="" if is_tty else "\n", flush=True)
+            if reached:
+                summary["status"] = "target_reached"
+                summary["steps_to_target"] = fleet.env_steps
+                break
+            if max_env_steps is not None and fleet.env_steps >= max_env_steps:
+                summary["status"] = "max_env_steps"
+                break
+    except KeyboardInterrupt:
+        summary["status"] = "interrupted"
+    except RuntimeError as err:
+        summary["status"] = "failed"
+        summary["error"] = str(err)
+        print(f"\nerror: {err}", file=sys.stderr, flush=True)
+    finally:
+        print("\nstopping services...", flush=True)
+        launcher.stop()
+    wall = time.monotonic() - started
+    if fleet is not None:
+        summary.update(env_steps=fleet.env_steps, episodes=fleet.episodes,
+                       mean_return_last_100=fleet.mean_return_last_100 if fleet.episodes else None,
+                       tasks={t.task: {"episodes": t.episodes, "mean_return_last_100": t.mean_return_last_100,
+                                       "mean_length_last_100": t.mean_length_last_100,
+                                       **dict(t.mean_extras_last_100)} for t in fleet.tasks})
+    if trainer_status is not None:
+        summary.update(model_version=trainer_status.model_version, updates=trainer_status.updates,
+                       iterations=trainer_status.iteration, samples_trained=trainer_status.samples_trained)
+    summary["wall_seconds"] = round(wall, 2)
+    summary["env_steps_per_second"] = round(summary["env_steps"] / wall, 1) if wall > 0 else 0.0
+    if summary_path:
+        Path(summary_path).parent.mkdir(parents=True, exist_ok=True)
+        Path(summary_path).write_text(json.dumps(summary, indent=2))
+    print(json.dumps({k: summary[k] for k in ("status", "env_steps", "episodes", "mean_return_last_100",
+                                              "model_version", "updates", "wall_seconds")}), flush=True)
+    return summary
+
+
+def progress_line(fleet: Any, trainer: Any, elapsed: float, max_env_steps: int | None) -> str:
+    steps = fleet.env_steps
+    of = f"/{max_env_steps:,}" if max_env_steps else ""
+    versions = [w.model_version for w in fleet.workers]
+    lag = trainer.model_version - (sum(versions) / len(versions)) if versions else 0.0
+    ret = f"{fleet.mean_return_last_100:8.2f}" if fleet.episodes else "     n/a"
+    return (f"[{elapsed:6.0f}s] env steps {steps:>10,}{of}  {steps / max(elapsed, 1e-9):7.0f}/s  "
+            f"episodes {fleet.episodes:>6}  return(100) {ret}  model v{trainer.model_version:<5} "
+            f"updates {trainer.updates:<6} lag {lag:4.1f}  workers {len(fleet.workers)}")

@@ -1,0 +1,186 @@
+"""The rollout-manager: hands out the run config, keeps the fleet (leases, heartbeats), owns the
+run's spaces, and aggregates episode statistics."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+import uuid
+from collections import deque
+from dataclasses import dataclass, field
+
+import grpc
+import numpy as np
+from prometheus_client import Counter, Gauge
+
+from overworld.core.config import RunConfig, config_hash, to_yaml
+from overworld.core.grpc_util import abort
+from overworld.core.specs import Spaces
+from overworld.v1 import common_pb2, rollout_manager_pb2, rollout_manager_pb2_grpc
+
+log = logging.getLogger("overworld.rollout_manager")
+
+WORKERS = Gauge("overworld_rollout_workers", "Rollout workers holding a live lease")
+EPISODES = Counter("overworld_episodes_total", "Episodes finished", ["task"])
+EPISODE_RETURN = Gauge("overworld_episode_return", "Mean return of the last 100 episodes", ["task"])
+EPISODE_LENGTH = Gauge("overworld_episode_length", "Mean length of the last 100 episodes", ["task"])
+
+WINDOW = 100
+
+
+@dataclass
+class WorkerRecord:
+    worker_id: str
+    hostname: str
+    address: str
+    num_envs: int
+    last_heartbeat: float
+    env_steps: int = 0
+    fragments_sent: int = 0
+    model_version: int = 0
+
+
+@dataclass
+class TaskRecord:
+    episodes: int = 0
+    returns: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    lengths: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    discounted: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    extras: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+
+
+class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
+    def __init__(self, config: RunConfig, lease_seconds: float = 15.0) -> None:
+        self.config = config
+        self.run_id = config.run_id or uuid.uuid4().hex[:12]
+        self.config.run_id = self.run_id
+        self.lease_seconds = lease_seconds
+        self._yaml = to_yaml(config)
+        self._hash = config_hash(config)
+        self._lock = threading.Lock()
+        self._workers: dict[str, WorkerRecord] = {}
+        self._departed_steps = 0
+        self._departed_fragments = 0
+        self._spaces: Spaces | None = None
+        self._spaces_proto: common_pb2.Spaces | None = None
+        self._tasks: dict[str, TaskRecord] = {}
+        self._all_returns: deque = deque(maxlen=WINDOW)
+        self._episodes = 0
+        self._registrations = 0
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for worker_id, w in list(self._workers.items()):
+            if now - w.last_heartbeat > self.lease_seconds:
+                log.warning("worker %s (%s) missed its lease; removed from the fleet", worker_id, w.hostname)
+                self._depart(worker_id)
+        WORKERS.set(len(self._workers))
+
+    def _depart(self, worker_id: str) -> None:
+        w = self._workers.pop(worker_id, None)
+        if w:
+            self._departed_steps += w.env_steps
+            self._departed_fragments += w.fragments_sent
+
+    def GetRunConfig(self, request, context):  # type: ignore[no-untyped-def]
+        return rollout_manager_pb2.RunConfig(run_id=self.run_id, config_yaml=self._yaml, config_hash=self._hash)
+
+    def Register(self, request, context):  # type: ignore[no-untyped-def]
+        if request.num_envs == 0:
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, "num_envs must be > 0")
+        try:
+            spaces = Spaces.from_proto(request.spaces)
+        except TypeError as err:
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"spaces: {err}")
+        if not spaces.obs or not spaces.action:
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, "spaces must declare at least one obs and one action")
+        with self._lock:
+            if self._spaces is None:
+                self._spaces, self._spaces_proto = spaces, request.spaces
+                log.info("run spaces declared: %s", spaces)
+            elif spaces != self._spaces:
+                abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                      f"this worker's spaces {spaces} differ from the run's {self._spaces}: "
+                      "is it running a different env or policy?")
+            worker_id = f"w-{uuid.uuid4().hex[:8]}"
+            worker_index = self._registrations
+            self._registrations += 1
+            self._workers[worker_id] = WorkerRecord(worker_id, request.hostname, request.address,
+                                                    request.num_envs, time.monotonic())
+            self._expire()
+        log.info("worker %s registered from %s with %d envs", worker_id, request.hostname, request.num_envs)
+        return rollout_manager_pb2.RegisterResponse(worker_id=worker_id, lease_seconds=self.lease_seconds,
+                                                    run_id=self.run_id, worker_index=worker_index)
+
+    def Heartbeat(self, request, context):  # type: ignore[no-untyped-def]
+        with self._lock:
+            self._expire()
+            w = self._workers.get(request.worker_id)
+            if w is None:
+                return rollout_manager_pb2.HeartbeatResponse(lease_valid=False)
+            w.last_heartbeat = time.monotonic()
+            w.env_steps = max(w.env_steps, request.env_steps)
+            w.fragments_sent = max(w.fragments_sent, request.fragments_sent)
+            w.model_version = request.model_version
+        return rollout_manager_pb2.HeartbeatResponse(lease_valid=True)
+
+    def Deregister(self, request, context):  # type: ignore[no-untyped-def]
+        with self._lock:
+            self._depart(request.worker_id)
+            WORKERS.set(len(self._workers))
+        log.info("worker %s left the fleet", request.worker_id)
+        return rollout_manager_pb2.DeregisterResponse()
+
+    def ReportEpisodes(self, request, context):  # type: ignore[no-untyped-def]
+        for ep in request.episodes:
+            values = [ep.sum_reward, ep.discounted_reward, *ep.extras.values()]
+            if not np.all(np.isfinite(values)):
+                abort(context, grpc.StatusCode.INVALID_ARGUMENT, "episode statistics contain NaN or infinity")
+        with self._lock:
+            for ep in request.episodes:
+                task = ep.task or "default"
+                t = self._tasks.setdefault(task, TaskRecord())
+                t.episodes += 1
+                t.returns.append(ep.sum_reward)
+                t.lengths.append(ep.length)
+                t.discounted.append(ep.discounted_reward)
+                t.extras.append(dict(ep.extras))
+                self._all_returns.append(ep.sum_reward)
+                self._episodes += 1
+                EPISODES.labels(task).inc()
+                EPISODE_RETURN.labels(task).set(float(np.mean(t.returns)))
+                EPISODE_LENGTH.labels(task).set(float(np.mean(t.lengths)))
+        return rollout_manager_pb2.ReportEpisodesResponse()
+
+    def GetSpaces(self, request, context):  # type: ignore[no-untyped-def]
+        with self._lock:
+            if self._spaces_proto is None:
+                abort(context, grpc.StatusCode.FAILED_PRECONDITION, "no rollout worker has declared the run's spaces yet")
+            return self._spaces_proto
+
+    def GetFleetStatus(self, request, context):  # type: ignore[no-untyped-def]
+        now = time.monotonic()
+        with self._lock:
+            self._expire()
+            workers = [
+                rollout_manager_pb2.WorkerInfo(
+                    worker_id=w.worker_id, hostname=w.hostname, address=w.address, num_envs=w.num_envs,
+                    env_steps=w.env_steps, fragments_sent=w.fragments_sent, model_version=w.model_version,
+                    seconds_since_heartbeat=now - w.last_heartbeat)
+                for w in self._workers.values()
+            ]
+            tasks = []
+            for name, t in sorted(self._tasks.items()):
+                keys = sorted({k for e in t.extras for k in e})
+                extras = {k: float(np.mean([e.get(k, 0.0) for e in t.extras])) for k in keys}
+                tasks.append(rollout_manager_pb2.TaskStats(
+                    task=name, episodes=t.episodes, mean_return_last_100=float(np.mean(t.returns)),
+                    mean_length_last_100=float(np.mean(t.lengths)),
+                    mean_discounted_return_last_100=float(np.mean(t.discounted)), mean_extras_last_100=extras))
+            return rollout_manager_pb2.FleetStatus(
+                run_id=self.run_id, workers=workers,
+                env_steps=self._departed_steps + sum(w.env_steps for w in self._workers.values()),
+                episodes=self._episodes,
+                mean_return_last_100=float(np.mean(self._all_returns)) if self._all_returns else 0.0,
+                tasks=tasks)

@@ -1,0 +1,113 @@
+"""Streams fragments to the replay buffer with acknowledgements, backpressure and reconnects.
+
+The queue is bounded (`to_send_queue_size`): when the buffer is slow or gone, the worker blocks
+instead of growing memory. Fragments sent but not yet acknowledged are sent again on reconnect.
+Each stream has a generation number; a request generator of a dead stream takes nothing more.
+"""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+from collections import deque
+from collections.abc import Iterator
+
+import grpc
+
+from overworld.core.grpc_util import channel
+from overworld.v1 import common_pb2, replay_buffer_pb2, replay_buffer_pb2_grpc
+
+log = logging.getLogger("overworld.rollout_worker.sender")
+
+
+class FragmentSender:
+    def __init__(self, address: str, queue_size: int) -> None:
+        self.address = address
+        self.capacity = max(1, queue_size)
+        self.sent = 0
+        self.rejected = 0
+        self._pending: deque[common_pb2.Fragment] = deque()
+        self._unacked: deque[common_pb2.Fragment] = deque()
+        self._cond = threading.Condition()
+        self._generation = 0
+        self._closing = False
+        self._thread = threading.Thread(target=self._run, name="fragment-sender", daemon=True)
+        self._thread.start()
+
+    def put(self, fragment: common_pb2.Fragment, stop: threading.Event) -> bool:
+        """Block while the queue is full (backpressure); False if `stop` was set meanwhile."""
+        with self._cond:
+            while len(self._pending) + len(self._unacked) >= self.capacity:
+                if stop.is_set():
+                    return False
+                self._cond.wait(0.2)
+            self._pending.append(fragment)
+            self._cond.notify_all()
+            return True
+
+    def depth(self) -> int:
+        with self._cond:
+            return len(self._pending) + len(self._unacked)
+
+    def _requests(self, generation: int) -> Iterator[replay_buffer_pb2.InsertRequest]:
+        with self._cond:
+            resend = list(self._unacked)
+        for fragment in resend:
+            yield replay_buffer_pb2.InsertRequest(fragment=fragment)
+        while True:
+            with self._cond:
+                while not self._pending and not self._closing and generation == self._generation:
+                    self._cond.wait(0.2)
+                if generation != self._generation or (self._closing and not self._pending):
+                    return
+                item = self._pending.popleft()
+                self._unacked.append(item)
+            yield replay_buffer_pb2.InsertRequest(fragment=item)
+
+    def _run(self) -> None:
+        delay = 0.1
+        while True:
+            with self._cond:
+                self._generation += 1
+                generation = self._generation
+            try:
+                with channel(self.address) as ch:
+                    stub = replay_buffer_pb2_grpc.ReplayBufferStub(ch)
+                    for _ack in stub.Insert(self._requests(generation)):
+                        with self._cond:
+                            self._unacked.popleft()
+                            self._cond.notify_all()
+                        self.sent += 1
+                        delay = 0.1
+                with self._cond:
+                    if self._closing and not self._pending and not self._unacked:
+                        return
+            except grpc.RpcError as err:
+                with self._cond:
+                    self._generation += 1  # retire this stream's request generator
+                if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
+                    with self._cond:
+                        bad = self._unacked.popleft() if self._unacked else None
+                        self._cond.notify_all()
+                    self.rejected += 1
+                    log.error("replay buffer rejected fragment %s: %s",
+                              bad.header.sequence if bad else "?", err.details())
+                    continue
+                log.warning("replay buffer %s unavailable (%s); retrying in %.1fs", self.address,
+                            err.code().name, delay)
+                with self._cond:
+                    if self._closing and delay >= 5.0:
+                        log.error("giving up on %d unsent fragments at shutdown", len(self._pending) + len(self._unacked))
+                        return
+                time.sleep(delay)
+                delay = min(delay * 2, 5.0)
+
+    def close(self, timeout: float = 30.0) -> bool:
+        """Send everything queued and wait for the acknowledgements; True if all were acknowledged."""
+        with self._cond:
+            self._closing = True
+            self._cond.notify_all()
+        self._thread.join(timeout)
+        with self._cond:
+            return not self._pending and not self._unacked

@@ -1,0 +1,112 @@
+"""How each service is assembled from its flags: the one place `overworld serve` and
+`overworld run` share. Each builder returns something with stop(grace)."""
+
+from __future__ import annotations
+
+import argparse
+import threading
+from pathlib import Path
+from typing import Any
+
+from overworld.core.blobs import open_blob_store
+from overworld.core.config import load_config
+from overworld.core.grpc_util import serve
+
+DEFAULT_PORTS = {"rollout-manager": 50051, "replay-buffer": 50052, "gae": 50053, "model-registry": 50054,
+                 "trainer": 50055, "rollout-worker": 50056, "run-controller": 0}
+
+
+class Served:
+    def __init__(self, server: Any, *closers: Any) -> None:
+        self.server = server
+        self.closers = closers
+
+    def stop(self, grace: float = 5.0) -> None:
+        for closer in self.closers:
+            closer()
+        self.server.stop(grace)
+
+
+def rollout_manager(args: argparse.Namespace, done: threading.Event) -> Any:
+    from overworld.rollout_manager.server import RolloutManagerService
+    from overworld.v1 import rollout_manager_pb2_grpc
+
+    if not args.config:
+        raise SystemExit("rollout-manager needs --config (or OVERWORLD_CONFIG)")
+    config = load_config(args.config, args.set)
+    service = RolloutManagerService(config, lease_seconds=args.lease_seconds)
+    return Served(serve([(rollout_manager_pb2_grpc.add_RolloutManagerServicer_to_server, service,
+                          "overworld.v1.RolloutManager")], args.host, args.port))
+
+
+def replay_buffer(args: argparse.Namespace, done: threading.Event) -> Any:
+    from overworld.replay_buffer.index import MemoryIndex
+    from overworld.replay_buffer.rate_limiter import RateLimiter
+    from overworld.replay_buffer.server import ReplayBufferService
+    from overworld.rollout_manager.client import RolloutManagerClient
+    from overworld.v1 import replay_buffer_pb2_grpc
+
+    manager = RolloutManagerClient(args.rollout_manager)
+    config = manager.run_config()
+    rb = config.rollout_config.replay_buffer_config
+    db = rb.database_config
+    index_url = args.index or db.index
+    blobs_url = args.blobs or db.blobs or str(Path(args.workdir) / db.path)
+    limiter = RateLimiter.create(rb.samples_per_insert, rb.samples_per_insert_error, rb.min_size_to_sample,
+                                 rb.max_reuse)
+    if index_url == "memory":
+        index: Any = MemoryIndex(rb.max_chunks, rb.max_reuse, rb.max_staleness, rb.fragments_per_chunk, limiter,
+                                 seed=config.seed)
+    else:
+        from overworld.replay_buffer.redis_index import RedisIndex
+
+        index = RedisIndex.from_url(index_url, config.run_id, rb, limiter)
+    cached: list[Any] = []
+
+    def spaces() -> Any:
+        if not cached:
+            found = manager.spaces()
+            if found is not None:
+                cached.append(found)
+        return cached[0] if cached else None
+
+    service = ReplayBufferService(index, open_blob_store(blobs_url), config.run_id, config.rollout_config.fragment_length,
+                                  rb.fragments_per_chunk, rb.max_chunks, spaces, rb.max_fragment_bytes)
+    return Served(serve([(replay_buffer_pb2_grpc.add_ReplayBufferServicer_to_server, service,
+                          "overworld.v1.ReplayBuffer")], args.host, args.port), service.stop)
+
+
+def gae(args: argparse.Namespace, done: threading.Event) -> Any:
+    from overworld.gae.server import GaeService
+    from overworld.v1 import gae_pb2_grpc
+
+    return Served(serve([(gae_pb2_grpc.add_GaeServicer_to_server, GaeService(), "overworld.v1.Gae")],
+                        args.host, args.port))
+
+
+def model_registry(args: argparse.Namespace, done: threading.Event) -> Any:
+    from overworld.model_registry.server import ModelRegistryService
+    from overworld.v1 import model_registry_pb2_grpc
+
+    blobs_url = args.blobs or str(Path(args.workdir) / "registry")
+    service = ModelRegistryService(open_blob_store(blobs_url), retain=args.retain)
+    return Served(serve([(model_registry_pb2_grpc.add_ModelRegistryServicer_to_server, service,
+                          "overworld.v1.ModelRegistry")], args.host, args.port), service.stop)
+
+
+def trainer(args: argparse.Namespace, done: threading.Event) -> Any:
+    from overworld.trainer.service import TrainerDriver
+
+    return TrainerDriver(args.rollout_manager, args.replay_buffer, args.gae, args.model_registry, args.host,
+                         args.port, args.ray_address, str(Path(args.workdir, "ray").resolve()), done)
+
+
+def rollout_worker(args: argparse.Namespace, done: threading.Event) -> Any:
+    from overworld.rollout_worker.service import RolloutWorkerProcess
+
+    return RolloutWorkerProcess(args.rollout_manager, args.replay_buffer, args.model_registry, args.host,
+                                args.port, done)
+
+
+BUILDERS = {"rollout-manager": rollout_manager, "replay-buffer": replay_buffer, "gae": gae,
+            "model-registry": model_registry, "trainer": trainer, "rollout-worker": rollout_worker}

@@ -1,0 +1,112 @@
+"""`overworld serve trainer`: the driver. Starts (or joins) Ray, runs the trainer's `fit()`, and
+serves the trainer status that rank 0 reports after every iteration."""
+
+from __future__ import annotations
+
+import logging
+import threading
+import time
+
+from prometheus_client import Counter, Gauge
+
+from overworld.core.grpc_util import Server, serve
+from overworld.core.imports import import_object
+from overworld.rollout_manager.client import RolloutManagerClient
+from overworld.trainer.base import BaseTrainer
+from overworld.v1 import trainer_pb2 as pb
+from overworld.v1 import trainer_pb2_grpc
+
+log = logging.getLogger("overworld.trainer")
+
+UPDATES = Counter("overworld_trainer_updates_total", "Optimizer steps")
+SAMPLES = Counter("overworld_trainer_samples_total", "Environment steps trained on")
+ITERATION = Gauge("overworld_trainer_iteration", "Training iteration")
+VERSION = Gauge("overworld_trainer_model_version", "Model version published")
+LOSS = Gauge("overworld_trainer_loss", "Loss terms of the last iteration", ["term"])
+APPROX_KL = Gauge("overworld_trainer_approx_kl", "Approximate KL to the behaviour policy")
+LAST_UPDATE = Gauge("overworld_trainer_last_update_timestamp_seconds", "Unix time of the last iteration")
+
+TRAINERS = {"PPOTrainer": "overworld.trainer.ppo:PPOTrainer"}
+LOSS_TERMS = {"policy": "trainer/policy_loss", "value": "trainer/value_loss", "kl": "trainer/kl_divergence_loss",
+              "entropy": "trainer/entropy_bonus", "total": "trainer/total_loss"}
+
+
+class TrainerStatusService(trainer_pb2_grpc.TrainerServicer):
+    def __init__(self) -> None:
+        self.status = pb.TrainerStatus(state="starting")
+        self._lock = threading.Lock()
+
+    def GetStatus(self, request, context):  # type: ignore[no-untyped-def]
+        with self._lock:
+            out = pb.TrainerStatus()
+            out.CopyFrom(self.status)
+            return out
+
+    def ReportProgress(self, request, context):  # type: ignore[no-untyped-def]
+        with self._lock:
+            UPDATES.inc(max(0, request.updates - self.status.updates))
+            SAMPLES.inc(max(0, request.samples_trained - self.status.samples_trained))
+            self.status.CopyFrom(request)
+        ITERATION.set(request.iteration)
+        VERSION.set(request.model_version)
+        for term, key in LOSS_TERMS.items():
+            if key in request.metrics:
+                LOSS.labels(term).set(request.metrics[key])
+        if "trainer/approx_kl" in request.metrics:
+            APPROX_KL.set(request.metrics["trainer/approx_kl"])
+        LAST_UPDATE.set(time.time())
+        return pb.ReportProgressResponse()
+
+    def set_state(self, state: str, error: str = "") -> None:
+        with self._lock:
+            self.status.state = state
+            self.status.error = error
+
+
+class TrainerDriver:
+    def __init__(self, rollout_manager: str, replay_buffer: str, gae: str, model_registry: str, host: str,
+                 port: int, ray_address: str, storage_path: str, done: threading.Event) -> None:
+        self.status = TrainerStatusService()
+        self.server: Server = serve([(trainer_pb2_grpc.add_TrainerServicer_to_server, self.status,
+                                      "overworld.v1.Trainer")], host, port)
+        self.config = RolloutManagerClient(rollout_manager).run_config()
+        self.addresses = {"rollout_manager": rollout_manager, "replay_buffer": replay_buffer, "gae": gae,
+                          "model_registry": model_registry, "status_address": f"127.0.0.1:{self.server.port}"
+                          if host in ("127.0.0.1", "0.0.0.0", "localhost") else f"{host}:{self.server.port}",
+                          "storage_path": storage_path}
+        self.ray_address = ray_address
+        self.done = done
+        self.failed = False
+        self._thread = threading.Thread(target=self._fit, name="trainer-fit", daemon=True)
+        self._thread.start()
+
+    def _fit(self) -> None:
+        import ray
+
+        try:
+            if self.ray_address:
+                ray.init(address=self.ray_address, log_to_driver=True)
+            else:
+                ray.init(include_dashboard=False, log_to_driver=True, configure_logging=False)
+            name = self.config.trainer_name
+            cls = import_object(TRAINERS.get(name, name))
+            if not (isinstance(cls, type) and issubclass(cls, BaseTrainer)):
+                raise TypeError(f"trainer_name {name!r} is not a BaseTrainer subclass")
+            trainer = cls.from_config(self.config, **self.addresses)
+            self.status.set_state("running")
+            trainer.fit()
+            self.status.set_state("finished")
+            log.info("training finished")
+        except Exception as err:
+            log.exception("training failed")
+            self.failed = True
+            self.status.set_state("failed", str(err)[:2000])
+        finally:
+            self.done.set()
+
+    def stop(self, grace: float = 5.0) -> None:
+        import ray
+
+        if ray.is_initialized():
+            ray.shutdown()
+        self.server.stop(grace)

@@ -1,0 +1,104 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class VersionInfo(_message.Message):
+    __slots__ = ("version", "parent", "sha256", "size_bytes", "dtype", "counters", "config_hash", "created_unix", "tags")
+    class CountersEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: int
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[int] = ...) -> None: ...
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    PARENT_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
+    SIZE_BYTES_FIELD_NUMBER: _ClassVar[int]
+    DTYPE_FIELD_NUMBER: _ClassVar[int]
+    COUNTERS_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_HASH_FIELD_NUMBER: _ClassVar[int]
+    CREATED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    TAGS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    parent: int
+    sha256: str
+    size_bytes: int
+    dtype: str
+    counters: _containers.ScalarMap[str, int]
+    config_hash: str
+    created_unix: float
+    tags: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, version: _Optional[int] = ..., parent: _Optional[int] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., counters: _Optional[_Mapping[str, int]] = ..., config_hash: _Optional[str] = ..., created_unix: _Optional[float] = ..., tags: _Optional[_Iterable[str]] = ...) -> None: ...
+
+class PublishRequest(_message.Message):
+    __slots__ = ("manifest", "chunk")
+    MANIFEST_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_FIELD_NUMBER: _ClassVar[int]
+    manifest: VersionInfo
+    chunk: bytes
+    def __init__(self, manifest: _Optional[_Union[VersionInfo, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+
+class FetchRequest(_message.Message):
+    __slots__ = ("version", "tag", "offset", "chunk_size")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    tag: str
+    offset: int
+    chunk_size: int
+    def __init__(self, version: _Optional[int] = ..., tag: _Optional[str] = ..., offset: _Optional[int] = ..., chunk_size: _Optional[int] = ...) -> None: ...
+
+class WeightsChunk(_message.Message):
+    __slots__ = ("info", "offset", "data")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    OFFSET_FIELD_NUMBER: _ClassVar[int]
+    DATA_FIELD_NUMBER: _ClassVar[int]
+    info: VersionInfo
+    offset: int
+    data: bytes
+    def __init__(self, info: _Optional[_Union[VersionInfo, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
+
+class WatchRequest(_message.Message):
+    __slots__ = ("watcher_id", "known_version")
+    WATCHER_ID_FIELD_NUMBER: _ClassVar[int]
+    KNOWN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    watcher_id: str
+    known_version: int
+    def __init__(self, watcher_id: _Optional[str] = ..., known_version: _Optional[int] = ...) -> None: ...
+
+class ListVersionsRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class ListVersionsResponse(_message.Message):
+    __slots__ = ("versions",)
+    VERSIONS_FIELD_NUMBER: _ClassVar[int]
+    versions: _containers.RepeatedCompositeFieldContainer[VersionInfo]
+    def __init__(self, versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ...) -> None: ...
+
+class SetTagRequest(_message.Message):
+    __slots__ = ("tag", "version")
+    TAG_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    tag: str
+    version: int
+    def __init__(self, tag: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class AckVersionRequest(_message.Message):
+    __slots__ = ("watcher_id", "version")
+    WATCHER_ID_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    watcher_id: str
+    version: int
+    def __init__(self, watcher_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+
+class AckVersionResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...

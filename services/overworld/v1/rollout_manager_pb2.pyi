@@ -1,0 +1,178 @@
+from overworld.v1 import common_pb2 as _common_pb2
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Iterable as _Iterable, Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional, Union as _Union
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetRunConfigRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class RunConfig(_message.Message):
+    __slots__ = ("run_id", "config_yaml", "config_hash")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_YAML_FIELD_NUMBER: _ClassVar[int]
+    CONFIG_HASH_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    config_yaml: str
+    config_hash: str
+    def __init__(self, run_id: _Optional[str] = ..., config_yaml: _Optional[str] = ..., config_hash: _Optional[str] = ...) -> None: ...
+
+class RegisterRequest(_message.Message):
+    __slots__ = ("hostname", "num_envs", "spaces", "address")
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    NUM_ENVS_FIELD_NUMBER: _ClassVar[int]
+    SPACES_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    hostname: str
+    num_envs: int
+    spaces: _common_pb2.Spaces
+    address: str
+    def __init__(self, hostname: _Optional[str] = ..., num_envs: _Optional[int] = ..., spaces: _Optional[_Union[_common_pb2.Spaces, _Mapping]] = ..., address: _Optional[str] = ...) -> None: ...
+
+class RegisterResponse(_message.Message):
+    __slots__ = ("worker_id", "lease_seconds", "run_id", "worker_index")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKER_INDEX_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    lease_seconds: float
+    run_id: str
+    worker_index: int
+    def __init__(self, worker_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., run_id: _Optional[str] = ..., worker_index: _Optional[int] = ...) -> None: ...
+
+class HeartbeatRequest(_message.Message):
+    __slots__ = ("worker_id", "env_steps", "fragments_sent", "model_version")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    ENV_STEPS_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTS_SENT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    env_steps: int
+    fragments_sent: int
+    model_version: int
+    def __init__(self, worker_id: _Optional[str] = ..., env_steps: _Optional[int] = ..., fragments_sent: _Optional[int] = ..., model_version: _Optional[int] = ...) -> None: ...
+
+class HeartbeatResponse(_message.Message):
+    __slots__ = ("lease_valid", "record_video")
+    LEASE_VALID_FIELD_NUMBER: _ClassVar[int]
+    RECORD_VIDEO_FIELD_NUMBER: _ClassVar[int]
+    lease_valid: bool
+    record_video: bool
+    def __init__(self, lease_valid: _Optional[bool] = ..., record_video: _Optional[bool] = ...) -> None: ...
+
+class DeregisterRequest(_message.Message):
+    __slots__ = ("worker_id",)
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    def __init__(self, worker_id: _Optional[str] = ...) -> None: ...
+
+class DeregisterResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class EpisodeStats(_message.Message):
+    __slots__ = ("task", "sum_reward", "discounted_reward", "length", "model_version", "extras")
+    class ExtrasEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    SUM_REWARD_FIELD_NUMBER: _ClassVar[int]
+    DISCOUNTED_REWARD_FIELD_NUMBER: _ClassVar[int]
+    LENGTH_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    EXTRAS_FIELD_NUMBER: _ClassVar[int]
+    task: str
+    sum_reward: float
+    discounted_reward: float
+    length: int
+    model_version: int
+    extras: _containers.ScalarMap[str, float]
+    def __init__(self, task: _Optional[str] = ..., sum_reward: _Optional[float] = ..., discounted_reward: _Optional[float] = ..., length: _Optional[int] = ..., model_version: _Optional[int] = ..., extras: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class ReportEpisodesRequest(_message.Message):
+    __slots__ = ("worker_id", "episodes")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    EPISODES_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    episodes: _containers.RepeatedCompositeFieldContainer[EpisodeStats]
+    def __init__(self, worker_id: _Optional[str] = ..., episodes: _Optional[_Iterable[_Union[EpisodeStats, _Mapping]]] = ...) -> None: ...
+
+class ReportEpisodesResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetSpacesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class GetFleetStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class WorkerInfo(_message.Message):
+    __slots__ = ("worker_id", "hostname", "address", "num_envs", "env_steps", "fragments_sent", "model_version", "seconds_since_heartbeat")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    HOSTNAME_FIELD_NUMBER: _ClassVar[int]
+    ADDRESS_FIELD_NUMBER: _ClassVar[int]
+    NUM_ENVS_FIELD_NUMBER: _ClassVar[int]
+    ENV_STEPS_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTS_SENT_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SECONDS_SINCE_HEARTBEAT_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    hostname: str
+    address: str
+    num_envs: int
+    env_steps: int
+    fragments_sent: int
+    model_version: int
+    seconds_since_heartbeat: float
+    def __init__(self, worker_id: _Optional[str] = ..., hostname: _Optional[str] = ..., address: _Optional[str] = ..., num_envs: _Optional[int] = ..., env_steps: _Optional[int] = ..., fragments_sent: _Optional[int] = ..., model_version: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ...) -> None: ...
+
+class TaskStats(_message.Message):
+    __slots__ = ("task", "episodes", "mean_return_last_100", "mean_length_last_100", "mean_discounted_return_last_100", "mean_extras_last_100")
+    class MeanExtrasLast100Entry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    TASK_FIELD_NUMBER: _ClassVar[int]
+    EPISODES_FIELD_NUMBER: _ClassVar[int]
+    MEAN_RETURN_LAST_100_FIELD_NUMBER: _ClassVar[int]
+    MEAN_LENGTH_LAST_100_FIELD_NUMBER: _ClassVar[int]
+    MEAN_DISCOUNTED_RETURN_LAST_100_FIELD_NUMBER: _ClassVar[int]
+    MEAN_EXTRAS_LAST_100_FIELD_NUMBER: _ClassVar[int]
+    task: str
+    episodes: int
+    mean_return_last_100: float
+    mean_length_last_100: float
+    mean_discounted_return_last_100: float
+    mean_extras_last_100: _containers.ScalarMap[str, float]
+    def __init__(self, task: _Optional[str] = ..., episodes: _Optional[int] = ..., mean_return_last_100: _Optional[float] = ..., mean_length_last_100: _Optional[float] = ..., mean_discounted_return_last_100: _Optional[float] = ..., mean_extras_last_100: _Optional[_Mapping[str, float]] = ...) -> None: ...
+
+class FleetStatus(_message.Message):
+    __slots__ = ("run_id", "workers", "env_steps", "episodes", "mean_return_last_100", "tasks")
+    RUN_ID_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_FIELD_NUMBER: _ClassVar[int]
+    ENV_STEPS_FIELD_NUMBER: _ClassVar[int]
+    EPISODES_FIELD_NUMBER: _ClassVar[int]
+    MEAN_RETURN_LAST_100_FIELD_NUMBER: _ClassVar[int]
+    TASKS_FIELD_NUMBER: _ClassVar[int]
+    run_id: str
+    workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
+    env_steps: int
+    episodes: int
+    mean_return_last_100: float
+    tasks: _containers.RepeatedCompositeFieldContainer[TaskStats]
+    def __init__(self, run_id: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., env_steps: _Optional[int] = ..., episodes: _Optional[int] = ..., mean_return_last_100: _Optional[float] = ..., tasks: _Optional[_Iterable[_Union[TaskStats, _Mapping]]] = ...) -> None: ...

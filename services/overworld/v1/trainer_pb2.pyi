@@ -1,0 +1,48 @@
+from google.protobuf.internal import containers as _containers
+from google.protobuf import descriptor as _descriptor
+from google.protobuf import message as _message
+from collections.abc import Mapping as _Mapping
+from typing import ClassVar as _ClassVar, Optional as _Optional
+
+DESCRIPTOR: _descriptor.FileDescriptor
+
+class GetTrainerStatusRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class TrainerStatus(_message.Message):
+    __slots__ = ("state", "iteration", "updates", "model_version", "samples_trained", "metrics", "error", "resumed_from", "start_model_version", "start_env_steps", "latest_checkpoint")
+    class MetricsEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    STATE_FIELD_NUMBER: _ClassVar[int]
+    ITERATION_FIELD_NUMBER: _ClassVar[int]
+    UPDATES_FIELD_NUMBER: _ClassVar[int]
+    MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    SAMPLES_TRAINED_FIELD_NUMBER: _ClassVar[int]
+    METRICS_FIELD_NUMBER: _ClassVar[int]
+    ERROR_FIELD_NUMBER: _ClassVar[int]
+    RESUMED_FROM_FIELD_NUMBER: _ClassVar[int]
+    START_MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
+    START_ENV_STEPS_FIELD_NUMBER: _ClassVar[int]
+    LATEST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    state: str
+    iteration: int
+    updates: int
+    model_version: int
+    samples_trained: int
+    metrics: _containers.ScalarMap[str, float]
+    error: str
+    resumed_from: str
+    start_model_version: int
+    start_env_steps: int
+    latest_checkpoint: str
+    def __init__(self, state: _Optional[str] = ..., iteration: _Optional[int] = ..., updates: _Optional[int] = ..., model_version: _Optional[int] = ..., samples_trained: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., resumed_from: _Optional[str] = ..., start_model_version: _Optional[int] = ..., start_env_steps: _Optional[int] = ..., latest_checkpoint: _Optional[str] = ...) -> None: ...
+
+class ReportProgressResponse(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
