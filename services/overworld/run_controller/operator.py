@@ -1,0 +1,52 @@
+"""Run the run-controller: ``python -m overworld.run_controller`` or :func:`main`."""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import os
+from collections.abc import Sequence
+
+import kopf
+
+from overworld.run_controller import handlers
+
+
+def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(
+        prog="overworld serve run-controller",
+        description="Kubernetes operator for TrainingRun (trainingruns.overworld.dev): makes the trainer's RayJobs.",
+    )
+    parser.add_argument(
+        "--namespace",
+        default=os.environ.get("OVERWORLD_NAMESPACE", ""),
+        help="namespace to serve (env OVERWORLD_NAMESPACE); empty: every namespace (needs cluster-wide RBAC)",
+    )
+    parser.add_argument(
+        "--liveness",
+        default=os.environ.get("OVERWORLD_LIVENESS", ""),
+        help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz (env OVERWORLD_LIVENESS)",
+    )
+    parser.add_argument("--verbose", action="store_true", help="debug logging")
+    return parser.parse_args(argv)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Serve TrainingRuns until SIGTERM/SIGINT; returns the exit status."""
+    args = parse_args(argv)
+    logging.basicConfig(
+        level=logging.DEBUG if args.verbose else logging.INFO,
+        format="%(asctime)s %(levelname)s %(name)s: %(message)s",
+    )
+    handlers.NAMESPACE = args.namespace or None
+    # One controller per namespace; no peering objects (they would need their own CRD).
+    asyncio.run(
+        kopf.operator(
+            standalone=True,
+            namespaces=[args.namespace] if args.namespace else [],
+            clusterwide=not args.namespace,
+            liveness_endpoint=args.liveness or None,
+        )
+    )
+    return 0

