@@ -87,7 +87,9 @@ class TrainerDriver:
             if self.ray_address:
                 ray.init(address=self.ray_address, log_to_driver=True)
             else:
-                ray.init(include_dashboard=False, log_to_driver=True, configure_logging=False)
+                # A local Ray stays on loopback: nothing of a laptop run listens on a public interface.
+                ray.init(include_dashboard=False, log_to_driver=True, configure_logging=False,
+                         _node_ip_address="127.0.0.1")
             name = self.config.trainer_name
             cls = import_object(TRAINERS.get(name, name))
             if not (isinstance(cls, type) and issubclass(cls, BaseTrainer)):

@@ -1,0 +1,55 @@
+# Overworld: `make run` trains the default task on this machine, `make test` runs the tests.
+# Both create .venv and install what is missing on first use.
+
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
+CONFIG ?= examples/crafter_cow.yaml
+PYTEST_ARGS ?=
+
+.PHONY: run test test-fast test-minestudio bench lint protos install clean
+
+$(STAMP): pyproject.toml
+	test -x $(PY) || $(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	# torch first, pinned: an unpinned torch pulled in by another package would be a multi-GB CUDA build.
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -e '.[dev]'
+	rm -f $(VENV)/.installed-*
+	touch $(STAMP)
+
+install: $(STAMP)
+
+run: $(STAMP)
+	$(VENV)/bin/overworld run $(CONFIG) --summary runs/last-summary.json
+
+# pytest exits 5 when it collected no test: that must fail, not pass quietly.
+test: $(STAMP)
+	$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+test-fast: $(STAMP)
+	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+bench: $(STAMP)
+	mkdir -p bench/results
+	set -e; for script in bench/bench_*.py; do echo "== $$script"; $(PY) $$script; done
+	$(PY) bench/report.py
+
+lint: $(STAMP)
+	$(VENV)/bin/ruff check services tests bench
+
+protos: $(STAMP)
+	$(PY) -m grpc_tools.protoc -Iproto --python_out=services --pyi_out=services --grpc_python_out=services proto/overworld/v1/*.proto
+
+# MineStudio pins numpy<2 and pulls CUDA torch: it gets a venv of its own.
+test-minestudio:
+	test -x .venv-minestudio/bin/python || $(PYTHON) -m venv .venv-minestudio
+	.venv-minestudio/bin/pip install -q torch==2.13.0
+	.venv-minestudio/bin/pip install -q -e '.[dev]' minestudio
+	.venv-minestudio/bin/python -m pytest -q -m minestudio tests
+
+clean:
+	rm -rf $(VENV) .venv-minestudio runs
+
+-include docker/images.mk
