@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import signal
@@ -103,15 +104,11 @@ class Launcher:
                     c.proc.send_signal(signal.SIGTERM)
             deadline = time.monotonic() + 40
             for c in group:
-                try:
+                with contextlib.suppress(subprocess.TimeoutExpired):
                     c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-                except subprocess.TimeoutExpired:
-                    pass
         for c in self.children:
-            try:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
                 os.killpg(c.proc.pid, signal.SIGKILL)  # Ray and env processes started by the service
-            except (ProcessLookupError, PermissionError):
-                pass
             c.proc.wait()
             c.log_file.close()
 

@@ -3,7 +3,6 @@ from __future__ import annotations
 import hashlib
 from collections.abc import Iterator
 
-
 from overworld.core.grpc_util import channel, retry
 from overworld.v1 import model_registry_pb2 as pb
 from overworld.v1 import model_registry_pb2_grpc

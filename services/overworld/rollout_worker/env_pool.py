@@ -8,6 +8,7 @@ No observation or action is ever pickled.
 
 from __future__ import annotations
 
+import contextlib
 import json
 import multiprocessing as mp
 import os
@@ -174,10 +175,8 @@ class EnvPool:
 
     def close(self) -> None:
         for conn in self.conns:
-            try:
+            with contextlib.suppress(BrokenPipeError, OSError):
                 conn.send_bytes(CLOSE)
-            except (BrokenPipeError, OSError):
-                pass
         for proc in self.procs:
             proc.join(5)
             if proc.is_alive():

@@ -6,6 +6,7 @@ except for the very first version.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import threading
 import time
@@ -73,10 +74,8 @@ class WeightsWatcher:
         return self.take()
 
     def ack(self, version: int) -> None:
-        try:
+        with contextlib.suppress(grpc.RpcError):
             self.client.stub.AckVersion(pb.AckVersionRequest(watcher_id=self.watcher_id, version=version), timeout=5)
-        except grpc.RpcError:
-            pass
 
     def close(self) -> None:
         self._stop.set()

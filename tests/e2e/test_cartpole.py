@@ -1,0 +1,48 @@
+"""The whole loop, every service its own process: CartPole must reach a 100-episode mean return
+of 450 within 200,000 env steps (fixed seed), and the run must leave no process behind."""
+
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def overworld_processes(workdir: Path) -> list[str]:
+    found = []
+    for proc in Path("/proc").iterdir():
+        if not proc.name.isdigit():
+            continue
+        try:
+            cmdline = (proc / "cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+        except OSError:
+            continue
+        if str(workdir) in cmdline and "overworld.cli" in cmdline:
+            found.append(f"{proc.name}: {cmdline}")
+    return found
+
+
+@pytest.mark.slow
+def test_cartpole_learns_through_all_services(tmp_path: Path) -> None:
+    summary_path = tmp_path / "summary.json"
+    workdir = tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "overworld.cli", "run", str(ROOT / "examples/cartpole.yaml"),
+         "--max-env-steps", "200000", "--target-return", "450", "--summary", str(summary_path),
+         "--workdir", str(workdir)],
+        capture_output=True, text=True, timeout=900, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert summary_path.exists(), result.stdout[-3000:] + result.stderr[-3000:]
+    summary = json.loads(summary_path.read_text())
+    assert summary["status"] == "target_reached", (summary, result.stdout[-3000:])
+    assert summary["mean_return_last_100"] >= 450
+    assert summary["env_steps"] <= 200_000
+    assert summary["model_version"] > 1 and summary["updates"] > 0 and summary["episodes"] >= 100
+    assert summary["env_steps_per_second"] > 0 and summary["wall_seconds"] > 0
+    for name in ("model-registry", "gae", "rollout-manager", "replay-buffer", "trainer", "rollout-worker#0"):
+        assert f"  {name}" in result.stdout, f"{name} was not announced"
+    assert result.returncode == 0
+    assert overworld_processes(workdir) == []
