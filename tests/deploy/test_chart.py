@@ -13,7 +13,9 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from deploy_support import (
+from overworld.run_controller.rayjob import build_rayjob
+
+from tests.deploy.deploy_support import (
     ARCHITECTURE,
     CHART,
     CI_VALUES,
@@ -31,7 +33,6 @@ from deploy_support import (
     validate_object,
     values_from_files,
 )
-from overworld.run_controller.rayjob import build_rayjob
 
 CI_IDS = [path.stem for path in CI_VALUES]
 

@@ -70,6 +70,9 @@ def configure(settings: kopf.OperatorSettings, **_: Any) -> None:
     )
     settings.persistence.finalizer = f"{ANNOTATION_PREFIX}/run-controller"
     settings.posting.level = logging.WARNING
+    if NAMESPACE:
+        # A namespaced Role cannot list namespaces or CRDs: serve the given namespace as it is.
+        settings.scanning.disabled = True
     settings.watching.server_timeout = 300
 
 

@@ -1,0 +1,422 @@
+"""The run-controller: RayJob construction (unit) and the real operator process against an
+in-memory Kubernetes API (kmock) driven with the real kubectl, as a user would."""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import os
+import signal
+import sys
+import time
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import grpc
+import kmock
+import pytest
+import yaml
+from overworld.run_controller.rayjob import (
+    ATTEMPT_LABEL,
+    RUN_LABEL,
+    build_rayjob,
+    phase_of,
+    rayjob_name,
+    trainer_entrypoint,
+)
+from overworld.v1 import trainer_pb2, trainer_pb2_grpc
+
+from tests.deploy.deploy_support import kubectl, validate_object
+
+NAMESPACE = "rl"
+RUN = "cow-hunt"
+
+
+def training_run(**spec: Any) -> dict[str, Any]:
+    body: dict[str, Any] = {
+        "apiVersion": "overworld.dev/v1alpha1",
+        "kind": "TrainingRun",
+        "metadata": {"name": RUN, "namespace": NAMESPACE},
+        "spec": {
+            "image": "ghcr.io/overworld-rl/overworld-trainer:0.1.0",
+            "rayVersion": "2.60.0",
+            "resumeFrom": "",
+            "trainerArgs": [],
+            "podLabels": {
+                "app.kubernetes.io/instance": "overworld",
+                "app.kubernetes.io/component": "trainer",
+            },
+            "env": [
+                {"name": "OVERWORLD_PORT", "value": "50055"},
+                {"name": "OVERWORLD_METRICS_PORT", "value": "9090"},
+                {"name": "OVERWORLD_ROLLOUT_MANAGER", "value": "overworld-rollout-manager:50051"},
+                {
+                    "name": "OVERWORLD_S3_SECRET_KEY",
+                    "valueFrom": {"secretKeyRef": {"name": "overworld-minio", "key": "root-password"}},
+                },
+            ],
+            "workerGroup": {
+                "replicas": 2,
+                "gpus": 1,
+                "resources": {"requests": {"cpu": "8", "memory": "32Gi"}},
+                "nodeSelector": {"nvidia.com/gpu.present": "true"},
+                "tolerations": [{"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"}],
+            },
+        },
+    }
+    body["spec"].update(spec)
+    return body
+
+
+# --- unit: the RayJob a TrainingRun becomes ------------------------------------------------------
+
+
+def test_entrypoint_carries_resume_and_extra_args() -> None:
+    assert trainer_entrypoint() == "overworld serve trainer --ray-address auto"
+    assert trainer_entrypoint("latest") == "overworld serve trainer --ray-address auto --resume latest"
+    assert (
+        trainer_entrypoint("ckpt 7", ["--log-every", "10"])
+        == "overworld serve trainer --ray-address auto --resume 'ckpt 7' --log-every 10"
+    )
+
+
+def test_rayjob_is_valid_and_complete() -> None:
+    body = training_run(resumeFrom="ckpt-000042", trainerArgs=["--log-every", "10"])
+    job = build_rayjob(body, attempt=3, resume_from="ckpt-000042")
+    job["metadata"]["ownerReferences"] = [
+        {"apiVersion": "overworld.dev/v1alpha1", "kind": "TrainingRun", "name": RUN, "uid": "u-1"}
+    ]
+    validate_object(job)  # RayJob CRD schema + strict PodTemplateSpec for head and workers
+    assert job["metadata"]["name"] == "cow-hunt-a3"
+    assert job["metadata"]["labels"][RUN_LABEL] == RUN and job["metadata"]["labels"][ATTEMPT_LABEL] == "3"
+    spec = job["spec"]
+    assert (
+        spec["entrypoint"] == "overworld serve trainer --ray-address auto --resume ckpt-000042 --log-every 10"
+    )
+    cluster = spec["rayClusterSpec"]
+    assert cluster["rayVersion"] == "2.60.0"
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
+    (group,) = cluster["workerGroupSpecs"]
+    assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == 2
+    worker_pod = group["template"]["spec"]
+    assert worker_pod["containers"][0]["resources"]["limits"] == {"nvidia.com/gpu": 1}
+    assert worker_pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert worker_pod["tolerations"][0]["key"] == "nvidia.com/gpu"
+    for template in (cluster["headGroupSpec"]["template"], group["template"]):
+        assert template["metadata"]["labels"]["app.kubernetes.io/component"] == "trainer"
+        pod = template["spec"]
+        assert pod["securityContext"]["runAsNonRoot"] is True and pod["securityContext"]["runAsUser"] == 1000
+        container = pod["containers"][0]
+        assert container["securityContext"]["capabilities"]["drop"] == ["ALL"]
+        assert {e["name"] for e in container["env"]} >= {
+            "OVERWORLD_ROLLOUT_MANAGER",
+            "OVERWORLD_S3_SECRET_KEY",
+        }
+        assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
+
+
+def test_rayjob_names_fit_kuberay_limits() -> None:
+    long_name = "a" * 63
+    name = rayjob_name(long_name, 12345)
+    assert len(name) <= 47 and name.endswith("-a12345")
+    job = build_rayjob({**training_run(), "metadata": {"name": long_name, "namespace": NAMESPACE}}, attempt=1)
+    job["metadata"]["ownerReferences"] = [
+        {"apiVersion": "overworld.dev/v1alpha1", "kind": "TrainingRun", "name": long_name, "uid": "u"}
+    ]
+    validate_object(job)
+
+
+def test_cpu_run_requests_no_gpu() -> None:
+    job = build_rayjob(training_run(workerGroup={"replicas": 1, "gpus": 0}), attempt=1)
+    assert "nvidia.com/gpu" not in json.dumps(job)
+
+
+@pytest.mark.parametrize(
+    ("status", "phase"),
+    [
+        ({}, "Pending"),
+        ({"jobStatus": "PENDING", "jobDeploymentStatus": "Initializing"}, "Pending"),
+        ({"jobStatus": "RUNNING", "jobDeploymentStatus": "Running"}, "Running"),
+        ({"jobStatus": "SUCCEEDED", "jobDeploymentStatus": "Complete"}, "Succeeded"),
+        ({"jobStatus": "FAILED", "jobDeploymentStatus": "Failed"}, "Failed"),
+        ({"jobStatus": "", "jobDeploymentStatus": "Failed"}, "Failed"),
+        ({"jobStatus": "STOPPED", "jobDeploymentStatus": "Running"}, "Stopped"),
+    ],
+)
+def test_phase_of_rayjob_status(status: dict[str, str], phase: str) -> None:
+    assert phase_of(status) == phase
+
+
+# --- the operator process against kmock, driven by kubectl ---------------------------------------
+
+
+class Emulator(kmock.KubernetesEmulator):
+    """kmock's emulator plus what a real API server adds: server-side metadata and typed lists."""
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        if request.action == kmock.action.CREATE and isinstance(request.data, dict):
+            meta = request.data.setdefault("metadata", {})
+            meta.setdefault("uid", str(uuid.uuid4()))
+            meta.setdefault("creationTimestamp", datetime.now(tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+            meta.setdefault("generation", 1)
+            meta.setdefault("resourceVersion", str(time.monotonic_ns()))
+        return await super()._handle(request)
+
+    async def _serve_list(self, request: kmock.Request) -> Any:
+        payload = await super()._serve_list(request)
+        resource = request.resource
+        assert resource is not None
+        info = self.resources[resource]
+        group = f"{resource.group}/{resource.version}" if resource.group else resource.version
+        return {"apiVersion": group, "kind": f"{info.kind}List", **payload}
+
+
+class Trainer(trainer_pb2_grpc.TrainerServicer):
+    """Stands in for the trainer driver on the Ray head: answers GetStatus."""
+
+    async def GetStatus(self, request: Any, context: Any) -> trainer_pb2.TrainerStatus:  # noqa: N802
+        return trainer_pb2.TrainerStatus(
+            state="running", model_version=7, samples_trained=123456, latest_checkpoint="ckpt-000007"
+        )
+
+
+@contextlib.asynccontextmanager
+async def kubernetes_api() -> AsyncIterator[tuple[Emulator, str]]:
+    verbs = {"get", "list", "watch", "create", "patch", "update", "delete"}
+    async with Emulator() as emulator, kmock.Server(emulator) as server:
+        emulator.resources["overworld.dev/v1alpha1/trainingruns"] = kmock.ResourceInfo(
+            kind="TrainingRun", namespaced=True, singular="trainingrun", verbs=verbs, subresources={"status"}
+        )
+        emulator.resources["ray.io/v1/rayjobs"] = kmock.ResourceInfo(
+            kind="RayJob", namespaced=True, singular="rayjob", verbs=verbs, subresources={"status"}
+        )
+        emulator.resources["v1/events"] = kmock.ResourceInfo(kind="Event", namespaced=True, verbs=verbs)
+        emulator.resources["v1/namespaces"] = kmock.ResourceInfo(
+            kind="Namespace", namespaced=False, verbs=verbs
+        )
+        emulator.objects["v1/namespaces", None, NAMESPACE] = {
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            "metadata": {"name": NAMESPACE},
+        }
+        yield emulator, str(server.url)
+
+
+@contextlib.asynccontextmanager
+async def fake_trainer() -> AsyncIterator[str]:
+    server = grpc.aio.server()
+    trainer_pb2_grpc.add_TrainerServicer_to_server(Trainer(), server)
+    port = server.add_insecure_port("127.0.0.1:0")
+    await server.start()
+    try:
+        yield f"127.0.0.1:{port}"
+    finally:
+        await server.stop(grace=None)
+
+
+async def run_kubectl(kubeconfig: Path, *args: str, check: bool = True) -> str:
+    process = await asyncio.create_subprocess_exec(
+        kubectl(),
+        "--kubeconfig",
+        str(kubeconfig),
+        "--request-timeout=10s",
+        *args,
+        stdout=asyncio.subprocess.PIPE,
+        stderr=asyncio.subprocess.PIPE,
+    )
+    out, err = await asyncio.wait_for(process.communicate(), timeout=30)
+    if check and process.returncode != 0:
+        raise AssertionError(f"kubectl {' '.join(args)} failed ({process.returncode}): {err.decode()}")
+    return out.decode()
+
+
+async def eventually(probe: Any, what: str, log: Path, timeout: float = 60.0) -> Any:
+    """Poll an async probe until it returns a truthy value; bounded in time."""
+    deadline = time.monotonic() + timeout
+    while True:
+        value = await probe()
+        if value:
+            return value
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out waiting for {what}; controller log:\n{log.read_text()[-6000:]}")
+        await asyncio.sleep(0.5)
+
+
+@pytest.mark.slow
+def test_create_and_resume_with_kubectl(tmp_path: Path) -> None:
+    """Create a TrainingRun, let KubeRay (played by kubectl) start it, resume it twice."""
+    asyncio.run(asyncio.wait_for(create_and_resume(tmp_path), timeout=300))
+
+
+async def create_and_resume(tmp_path: Path) -> None:
+    async with kubernetes_api() as (_, url), fake_trainer() as trainer_address:
+        await drive_controller(url, trainer_address, tmp_path)
+
+
+async def drive_controller(url: str, trainer_address: str, tmp_path: Path) -> None:
+    kubeconfig = tmp_path / "kubeconfig"
+    kubeconfig.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "kmock", "cluster": {"server": url}}],
+                "users": [{"name": "tester", "user": {"token": "kmock"}}],
+                "contexts": [
+                    {
+                        "name": "kmock",
+                        "context": {"cluster": "kmock", "user": "tester", "namespace": NAMESPACE},
+                    }
+                ],
+                "current-context": "kmock",
+            }
+        )
+    )
+    log = tmp_path / "controller.log"
+    env = {
+        **os.environ,
+        "KUBECONFIG": str(kubeconfig),
+        "OVERWORLD_PROGRESS_INTERVAL": "1",
+        "OVERWORLD_TRAINER_ADDRESS": trainer_address,
+    }
+    with log.open("wb") as log_file:
+        controller = await asyncio.create_subprocess_exec(
+            sys.executable,
+            "-m",
+            "overworld.run_controller",
+            "--namespace",
+            NAMESPACE,
+            "--verbose",
+            env=env,
+            stdout=log_file,
+            stderr=asyncio.subprocess.STDOUT,
+        )
+    try:
+        manifest = tmp_path / "trainingrun.yaml"
+        manifest.write_text(yaml.safe_dump(training_run()))
+        # No OpenAPI document in kmock: client-side validation off (the CRD schema is tested apart).
+        await run_kubectl(kubeconfig, "create", "--validate=false", "-f", str(manifest))
+
+        async def rayjobs() -> dict[str, dict[str, Any]]:
+            listed = json.loads(await run_kubectl(kubeconfig, "get", "rayjobs", "-o", "json"))
+            return {item["metadata"]["name"]: item for item in listed["items"]}
+
+        async def run_status() -> dict[str, Any]:
+            got = json.loads(await run_kubectl(kubeconfig, "get", "trainingrun", RUN, "-o", "json"))
+            status: dict[str, Any] = got.get("status") or {}
+            return status
+
+        first = (await eventually(rayjobs, "the first RayJob", log))[f"{RUN}-a1"]
+        assert first["spec"]["entrypoint"] == "overworld serve trainer --ray-address auto"
+        (owner,) = first["metadata"]["ownerReferences"]
+        run_uid = json.loads(await run_kubectl(kubeconfig, "get", "trainingrun", RUN, "-o", "json"))[
+            "metadata"
+        ]["uid"]
+        assert owner["kind"] == "TrainingRun" and owner["name"] == RUN and owner["uid"] == run_uid
+        validate_object({k: v for k, v in first.items() if k != "status"})
+        await eventually(
+            lambda: _matches(run_status, attempt=1, phase="Pending", rayJob=f"{RUN}-a1"),
+            "status attempt 1",
+            log,
+        )
+
+        # KubeRay starts the job: the phase follows, and the trainer's progress appears.
+        await run_kubectl(
+            kubeconfig,
+            "patch",
+            "rayjob",
+            f"{RUN}-a1",
+            "--subresource=status",
+            "--type",
+            "merge",
+            "-p",
+            json.dumps(
+                {
+                    "status": {
+                        "jobStatus": "RUNNING",
+                        "jobDeploymentStatus": "Running",
+                        "rayClusterName": f"{RUN}-a1-x7k2p",
+                    }
+                }
+            ),
+        )
+        await eventually(
+            lambda: _matches(
+                run_status,
+                phase="Running",
+                jobStatus="RUNNING",
+                modelVersion=7,
+                envSteps=123456,
+                latestCheckpoint="ckpt-000007",
+            ),
+            "phase Running with the trainer's progress",
+            log,
+        )
+
+        # The user resumes from a checkpoint: a new attempt, the old RayJob gone.
+        await run_kubectl(
+            kubeconfig,
+            "patch",
+            "trainingrun",
+            RUN,
+            "--type",
+            "merge",
+            "-p",
+            '{"spec":{"resumeFrom":"ckpt-000042"}}',
+        )
+        jobs = await eventually(
+            lambda: _only(rayjobs, {f"{RUN}-a2"}), "RayJob of attempt 2 (and attempt 1 deleted)", log
+        )
+        second = jobs[f"{RUN}-a2"]
+        assert (
+            second["spec"]["entrypoint"] == "overworld serve trainer --ray-address auto --resume ckpt-000042"
+        )
+        assert second["metadata"]["labels"][ATTEMPT_LABEL] == "2"
+        await eventually(
+            lambda: _matches(
+                run_status, attempt=2, phase="Pending", rayJob=f"{RUN}-a2", resumedFrom="ckpt-000042"
+            ),
+            "status attempt 2",
+            log,
+        )
+
+        # And "latest" once more: attempt 3.
+        await run_kubectl(
+            kubeconfig,
+            "patch",
+            "trainingrun",
+            RUN,
+            "--type",
+            "merge",
+            "-p",
+            '{"spec":{"resumeFrom":"latest"}}',
+        )
+        jobs = await eventually(lambda: _only(rayjobs, {f"{RUN}-a3"}), "RayJob of attempt 3", log)
+        assert jobs[f"{RUN}-a3"]["spec"]["entrypoint"].endswith("--resume latest")
+        await eventually(lambda: _matches(run_status, attempt=3), "status attempt 3", log)
+        table = await run_kubectl(kubeconfig, "get", "trainingrun", RUN)
+        assert RUN in table
+    finally:
+        if controller.returncode is None:
+            controller.send_signal(signal.SIGTERM)
+            try:
+                await asyncio.wait_for(controller.wait(), timeout=30)
+            except TimeoutError:
+                controller.kill()
+                await controller.wait()
+    assert controller.returncode == 0, log.read_text()[-6000:]
+    assert "Traceback" not in log.read_text(), log.read_text()[-6000:]
+
+
+async def _matches(probe: Any, **expected: Any) -> bool:
+    status = await probe()
+    return all(status.get(key) == value for key, value in expected.items())
+
+
+async def _only(probe: Any, names: set[str]) -> dict[str, Any] | None:
+    jobs: dict[str, Any] = await probe()
+    return jobs if set(jobs) == names else None
