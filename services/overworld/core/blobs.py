@@ -1,11 +1,23 @@
-"""Blob stores for fragment payloads: a local directory (embedded) or S3 (cluster)."""
+"""Blob stores for fragment payloads: a local directory (embedded) or S3 (cluster).
+
+`get` of a missing key raises KeyError (LocalBlobStore: FileNotFoundError, a subclass of neither,
+so callers catch both); `delete` of a missing key is not an error. `list_blobs` gives each key with
+its last-modified time (seconds since the epoch), for the replay buffer's orphan sweeper.
+"""
 
 from __future__ import annotations
 
 import os
 import uuid
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
+
+
+@dataclass(frozen=True)
+class BlobInfo:
+    key: str
+    modified: float  # seconds since the epoch
 
 
 class BlobStore(Protocol):
@@ -13,6 +25,7 @@ class BlobStore(Protocol):
     def get(self, key: str) -> bytes: ...
     def delete(self, keys: list[str]) -> None: ...
     def keys(self, prefix: str = "") -> list[str]: ...
+    def list_blobs(self, prefix: str = "") -> list[BlobInfo]: ...
 
 
 class LocalBlobStore:
@@ -42,14 +55,24 @@ class LocalBlobStore:
             self._path(key).unlink(missing_ok=True)
 
     def keys(self, prefix: str = "") -> list[str]:
+        return [b.key for b in self.list_blobs(prefix)]
+
+    def list_blobs(self, prefix: str = "") -> list[BlobInfo]:
+        # Walk only the directory that holds the prefix, not the whole store.
         base = self.root
+        start = base / prefix.rsplit("/", 1)[0] if "/" in prefix else base
         out = []
-        for path in base.rglob("*"):
-            if path.is_file() and not path.name.startswith("."):
-                key = path.relative_to(base).as_posix()
-                if key.startswith(prefix):
-                    out.append(key)
-        return sorted(out)
+        for path in start.rglob("*") if start.is_dir() else ():
+            if path.name.startswith("."):
+                continue
+            key = path.relative_to(base).as_posix()
+            if key.startswith(prefix):
+                try:
+                    if path.is_file():
+                        out.append(BlobInfo(key, path.stat().st_mtime))
+                except FileNotFoundError:  # deleted while listing
+                    continue
+        return sorted(out, key=lambda b: b.key)
 
 
 def open_blob_store(url: str) -> BlobStore:

@@ -1,5 +1,6 @@
 """The replay index: which fragments form which chunks, how often each chunk was sampled, and
-what to drop. `MemoryIndex` is the embedded backend; the Redis backend keeps the same semantics.
+what to drop. `MemoryIndex` is the embedded backend; `RedisIndex` (redis_index.py) keeps exactly the
+same semantics in Redis, atomically across any number of fronts and readers.
 
 Semantics (MineStudio's replay_buffer_config, made exact):
 - `fragments_per_chunk` consecutive fragments (by sequence number) of one env slot form a chunk;
@@ -8,17 +9,38 @@ Semantics (MineStudio's replay_buffer_config, made exact):
 - `max_reuse`: a chunk is removed once it has been sampled that many times ("reused").
 - `max_staleness`: a chunk whose first step is older than model_version - max_staleness is dropped
   on arrival and whenever the model version moves ("stale").
+- Delivery is at least once: a fragment whose sequence number is not above the last one seen for
+  its env slot is a duplicate (a worker resending after a lost ack); it is acknowledged as stored
+  and changes nothing.
+- The rate limiter (if any) is checked inside `add` and `claim`, under the same lock or script as the
+  state it guards, so several fronts can never overshoot it.
+- A blob key that the orphan sweeper claimed (`claim_orphans`) is never indexed afterwards: `add`
+  answers "swept" and the front writes the blob again under a new key. So an index entry always has
+  its blob.
 """
 
 from __future__ import annotations
 
 import random
 import threading
+import time
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass, field
 from typing import Protocol
 
 from overworld.replay_buffer.rate_limiter import RateLimiter
+
+# add() statuses
+OK = "ok"
+DUPLICATE = "duplicate"  # already indexed (or consumed): acknowledge, change nothing
+BLOCKED = "blocked"  # the rate limiter refuses inserts now: retry once samples have been drawn
+SWEPT = "swept"  # the blob key was claimed by the orphan sweeper: write the blob again, new key
+
+SWEPT_RETENTION_SECONDS = 24 * 3600.0  # how long a sweeper tombstone is kept
+
+
+class IndexUnavailable(RuntimeError):
+    """The index backend cannot be reached; the front answers UNAVAILABLE so that clients retry."""
 
 
 @dataclass(frozen=True)
@@ -51,14 +73,22 @@ class Chunk:
 
 @dataclass
 class AddResult:
-    stored: bool  # False: dropped on arrival
-    delete_blobs: list[str] = field(default_factory=list)
+    stored: bool  # False: dropped on arrival (stale); meaningless unless status is OK or DUPLICATE
+    delete_blobs: list[str] = field(default_factory=list)  # no longer referenced by the index
+    status: str = OK
+    dropped: dict[str, int] = field(default_factory=dict)  # chunks dropped by this call, by reason
 
 
 @dataclass
 class Claim:
     chunk: Chunk  # times_sampled already counts this claim
     final: bool  # the chunk left the index with this claim; delete its blobs after sending
+
+
+@dataclass
+class VersionMove:
+    dropped_chunks: int
+    delete_blobs: list[str]
 
 
 @dataclass
@@ -79,10 +109,13 @@ class ReplayIndex(Protocol):
     def add(self, meta: FragmentMeta) -> AddResult: ...
     def can_insert(self) -> bool: ...
     def claim(self, n: int) -> list[Claim]: ...
-    def set_model_version(self, version: int) -> list[str]: ...
+    def set_model_version(self, version: int) -> VersionMove: ...
     def model_version(self) -> int: ...
     def stats(self) -> IndexStats: ...
     def describe_wait(self) -> str: ...
+    def claim_orphans(self, keys: list[str]) -> list[str]: ...
+    def reset(self, token: str | None = None) -> list[str] | None: ...
+    def close(self) -> None: ...
 
 
 class MemoryIndex:
@@ -95,8 +128,15 @@ class MemoryIndex:
         self.limiter = rate_limiter
         self._lock = threading.Lock()
         self._rng = random.Random(seed)
+        self._attempt: str | None = None
+        self._swept: dict[str, float] = {}
+        self._clear()
+
+    def _clear(self) -> None:
         self._chunks: OrderedDict[int, Chunk] = OrderedDict()  # insertion order = FIFO
         self._partial: dict[str, list[FragmentMeta]] = {}
+        self._last_seq: dict[str, int] = {}
+        self._live: set[str] = set()
         self._next_chunk_id = 1
         self._version = 0
         self._inserted = 0
@@ -104,6 +144,8 @@ class MemoryIndex:
         self._dropped: dict[str, int] = defaultdict(int)
         self._reuse_sum = 0
         self._reuse_count = 0
+        if self.limiter:
+            self.limiter.inserts, self.limiter.samples, self.limiter.credit = 0, 0, 0.0
 
     def _is_stale(self, first_version: int) -> bool:
         return first_version < self._version - self.max_staleness
@@ -115,38 +157,57 @@ class MemoryIndex:
         self._reuse_count += 1
         if self.limiter:
             self.limiter.removed(chunk.times_sampled)
+        self._live.difference_update(chunk.blob_keys)
         return chunk.blob_keys
 
     def add(self, meta: FragmentMeta) -> AddResult:
         with self._lock:
+            if meta.blob_key in self._swept:
+                return AddResult(False, [], SWEPT)
+            last = self._last_seq.get(meta.slot_key)
+            if last is not None and meta.sequence <= last:
+                # A resend: the original is (or was) indexed. Same key: a retried add of this very blob.
+                own = [] if meta.blob_key in self._live else [meta.blob_key]
+                return AddResult(True, own, DUPLICATE)
+            if self.limiter and not self.limiter.can_insert():
+                return AddResult(False, [], BLOCKED)
+            self._last_seq[meta.slot_key] = meta.sequence
             self._inserted += 1
             delete: list[str] = []
+            dropped: dict[str, int] = defaultdict(int)
             partial = self._partial.get(meta.slot_key, [])
             if partial and partial[-1].sequence + 1 != meta.sequence:
                 self._dropped["incomplete"] += 1
+                dropped["incomplete"] += 1
                 delete += [f.blob_key for f in partial]
+                self._live.difference_update(f.blob_key for f in partial)
                 partial = []
             if not partial and self._is_stale(meta.first_model_version):
                 self._dropped["stale"] += 1
+                dropped["stale"] += 1
                 self._partial.pop(meta.slot_key, None)
-                return AddResult(False, [*delete, meta.blob_key])
+                return AddResult(False, [*delete, meta.blob_key], OK, dict(dropped))
             partial = [*partial, meta]
+            self._live.add(meta.blob_key)
             if len(partial) < self.fragments_per_chunk:
                 self._partial[meta.slot_key] = partial
-                return AddResult(True, delete)
+                return AddResult(True, delete, OK, dict(dropped))
             self._partial.pop(meta.slot_key, None)
             chunk = Chunk(self._next_chunk_id, partial)
             self._next_chunk_id += 1
             if self._is_stale(chunk.first_model_version):
                 self._dropped["stale"] += 1
-                return AddResult(False, [*delete, *chunk.blob_keys])
+                dropped["stale"] += 1
+                self._live.difference_update(chunk.blob_keys)
+                return AddResult(False, [*delete, *chunk.blob_keys], OK, dict(dropped))
             self._chunks[chunk.chunk_id] = chunk
             if self.limiter:
                 self.limiter.inserts += 1
             while len(self._chunks) > self.max_chunks:
                 oldest = next(iter(self._chunks.values()))
                 delete += self._remove(oldest, "evicted")
-            return AddResult(True, delete)
+                dropped["evicted"] += 1
+            return AddResult(True, delete, OK, dict(dropped))
 
     def can_insert(self) -> bool:
         with self._lock:
@@ -172,15 +233,16 @@ class MemoryIndex:
                 claims.append(Claim(Chunk(chunk.chunk_id, list(chunk.fragments), chunk.times_sampled), final))
             return claims
 
-    def set_model_version(self, version: int) -> list[str]:
+    def set_model_version(self, version: int) -> VersionMove:
         with self._lock:
             if version < self._version:
                 raise ValueError(f"model version cannot go back from {self._version} to {version}")
             self._version = version
             delete: list[str] = []
-            for chunk in [c for c in self._chunks.values() if self._is_stale(c.first_model_version)]:
+            stale = [c for c in self._chunks.values() if self._is_stale(c.first_model_version)]
+            for chunk in stale:
                 delete += self._remove(chunk, "stale")
-            return delete
+            return VersionMove(len(stale), delete)
 
     def model_version(self) -> int:
         with self._lock:
@@ -207,3 +269,28 @@ class MemoryIndex:
         with self._lock:
             text = f"{len(self._chunks)} chunks in the buffer"
             return f"{text}; {self.limiter.describe()}" if self.limiter else text
+
+    def claim_orphans(self, keys: list[str]) -> list[str]:
+        """The keys that no index entry references, tombstoned so that `add` refuses them from now on."""
+        with self._lock:
+            now = time.time()
+            orphans = [k for k in keys if k not in self._live]
+            for k in orphans:
+                self._swept[k] = now
+            for k in [k for k, t in self._swept.items() if t < now - SWEPT_RETENTION_SECONDS]:
+                del self._swept[k]
+            return orphans
+
+    def reset(self, token: str | None = None) -> list[str] | None:
+        """Discard the run's buffered data (counters and model version included) and return the blob
+        keys to delete; with a token, only the first call with that token does so (None after)."""
+        with self._lock:
+            if token is not None and token == self._attempt:
+                return None
+            live = sorted(self._live)
+            self._clear()
+            self._attempt = token
+            return live
+
+    def close(self) -> None:
+        pass

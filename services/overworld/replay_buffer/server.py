@@ -1,26 +1,55 @@
 """The replay-buffer gRPC front: admission checks, blob + index writes, sampling, version moves.
 
 Fronts are stateless: everything they know lives in the index and the blob store, so several
-fronts can serve one run. A blob is always written before its index entry.
+fronts can serve one run, and a front killed at any moment loses nothing it acknowledged.
+
+Ingest (Insert, bidi-streaming): each fragment is validated, its blob written, then its index entry
+added, and only then acknowledged. Blob writes of one stream run in parallel (up to
+`ingest_window` in flight), index adds and acks stay in arrival order, and the stream stops reading
+while the window is full or the rate limiter blocks: that is the backpressure a worker feels.
+
+Sample (server-streaming): chunks are claimed (atomically, in the index) at most `prefetch` ahead
+of what was sent, and their blobs fetched in parallel while earlier chunks are being streamed.
+
+Blobs of chunks that leave the index are deleted after `delete_delay` seconds, so that a reader that
+claimed a chunk just before it left can still read it; blobs nobody references (a front died between
+blob write and index add, or before its deferred deletes ran) are removed by the orphan sweeper.
 """
 
 from __future__ import annotations
 
 import logging
+import re
 import threading
 import time
 import uuid
+from collections import deque
 from collections.abc import Callable, Iterator
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
 
 import grpc
 from prometheus_client import Counter, Gauge, Histogram
 
+from overworld.core import tensors
 from overworld.core.blobs import BlobStore
 from overworld.core.fragment import Fragment, FragmentError, validate
 from overworld.core.grpc_util import abort
 from overworld.core.specs import Spaces
 from overworld.core.tensors import TensorDecodeError
-from overworld.replay_buffer.index import FragmentMeta, ReplayIndex
+from overworld.replay_buffer.index import (
+    BLOCKED,
+    DUPLICATE,
+    OK,
+    SWEPT,
+    AddResult,
+    Claim,
+    FragmentMeta,
+    IndexStats,
+    IndexUnavailable,
+    ReplayIndex,
+)
+from overworld.replay_buffer.sweeper import OrphanSweeper
 from overworld.v1 import common_pb2, replay_buffer_pb2, replay_buffer_pb2_grpc
 
 log = logging.getLogger("overworld.replay_buffer")
@@ -32,19 +61,49 @@ INSERTS = Counter("overworld_replay_buffer_inserts_total", "Fragments accepted")
 SAMPLES = Counter("overworld_replay_buffer_samples_total", "Fragments sampled")
 DROPS = Counter("overworld_replay_buffer_drops_total", "Chunks removed, by reason", ["reason"])
 REJECTS = Counter("overworld_replay_buffer_rejects_total", "Invalid fragments refused", ["reason"])
-SAMPLE_WAIT = Histogram("overworld_replay_buffer_sample_wait_seconds", "Time a Sample call waited for data")
-INGEST_LATENCY = Histogram("overworld_replay_buffer_ingest_latency_seconds", "Validate + store time per fragment",
-                           buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))
+SAMPLE_WAIT = Histogram("overworld_replay_buffer_sample_wait_seconds", "Time a Sample call waited for data",
+                        buckets=(0.001, 0.005, 0.01, 0.05, 0.1, 0.5, 1.0, 5.0, 10.0, 30.0, 60.0, 120.0))
+INGEST_LATENCY = Histogram("overworld_replay_buffer_ingest_latency_seconds",
+                           "Receipt to acknowledgement per fragment (validate + blob write + index add)",
+                           buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 2.5))
 STALENESS = Gauge("overworld_replay_buffer_staleness", "Model versions behind, over held chunks", ["stat"])
 MEAN_REUSE = Gauge("overworld_replay_buffer_mean_reuse", "Mean times sampled of removed chunks")
+ORPHANS = Counter("overworld_replay_buffer_orphans_swept_total", "Unreferenced blobs deleted by the sweeper")
 
 POLL_SECONDS = 0.05  # other fronts' changes are seen by polling the shared index
+_UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
+
+
+def _safe(part: str) -> str:
+    return _UNSAFE.sub("_", part)[:64] or "_"
+
+
+def fragments_prefix(run_id: str) -> str:
+    """Where the blobs of a run's fragments live in the blob store."""
+    return f"{_safe(run_id)}/fragments/"
+
+
+@dataclass
+class _Pending:
+    header: common_pb2.FragmentHeader
+    meta: FragmentMeta
+    blob: bytes
+    put: Future
+    started: float
+
+
+class _Rejected(Exception):
+    def __init__(self, reason: str, message: str) -> None:
+        super().__init__(message)
+        self.reason = reason
 
 
 class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
     def __init__(self, index: ReplayIndex, blobs: BlobStore, run_id: str, fragment_length: int,
                  fragments_per_chunk: int, max_chunks: int, spaces: Callable[[], Spaces | None],
-                 max_fragment_bytes: int = 64 * 1024 * 1024, default_sample_timeout: float = 60.0) -> None:
+                 max_fragment_bytes: int = 64 * 1024 * 1024, default_sample_timeout: float = 60.0, *,
+                 ingest_window: int = 4, prefetch: int = 4, io_threads: int = 16, delete_delay: float = 2.0,
+                 sweep_interval: float = 60.0, orphan_grace: float = 600.0, metrics_interval: float = 2.0) -> None:
         self.index = index
         self.blobs = blobs
         self.run_id = run_id
@@ -53,18 +112,87 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
         self.spaces = spaces
         self.max_fragment_bytes = max_fragment_bytes
         self.default_sample_timeout = default_sample_timeout
+        self.ingest_window = max(1, ingest_window)
+        self.prefetch = max(1, prefetch)
+        self.delete_delay = delete_delay
+        self.sweep_interval = sweep_interval
+        self.metrics_interval = metrics_interval
+        self.prefix = fragments_prefix(run_id)
+        self.sweeper = OrphanSweeper(index, blobs, self.prefix, orphan_grace)
+        self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="rb-io")
         self._changed = threading.Condition()
-        self._reported_drops: dict[str, int] = {}
         self._stopping = threading.Event()
+        self._deletes: deque[tuple[float, list[str]]] = deque()
+        self._deletes_lock = threading.Lock()
+        self._maintenance = threading.Thread(target=self._maintain, name="rb-maintenance", daemon=True)
         CAPACITY.set(max_chunks * fragments_per_chunk)
+        self._maintenance.start()
+
+    # ----------------------------------------------------------------- lifecycle and housekeeping
 
     def stop(self) -> None:
+        """Stop serving (in-flight calls end with UNAVAILABLE) and run the pending blob deletes."""
         self._stopping.set()
         self._notify()
+        self._maintenance.join(10.0)
+        self._run_deletes(flush=True)
+        self._io.shutdown(wait=False, cancel_futures=True)
+
+    def discard_buffered(self, token: str | None = None) -> int:
+        """Discard this run's buffered data (keep_on_resume: false). With a token, only the first call
+        with that token discards, so that several fronts starting for one attempt clear it once.
+        Returns the number of blobs deleted."""
+        keys = self.index.reset(token)
+        if not keys:
+            return 0
+        self.blobs.delete(keys)
+        log.info("discarded the buffered data of run %s (%d blobs)", self.run_id, len(keys))
+        return len(keys)
 
     def _notify(self) -> None:
         with self._changed:
             self._changed.notify_all()
+
+    def _delete_later(self, keys: list[str]) -> None:
+        if keys:
+            with self._deletes_lock:
+                self._deletes.append((time.monotonic() + self.delete_delay, keys))
+
+    def _run_deletes(self, flush: bool = False) -> None:
+        now = time.monotonic()
+        due: list[str] = []
+        with self._deletes_lock:
+            while self._deletes and (flush or self._deletes[0][0] <= now):
+                due += self._deletes.popleft()[1]
+        if due:
+            try:
+                self.blobs.delete(due)
+            except Exception:  # the sweeper removes them later: nothing references them
+                log.exception("deleting %d blobs failed; the orphan sweeper will retry", len(due))
+
+    def _maintain(self) -> None:
+        next_metrics = next_sweep = time.monotonic()
+        if self.sweep_interval > 0:
+            next_sweep += self.sweep_interval
+        while not self._stopping.wait(0.05):
+            self._run_deletes()
+            now = time.monotonic()
+            try:
+                if self.metrics_interval > 0 and now >= next_metrics:
+                    next_metrics = now + self.metrics_interval
+                    self.refresh_metrics()
+                if self.sweep_interval > 0 and now >= next_sweep:
+                    next_sweep = now + self.sweep_interval
+                    self.sweep_orphans()
+            except IndexUnavailable as err:
+                log.warning("housekeeping skipped: %s", err)
+            except Exception:
+                log.exception("housekeeping failed")
+
+    def sweep_orphans(self) -> list[str]:
+        swept = self.sweeper.sweep()
+        ORPHANS.inc(len(swept))
+        return swept
 
     def _wait_for(self, ready: Callable[[], bool], deadline: float, context: grpc.ServicerContext) -> bool:
         while not ready():
@@ -75,58 +203,157 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
                 self._changed.wait(min(remaining, POLL_SECONDS))
         return True
 
-    def _reject(self, context: grpc.ServicerContext, reason: str, message: str, worker: str) -> None:
-        REJECTS.labels(reason).inc()
-        log.warning("rejected fragment from %s (%s): %s", worker, reason, message)
-        abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"fragment rejected ({reason}): {message}")
+    # ----------------------------------------------------------------- ingest
 
-    def _admit(self, msg: common_pb2.Fragment, context: grpc.ServicerContext) -> Fragment:
+    def _check(self, msg: common_pb2.Fragment) -> Fragment:
+        """The fragment, or _Rejected(reason, message)."""
         h = msg.header
-        worker = f"{h.worker_id}/{h.env_slot}#{h.sequence}"
-        if len(msg.tensors) > self.max_fragment_bytes:
-            self._reject(context, "oversized", f"{len(msg.tensors)} bytes exceeds max_fragment_bytes "
-                         f"{self.max_fragment_bytes}", worker)
+        data = msg.tensors  # one copy out of the message, reused below
+        if len(data) > self.max_fragment_bytes:
+            raise _Rejected("oversized", f"{len(data)} bytes exceeds max_fragment_bytes {self.max_fragment_bytes}")
         if h.length != self.fragment_length:
-            self._reject(context, "length", f"length {h.length}, this run's fragment_length is "
-                         f"{self.fragment_length}", worker)
+            raise _Rejected("length", f"length {h.length}, this run's fragment_length is {self.fragment_length}")
         spaces = self.spaces()
         if spaces is None:
-            abort(context, grpc.StatusCode.UNAVAILABLE,
-                  "the run's spaces are not known yet (no rollout worker has registered); retry")
+            raise _Rejected("", "the run's spaces are not known yet (no rollout worker has registered); retry")
         try:
-            fragment = Fragment.from_proto(msg, max_bytes=self.max_fragment_bytes)
+            fragment = Fragment(h.run_id, h.worker_id, h.env_slot, h.sequence,
+                                tensors.decode(data, h.compression, self.max_fragment_bytes))
             validate(fragment, spaces, self.fragment_length, self.run_id)
         except TensorDecodeError as err:
-            self._reject(context, "decode", str(err), worker)
+            raise _Rejected("decode", str(err)) from None
         except FragmentError as err:
             reason = "nan" if "NaN" in str(err) else ("run" if "belongs to run" in str(err) else "spec")
-            self._reject(context, reason, str(err), worker)
+            raise _Rejected(reason, str(err)) from None
         if int(fragment.data["model_version"][0]) != h.first_model_version:
-            self._reject(context, "header", "header.first_model_version does not match model_version[0]", worker)
+            raise _Rejected("header", "header.first_model_version does not match model_version[0]")
         return fragment
+
+    def _blob_key(self, h: common_pb2.FragmentHeader) -> str:
+        return f"{self.prefix}{_safe(h.worker_id)}/{h.env_slot}/{h.sequence:012d}-{uuid.uuid4().hex[:12]}"
+
+    def _start(self, msg: common_pb2.Fragment, fragment: Fragment, started: float) -> _Pending:
+        h = msg.header
+        key = self._blob_key(h)
+        blob = msg.SerializeToString()
+        meta = FragmentMeta(fragment.slot_key, h.sequence, h.first_model_version, len(blob), key)
+        return _Pending(h, meta, blob, self._io.submit(self.blobs.put, key, blob), started)
+
+    def _commit(self, p: _Pending, context: grpc.ServicerContext) -> replay_buffer_pb2.InsertResponse:
+        """Index a fragment whose blob write was started; returns its ack (or aborts the stream)."""
+        try:
+            p.put.result()
+        except Exception as err:
+            abort(context, grpc.StatusCode.UNAVAILABLE, f"blob store write failed: {err}; retry")
+        meta = p.meta
+        while True:
+            try:
+                result: AddResult = self.index.add(meta)
+            except IndexUnavailable as err:
+                abort(context, grpc.StatusCode.UNAVAILABLE, f"{err}; retry")
+            if result.status == BLOCKED:
+                # The rate limiter waits for samples; polling also sees other fronts' samples.
+                if not context.is_active():
+                    abort(context, grpc.StatusCode.CANCELLED, "client went away")
+                if self._stopping.is_set():
+                    abort(context, grpc.StatusCode.UNAVAILABLE, "replay buffer is shutting down; retry elsewhere")
+                with self._changed:
+                    self._changed.wait(POLL_SECONDS)
+                continue
+            if result.status == SWEPT:  # stalled past the sweeper's grace period: write it again
+                meta = FragmentMeta(meta.slot_key, meta.sequence, meta.first_model_version, meta.nbytes,
+                                    self._blob_key(p.header))
+                self.blobs.put(meta.blob_key, p.blob)
+                continue
+            break
+        self._delete_later(result.delete_blobs)
+        for reason, n in result.dropped.items():
+            DROPS.labels(reason).inc(n)
+        if result.status == OK:
+            INSERTS.inc()
+        INGEST_LATENCY.observe(time.monotonic() - p.started)
+        self._notify()
+        h = p.header
+        return replay_buffer_pb2.InsertResponse(worker_id=h.worker_id, env_slot=h.env_slot, sequence=h.sequence,
+                                                stored=result.stored or result.status == DUPLICATE)
 
     def Insert(self, request_iterator: Iterator[replay_buffer_pb2.InsertRequest],
                context: grpc.ServicerContext) -> Iterator[replay_buffer_pb2.InsertResponse]:
-        for request in request_iterator:
-            started = time.monotonic()
-            msg = request.fragment
-            fragment = self._admit(msg, context)
-            if not self._wait_for(self.index.can_insert, float("inf"), context):
-                if self._stopping.is_set():
-                    abort(context, grpc.StatusCode.UNAVAILABLE, "replay buffer is shutting down; retry elsewhere")
-                return
-            h = msg.header
-            key = f"{self.run_id}/fragments/{h.worker_id}/{h.env_slot}/{h.sequence:012d}-{uuid.uuid4().hex[:8]}"
-            blob = msg.SerializeToString()
-            self.blobs.put(key, blob)
-            result = self.index.add(FragmentMeta(fragment.slot_key, h.sequence, h.first_model_version, len(blob), key))
-            if result.delete_blobs:
-                self.blobs.delete(result.delete_blobs)
-            INSERTS.inc()
-            INGEST_LATENCY.observe(time.monotonic() - started)
-            self._notify()
-            yield replay_buffer_pb2.InsertResponse(
-                worker_id=h.worker_id, env_slot=h.env_slot, sequence=h.sequence, stored=result.stored)
+        wake = threading.Condition()
+        inbox: deque[tuple[float, replay_buffer_pb2.InsertRequest]] = deque()
+        state = {"ended": False, "error": None, "done": False}
+
+        def read() -> None:
+            try:
+                for request in request_iterator:
+                    with wake:
+                        inbox.append((time.monotonic(), request))
+                        wake.notify_all()
+                        # Stop reading while the window is full: gRPC flow control pushes back on the worker.
+                        while len(inbox) >= self.ingest_window and not state["done"]:
+                            wake.wait(0.1)
+                        if state["done"]:
+                            return
+            except Exception as err:  # the client cancelled or the connection broke
+                state["error"] = err
+            finally:
+                with wake:
+                    state["ended"] = True
+                    wake.notify_all()
+
+        def wake_up(_: Future) -> None:
+            with wake:
+                wake.notify_all()
+
+        reader = threading.Thread(target=read, name="rb-insert-reader", daemon=True)
+        reader.start()
+        inflight: deque[_Pending] = deque()
+        try:
+            while True:
+                while inflight and inflight[0].put.done():
+                    yield self._commit(inflight.popleft(), context)
+                with wake:
+                    item = inbox.popleft() if inbox and len(inflight) < self.ingest_window else None
+                    if item is not None:
+                        wake.notify_all()
+                    elif state["ended"] and not inbox and not inflight:
+                        return
+                    elif not (inflight and inflight[0].put.done()):
+                        wake.wait(POLL_SECONDS)
+                        if self._stopping.is_set():
+                            abort(context, grpc.StatusCode.UNAVAILABLE,
+                                  "replay buffer is shutting down; retry elsewhere")
+                        if not context.is_active():
+                            return
+                        continue
+                if item is None:
+                    continue
+                started, request = item
+                try:
+                    fragment = self._check(request.fragment)
+                except _Rejected as err:
+                    # Earlier fragments are acknowledged first, so the worker knows which one was refused.
+                    while inflight:
+                        yield self._commit(inflight.popleft(), context)
+                    h = request.fragment.header
+                    if not err.reason:
+                        abort(context, grpc.StatusCode.UNAVAILABLE, str(err))
+                    REJECTS.labels(err.reason).inc()
+                    log.warning("rejected fragment from %s/%s#%s (%s): %s", h.worker_id, h.env_slot, h.sequence,
+                                err.reason, err)
+                    abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"fragment rejected ({err.reason}): {err}")
+                pending = self._start(request.fragment, fragment, started)
+                pending.put.add_done_callback(wake_up)
+                inflight.append(pending)
+        finally:
+            with wake:
+                state["done"] = True
+                wake.notify_all()
+
+    # ----------------------------------------------------------------- sample
+
+    def _fetch(self, claim: Claim) -> list[bytes]:
+        return [self.blobs.get(k) for k in claim.chunk.blob_keys]
 
     def Sample(self, request: replay_buffer_pb2.SampleRequest,
                context: grpc.ServicerContext) -> Iterator[replay_buffer_pb2.SampledChunk]:
@@ -137,69 +364,88 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
         started = time.monotonic()
         deadline = started + timeout
         sent = 0
+        pending: deque[tuple[Claim, Future]] = deque()
         while sent < request.num_chunks:
-            claims = self.index.claim(request.num_chunks - sent)
-            if claims:
-                self._notify()
-            for claim in claims:
+            want = min(request.num_chunks - sent - len(pending), self.prefetch - len(pending))
+            if want > 0:
                 try:
-                    fragments = [common_pb2.Fragment.FromString(self.blobs.get(k)) for k in claim.chunk.blob_keys]
+                    claims = self.index.claim(want)
+                except IndexUnavailable as err:
+                    abort(context, grpc.StatusCode.UNAVAILABLE, f"{err}; retry")
+                if claims:
+                    self._notify()
+                for claim in claims:
+                    pending.append((claim, self._io.submit(self._fetch, claim)))
+            if pending:
+                claim, future = pending.popleft()
+                try:
+                    blobs = future.result()
                 except (FileNotFoundError, KeyError):
-                    log.warning("chunk %d vanished between claim and read (evicted); skipped", claim.chunk.chunk_id)
+                    log.warning("chunk %d vanished between claim and read; skipped", claim.chunk.chunk_id)
                     continue
+                except Exception as err:
+                    abort(context, grpc.StatusCode.UNAVAILABLE, f"blob store read failed: {err}; retry")
                 if sent == 0:
                     SAMPLE_WAIT.observe(time.monotonic() - started)
                 yield replay_buffer_pb2.SampledChunk(
-                    chunk_id=claim.chunk.chunk_id, fragments=fragments, times_sampled=claim.chunk.times_sampled)
-                SAMPLES.inc(len(fragments))
-                sent += 1
+                    chunk_id=claim.chunk.chunk_id, fragments=[common_pb2.Fragment.FromString(b) for b in blobs],
+                    times_sampled=claim.chunk.times_sampled)
+                SAMPLES.inc(len(blobs))
                 if claim.final:
-                    self.blobs.delete(claim.chunk.blob_keys)
-            if sent >= request.num_chunks:
-                break
-            if claims:
+                    DROPS.labels("reused").inc()
+                    self._delete_later(claim.chunk.blob_keys)
+                sent += 1
                 continue
             now = time.monotonic()
             if now >= deadline or not context.is_active() or self._stopping.is_set():
                 if request.allow_partial or not context.is_active():
                     return
+                if self._stopping.is_set():
+                    abort(context, grpc.StatusCode.UNAVAILABLE, "replay buffer is shutting down; retry elsewhere")
+                try:
+                    why = self.index.describe_wait()
+                except IndexUnavailable as err:
+                    why = str(err)
                 abort(context, grpc.StatusCode.DEADLINE_EXCEEDED,
-                      f"only {sent} of {request.num_chunks} chunks after {timeout:.1f}s "
-                      f"({self.index.describe_wait()})")
+                      f"only {sent} of {request.num_chunks} chunks after {timeout:.1f}s ({why})")
             with self._changed:
                 self._changed.wait(min(deadline - now, POLL_SECONDS))
+
+    # ----------------------------------------------------------------- control and statistics
 
     def SetModelVersion(self, request: replay_buffer_pb2.SetModelVersionRequest,
                         context: grpc.ServicerContext) -> replay_buffer_pb2.SetModelVersionResponse:
         try:
-            delete = self.index.set_model_version(request.model_version)
+            move = self.index.set_model_version(request.model_version)
         except ValueError as err:
             abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(err))
-        self.blobs.delete(delete)
+        except IndexUnavailable as err:
+            abort(context, grpc.StatusCode.UNAVAILABLE, f"{err}; retry")
+        if move.dropped_chunks:
+            DROPS.labels("stale").inc(move.dropped_chunks)
+        self._delete_later(move.delete_blobs)
         self._notify()
-        return replay_buffer_pb2.SetModelVersionResponse(dropped_chunks=len(delete))
+        return replay_buffer_pb2.SetModelVersionResponse(dropped_chunks=move.dropped_chunks)
 
     def GetStats(self, request: replay_buffer_pb2.GetStatsRequest,
                  context: grpc.ServicerContext) -> replay_buffer_pb2.BufferStats:
-        s = self.refresh_metrics()
+        try:
+            s = self.refresh_metrics()
+        except IndexUnavailable as err:
+            abort(context, grpc.StatusCode.UNAVAILABLE, f"{err}; retry")
         return replay_buffer_pb2.BufferStats(
             fragments=s.fragments, chunks=s.chunks, bytes=s.bytes, inserted_fragments=s.inserted_fragments,
             sampled_chunks=s.sampled_chunks, dropped_chunks=s.dropped, rejected_fragments=_rejects(),
             model_version=s.model_version, mean_reuse=s.mean_reuse, mean_staleness=s.mean_staleness,
             max_staleness=s.max_staleness, capacity_chunks=self.max_chunks)
 
-    def refresh_metrics(self):  # type: ignore[no-untyped-def]
+    def refresh_metrics(self) -> IndexStats:
         s = self.index.stats()
         FRAGMENTS.set(s.fragments)
         BYTES.set(s.bytes)
         STALENESS.labels("mean").set(s.mean_staleness)
         STALENESS.labels("max").set(s.max_staleness)
         MEAN_REUSE.set(s.mean_reuse)
-        for reason, count in s.dropped.items():
-            new = count - self._reported_drops.get(reason, 0)
-            if new > 0:
-                DROPS.labels(reason).inc(new)
-            self._reported_drops[reason] = count
         return s
 
 
@@ -210,3 +456,4 @@ def _rejects() -> dict[str, int]:
             if sample.name.endswith("_total"):
                 out[sample.labels["reason"]] = int(sample.value)
     return out
+

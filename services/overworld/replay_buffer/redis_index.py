@@ -1,0 +1,407 @@
+"""The replay index in Redis: MemoryIndex's semantics, made atomic across any number of fronts.
+
+Every state change (add, claim, version move, orphan claim, reset) is one Lua script, so it runs as
+one atomic step however many fronts and trainer readers call it at once; the rate limiter's state
+(chunks inserted, chunks sampled, credit) lives in the same hash and is read and written inside the
+same scripts. Reads of statistics are one script too (a consistent snapshot).
+
+Keys, all under `ow:rb:{RUN_ID}:` (a hash tag: one cluster slot per run; a new run never sees
+another run's keys):
+  meta     hash   version, next_chunk, inserted, sampled, reuse_sum, reuse_count, frags, bytes,
+                  vsum (sum of held chunks' first model versions), li/ls/lc (limiter inserts,
+                  samples, credit), attempt (the last reset token)
+  drops    hash   reason -> chunks dropped
+  fifo     zset   chunk id scored by chunk id (insertion order: eviction takes the lowest)
+  byver    zset   chunk id scored by its first model version (staleness drops take a range)
+  chunk:ID hash   t (times sampled), v, b (bytes), n (fragments), s (slot), k (blob keys, one per
+                  line), m ("sequence|version|bytes" per line)
+  slots    hash   env slot -> last sequence number seen (duplicates are acknowledged, not re-added)
+  partial  hash   env slot -> fragments of the chunk being assembled ("seq|version|bytes|key" lines)
+  live     set    every blob key the index references (the orphan sweeper spares these)
+  swept    zset   blob keys the sweeper claimed, scored by time (add refuses them)
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import random
+import time
+from collections.abc import Callable
+from typing import Any, TypeVar
+
+import redis
+from redis.backoff import ExponentialBackoff
+from redis.retry import Retry
+
+from overworld.replay_buffer.index import (
+    BLOCKED,
+    DUPLICATE,
+    OK,
+    SWEPT,
+    SWEPT_RETENTION_SECONDS,
+    AddResult,
+    Chunk,
+    Claim,
+    FragmentMeta,
+    IndexStats,
+    IndexUnavailable,
+    VersionMove,
+)
+from overworld.replay_buffer.rate_limiter import RateLimiter
+
+T = TypeVar("T")
+
+# Shared by every script. ARGV[1] is the key prefix; ARGV[2..4] the limiter (spi <= 0: none).
+PRELUDE = r"""
+local P = ARGV[1]
+local META, DROPS, FIFO, BYVER = P .. 'meta', P .. 'drops', P .. 'fifo', P .. 'byver'
+local SLOTS, PARTIAL, LIVE, SWEPT = P .. 'slots', P .. 'partial', P .. 'live', P .. 'swept'
+local SPI, ERR, MINSIZE = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
+
+-- (negative numbers are written 0 - x: Lua's -0 would reach Redis as "-0", not an integer)
+local function num(v) return tonumber(v) or 0 end
+
+local function lim_diff()
+  local s = redis.call('HMGET', META, 'li', 'ls', 'lc')
+  return num(s[1]) * SPI - num(s[2]) - num(s[3])
+end
+
+local function can_insert()
+  return lim_diff() + SPI <= SPI * MINSIZE + ERR
+end
+
+local function can_sample(size)
+  return size >= MINSIZE and lim_diff() - 1 >= SPI * MINSIZE - ERR
+end
+
+local function lines(s)
+  local out = {}
+  if s and s ~= '' then
+    for line in string.gmatch(s, '[^\n]+') do out[#out + 1] = line end
+  end
+  return out
+end
+
+local function srem_all(set, keys)
+  for i = 1, #keys, 500 do
+    redis.call('SREM', set, unpack(keys, i, math.min(i + 499, #keys)))
+  end
+end
+
+-- Remove a held chunk for `reason`; returns its blob keys.
+local function remove_chunk(id, reason)
+  local ck = P .. 'chunk:' .. id
+  local f = redis.call('HMGET', ck, 't', 'v', 'b', 'n', 'k')
+  local times, v, b, n = num(f[1]), num(f[2]), num(f[3]), num(f[4])
+  local keys = lines(f[5])
+  redis.call('DEL', ck)
+  redis.call('ZREM', FIFO, id)
+  redis.call('ZREM', BYVER, id)
+  redis.call('HINCRBY', DROPS, reason, 1)
+  redis.call('HINCRBY', META, 'reuse_sum', times)
+  redis.call('HINCRBY', META, 'reuse_count', 1)
+  if SPI > 0 and SPI - times > 0 then
+    redis.call('HINCRBYFLOAT', META, 'lc', SPI - times)
+  end
+  redis.call('HINCRBY', META, 'frags', 0 - n)
+  redis.call('HINCRBY', META, 'bytes', 0 - b)
+  redis.call('HINCRBY', META, 'vsum', 0 - v)
+  if #keys > 0 then srem_all(LIVE, keys) end
+  return keys
+end
+"""
+
+# ARGV[5..]: slot, sequence, first model version, bytes, blob key, max_chunks, max_staleness,
+# fragments_per_chunk. Returns {status, stored, incomplete, stale, evicted, keys to delete...}.
+ADD = PRELUDE + r"""
+local slot, seq, ver, nb, key = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), ARGV[9]
+local max_chunks, max_staleness, fpc = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12])
+
+if redis.call('ZSCORE', SWEPT, key) then return {'swept', 0, 0, 0, 0} end
+local last = redis.call('HGET', SLOTS, slot)
+if last and seq <= tonumber(last) then
+  if redis.call('SISMEMBER', LIVE, key) == 1 then return {'duplicate', 1, 0, 0, 0} end
+  return {'duplicate', 1, 0, 0, 0, key}
+end
+if SPI > 0 and not can_insert() then return {'blocked', 0, 0, 0, 0} end
+redis.call('HSET', SLOTS, slot, ARGV[6])
+redis.call('HINCRBY', META, 'inserted', 1)
+local version = num(redis.call('HGET', META, 'version'))
+local function stale(v) return v < version - max_staleness end
+
+local out = {'ok', 1, 0, 0, 0}
+local entries = lines(redis.call('HGET', PARTIAL, slot))
+if #entries > 0 then
+  local last_seq = tonumber(string.match(entries[#entries], '^(%d+)|'))
+  if last_seq + 1 ~= seq then
+    out[3] = 1
+    redis.call('HINCRBY', DROPS, 'incomplete', 1)
+    for _, e in ipairs(entries) do
+      local _, _, enb, ekey = string.match(e, '^(%d+)|(%d+)|(%d+)|(.*)$')
+      redis.call('SREM', LIVE, ekey)
+      redis.call('HINCRBY', META, 'frags', -1)
+      redis.call('HINCRBY', META, 'bytes', 0 - tonumber(enb))
+      out[#out + 1] = ekey
+    end
+    entries = {}
+    redis.call('HDEL', PARTIAL, slot)
+  end
+end
+if #entries == 0 and stale(ver) then
+  out[2] = 0
+  out[4] = 1
+  redis.call('HINCRBY', DROPS, 'stale', 1)
+  redis.call('HDEL', PARTIAL, slot)
+  out[#out + 1] = key
+  return out
+end
+entries[#entries + 1] = ARGV[6] .. '|' .. ARGV[7] .. '|' .. ARGV[8] .. '|' .. key
+redis.call('SADD', LIVE, key)
+redis.call('HINCRBY', META, 'frags', 1)
+redis.call('HINCRBY', META, 'bytes', nb)
+if #entries < fpc then
+  redis.call('HSET', PARTIAL, slot, table.concat(entries, '\n'))
+  return out
+end
+redis.call('HDEL', PARTIAL, slot)
+local id = redis.call('HINCRBY', META, 'next_chunk', 1)
+local keys, metas, total, first_v = {}, {}, 0, nil
+for i, e in ipairs(entries) do
+  local es, ev, enb, ekey = string.match(e, '^(%d+)|(%d+)|(%d+)|(.*)$')
+  if i == 1 then first_v = tonumber(ev) end
+  keys[#keys + 1] = ekey
+  metas[#metas + 1] = es .. '|' .. ev .. '|' .. enb
+  total = total + tonumber(enb)
+end
+if stale(first_v) then
+  out[2] = 0
+  out[4] = 1
+  redis.call('HINCRBY', DROPS, 'stale', 1)
+  srem_all(LIVE, keys)
+  redis.call('HINCRBY', META, 'frags', 0 - #keys)
+  redis.call('HINCRBY', META, 'bytes', 0 - total)
+  for _, k in ipairs(keys) do out[#out + 1] = k end
+  return out
+end
+redis.call('HSET', P .. 'chunk:' .. id, 't', 0, 'v', first_v, 'b', total, 'n', #keys, 's', slot,
+           'k', table.concat(keys, '\n'), 'm', table.concat(metas, '\n'))
+redis.call('ZADD', FIFO, id, id)
+redis.call('ZADD', BYVER, first_v, id)
+redis.call('HINCRBY', META, 'vsum', first_v)
+if SPI > 0 then redis.call('HINCRBY', META, 'li', 1) end
+while redis.call('ZCARD', FIFO) > max_chunks do
+  local oldest = redis.call('ZRANGE', FIFO, 0, 0)[1]
+  for _, k in ipairs(remove_chunk(oldest, 'evicted')) do out[#out + 1] = k end
+  out[5] = out[5] + 1
+end
+return out
+"""
+
+# ARGV[5..]: n, max_reuse, seed. Returns {id, times, final, slot, keys, metas} per claimed chunk.
+CLAIM = PRELUDE + r"""
+local n, max_reuse = tonumber(ARGV[5]), tonumber(ARGV[6])
+math.randomseed(tonumber(ARGV[7]))
+local ids = redis.call('ZRANDMEMBER', FIFO, n)
+for i = #ids, 2, -1 do  -- ZRANDMEMBER returns the whole set in order when n >= its size
+  local j = math.random(i)
+  ids[i], ids[j] = ids[j], ids[i]
+end
+local out = {}
+for _, id in ipairs(ids) do
+  if SPI > 0 then
+    if not can_sample(redis.call('ZCARD', FIFO)) then break end
+    redis.call('HINCRBY', META, 'ls', 1)
+  end
+  local ck = P .. 'chunk:' .. id
+  local t = redis.call('HINCRBY', ck, 't', 1)
+  redis.call('HINCRBY', META, 'sampled', 1)
+  local f = redis.call('HMGET', ck, 's', 'k', 'm')
+  local final = 0
+  if t >= max_reuse then
+    remove_chunk(id, 'reused')
+    final = 1
+  end
+  out[#out + 1] = id
+  out[#out + 1] = t
+  out[#out + 1] = final
+  out[#out + 1] = f[1]
+  out[#out + 1] = f[2]
+  out[#out + 1] = f[3]
+end
+return out
+"""
+
+# ARGV[5..]: version, max_staleness. Returns {'ok', dropped chunks, keys...} or {'back', current}.
+SET_VERSION = PRELUDE + r"""
+local version, max_staleness = tonumber(ARGV[5]), tonumber(ARGV[6])
+local current = num(redis.call('HGET', META, 'version'))
+if version < current then return {'back', current} end
+redis.call('HSET', META, 'version', ARGV[5])
+local ids = redis.call('ZRANGEBYSCORE', BYVER, '-inf', '(' .. (version - max_staleness))
+local out = {'ok', #ids}
+for _, id in ipairs(ids) do
+  for _, k in ipairs(remove_chunk(id, 'stale')) do out[#out + 1] = k end
+end
+return out
+"""
+
+STATS = PRELUDE + r"""
+local m = redis.call('HMGET', META, 'frags', 'bytes', 'inserted', 'sampled', 'version', 'reuse_sum',
+                     'reuse_count', 'vsum', 'li', 'ls', 'lc')
+local oldest = redis.call('ZRANGE', BYVER, 0, 0, 'WITHSCORES')
+return {m, redis.call('HGETALL', DROPS), redis.call('ZCARD', FIFO), oldest[2] or false}
+"""
+
+# ARGV[5..]: now, retention, keys... Returns the keys no index entry references, now tombstoned.
+CLAIM_ORPHANS = PRELUDE + r"""
+local now, retention = tonumber(ARGV[5]), tonumber(ARGV[6])
+local out = {}
+for i = 7, #ARGV do
+  if redis.call('SISMEMBER', LIVE, ARGV[i]) == 0 then
+    redis.call('ZADD', SWEPT, now, ARGV[i])
+    out[#out + 1] = ARGV[i]
+  end
+end
+redis.call('ZREMRANGEBYSCORE', SWEPT, '-inf', now - retention)
+return out
+"""
+
+# ARGV[5..]: token, has token. Returns {0} when the token was already applied, else {1, keys...}.
+RESET = PRELUDE + r"""
+local token, has_token = ARGV[5], ARGV[6] == '1'
+if has_token and redis.call('HGET', META, 'attempt') == token then return {0} end
+local out = {1}
+for _, k in ipairs(redis.call('SMEMBERS', LIVE)) do out[#out + 1] = k end
+for _, id in ipairs(redis.call('ZRANGE', FIFO, 0, -1)) do redis.call('DEL', P .. 'chunk:' .. id) end
+redis.call('DEL', META, DROPS, FIFO, BYVER, SLOTS, PARTIAL, LIVE)
+if has_token then redis.call('HSET', META, 'attempt', token) end
+return out
+"""
+
+
+def key_prefix(run_id: str) -> str:
+    if not run_id:
+        raise ValueError("the Redis index needs a run_id (the key prefix that isolates runs)")
+    return f"ow:rb:{{{run_id}}}:"
+
+
+class RedisIndex:
+    def __init__(self, client: redis.Redis, run_id: str, max_chunks: int, max_reuse: int, max_staleness: int,
+                 fragments_per_chunk: int, rate_limiter: RateLimiter | None = None,
+                 seed: int | None = None) -> None:
+        self.client = client
+        self.run_id = run_id
+        self.prefix = key_prefix(run_id)
+        self.max_chunks = max_chunks
+        self.max_reuse = max_reuse
+        self.max_staleness = max_staleness
+        self.fragments_per_chunk = fragments_per_chunk
+        self.limiter = rate_limiter
+        self._rng = random.Random(seed)
+        lim = rate_limiter
+        self._base = [self.prefix, lim.samples_per_insert if lim else 0, lim.error if lim else 0,
+                      lim.min_size if lim else 1]
+        self._keys = [self.prefix + "meta"]
+        self._add = client.register_script(ADD)
+        self._claim = client.register_script(CLAIM)
+        self._set_version = client.register_script(SET_VERSION)
+        self._stats = client.register_script(STATS)
+        self._claim_orphans = client.register_script(CLAIM_ORPHANS)
+        self._reset = client.register_script(RESET)
+
+    @classmethod
+    def from_url(cls, url: str, run_id: str, rb: Any, limiter: RateLimiter | None = None,
+                 seed: int | None = None) -> RedisIndex:
+        """`rb` is a core.config.ReplayBufferConfig (max_chunks, max_reuse, max_staleness, fragments_per_chunk)."""
+        client = redis.Redis.from_url(
+            url, decode_responses=True, socket_timeout=30, socket_connect_timeout=5, health_check_interval=30,
+            retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3))
+        return cls(client, run_id, rb.max_chunks, rb.max_reuse, rb.max_staleness, rb.fragments_per_chunk,
+                   limiter, seed)
+
+    def _call(self, fn: Callable[[], T]) -> T:
+        try:
+            return fn()
+        except (redis.ConnectionError, redis.TimeoutError) as err:  # BusyLoadingError is a ConnectionError
+            raise IndexUnavailable(f"Redis index unavailable: {err}") from err
+
+    def _run(self, script: Any, *args: Any) -> Any:
+        return self._call(lambda: script(keys=self._keys, args=[*self._base, *args]))
+
+    def add(self, meta: FragmentMeta) -> AddResult:
+        out = self._run(self._add, meta.slot_key, meta.sequence, meta.first_model_version, meta.nbytes,
+                        meta.blob_key, self.max_chunks, self.max_staleness, self.fragments_per_chunk)
+        status = {"ok": OK, "duplicate": DUPLICATE, "blocked": BLOCKED, "swept": SWEPT}[out[0]]
+        dropped = {r: int(c) for r, c in zip(("incomplete", "stale", "evicted"), out[2:5], strict=True) if int(c)}
+        return AddResult(bool(int(out[1])), list(out[5:]), status, dropped)
+
+    def _limiter_state(self, inserts: Any, samples: Any, credit: Any) -> RateLimiter | None:
+        if self.limiter is None:
+            return None
+        return dataclasses.replace(self.limiter, inserts=int(inserts or 0), samples=int(samples or 0),
+                                   credit=float(credit or 0.0))
+
+    def can_insert(self) -> bool:
+        if self.limiter is None:
+            return True
+        state = self._call(lambda: self.client.hmget(self.prefix + "meta", "li", "ls", "lc"))
+        limiter = self._limiter_state(*state)
+        assert limiter is not None
+        return limiter.can_insert()
+
+    def claim(self, n: int) -> list[Claim]:
+        out = self._run(self._claim, n, self.max_reuse, self._rng.randrange(1 << 31))
+        claims = []
+        for i in range(0, len(out), 6):
+            chunk_id, times, final, slot, keys, metas = out[i:i + 6]
+            fragments = []
+            for key, m in zip(keys.split("\n"), metas.split("\n"), strict=True):
+                seq, ver, nbytes = m.split("|")
+                fragments.append(FragmentMeta(slot, int(seq), int(ver), int(nbytes), key))
+            claims.append(Claim(Chunk(int(chunk_id), fragments, int(times)), bool(int(final))))
+        return claims
+
+    def set_model_version(self, version: int) -> VersionMove:
+        out = self._run(self._set_version, version, self.max_staleness)
+        if out[0] == "back":
+            raise ValueError(f"model version cannot go back from {out[1]} to {version}")
+        return VersionMove(int(out[1]), list(out[2:]))
+
+    def model_version(self) -> int:
+        return int(self._call(lambda: self.client.hget(self.prefix + "meta", "version")) or 0)
+
+    def _raw_stats(self) -> tuple[IndexStats, RateLimiter | None, int]:
+        meta, drops, chunks, oldest = self._run(self._stats)
+        frags, nbytes, inserted, sampled, version, reuse_sum, reuse_count, vsum, li, ls, lc = (
+            int(float(v)) if v is not None and i != 10 else v for i, v in enumerate(meta))
+        version = version or 0
+        chunks = int(chunks)
+        dropped = {drops[i]: int(drops[i + 1]) for i in range(0, len(drops), 2)}
+        stats = IndexStats(
+            fragments=frags or 0, chunks=chunks, bytes=nbytes or 0, inserted_fragments=inserted or 0,
+            sampled_chunks=sampled or 0, dropped=dropped, model_version=version,
+            mean_reuse=(reuse_sum or 0) / reuse_count if reuse_count else 0.0,
+            mean_staleness=version - (vsum or 0) / chunks if chunks else 0.0,
+            max_staleness=max(0, version - int(float(oldest))) if oldest else 0)
+        return stats, self._limiter_state(li, ls, lc), chunks
+
+    def stats(self) -> IndexStats:
+        return self._raw_stats()[0]
+
+    def describe_wait(self) -> str:
+        _, limiter, chunks = self._raw_stats()
+        text = f"{chunks} chunks in the buffer"
+        return f"{text}; {limiter.describe()}" if limiter else text
+
+    def claim_orphans(self, keys: list[str]) -> list[str]:
+        out: list[str] = []
+        for start in range(0, len(keys), 500):
+            out += self._run(self._claim_orphans, time.time(), SWEPT_RETENTION_SECONDS, *keys[start:start + 500])
+        return out
+
+    def reset(self, token: str | None = None) -> list[str] | None:
+        out = self._run(self._reset, token or "", "1" if token is not None else "0")
+        return None if int(out[0]) == 0 else list(out[1:])
+
+    def close(self) -> None:
+        self.client.close()
