@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import os
+import socket
 import subprocess
 import sys
 import time
@@ -31,6 +32,12 @@ BUCKET = "overworld-test"
 # Fast housekeeping so that deferred deletes and metrics show up within a test.
 SERVICE_DEFAULTS: dict[str, Any] = {"delete_delay": 0.1, "sweep_interval": 0.0, "metrics_interval": 0.2,
                                     "default_sample_timeout": 5.0}
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
 
 
 def new_run_id() -> str:
