@@ -1,0 +1,37 @@
+# syntax=docker/dockerfile:1.7
+# The CPU services: rollout-manager, replay-buffer, gae, model-registry and the run-controller.
+#   docker build -f docker/services.Dockerfile -t overworld-services .   (or: make image-services)
+ARG PYTHON_VERSION=3.11
+
+FROM python:${PYTHON_VERSION}-slim-bookworm AS build
+# Pinned versions come from pyproject.toml through docker/images.mk (make images).
+ARG TORCH_VERSION=2.13.0
+ARG KOPF_VERSION=1.45.2
+ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
+RUN python -m venv /opt/overworld
+ENV PATH=/opt/overworld/bin:$PATH
+# The CPU build of torch first: PyPI's default Linux wheel carries CUDA (gigabytes) that these
+# services never use. `torch==X` in pyproject.toml is satisfied by X+cpu.
+RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"
+WORKDIR /src
+COPY pyproject.toml README.md ./
+COPY proto ./proto
+COPY services ./services
+# The package (with its pinned dependencies) and the run-controller's operator framework.
+RUN pip install . "kopf==${KOPF_VERSION}" && overworld --help >/dev/null
+
+FROM python:${PYTHON_VERSION}-slim-bookworm
+LABEL org.opencontainers.image.title="overworld-services" \
+      org.opencontainers.image.description="Overworld CPU services: rollout-manager, replay-buffer, gae, model-registry, run-controller" \
+      org.opencontainers.image.source="https://github.com/overworld-rl/overworld"
+ENV PATH=/opt/overworld/bin:$PATH PYTHONUNBUFFERED=1 PYTHONDONTWRITEBYTECODE=1 HOME=/tmp
+COPY --from=build /opt/overworld /opt/overworld
+# A fixed numeric non-root user, so that Kubernetes can verify runAsNonRoot.
+RUN groupadd --system --gid 10001 overworld \
+ && useradd --system --uid 10001 --gid 10001 --home-dir /nonexistent --no-create-home --shell /usr/sbin/nologin overworld
+USER 10001:10001
+WORKDIR /tmp
+# 50051-50054: the services' gRPC ports; 9090: /metrics; 8080: the run-controller's liveness.
+EXPOSE 50051 50052 50053 50054 9090 8080
+ENTRYPOINT ["overworld"]
+CMD ["--help"]
