@@ -16,6 +16,7 @@ from typing import Any
 
 import grpc
 import numpy as np
+
 from overworld.core.blobs import BlobStore, LocalBlobStore
 from overworld.core.config import ReplayBufferConfig
 from overworld.core.fragment import Fragment, expected_tensors

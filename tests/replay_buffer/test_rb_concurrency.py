@@ -7,8 +7,9 @@ import time
 from collections import defaultdict
 
 import grpc
-from overworld.v1 import replay_buffer_pb2
 from rb_support import insert, sample, stats
+
+from overworld.v1 import replay_buffer_pb2
 
 FRAGMENTS_PER_WRITER = 30
 

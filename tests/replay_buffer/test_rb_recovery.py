@@ -10,18 +10,6 @@ from pathlib import Path
 
 import grpc
 import pytest
-from overworld.core.config import RunConfig
-from overworld.core.grpc_util import channel, serve, wait_healthy
-from overworld.replay_buffer.index import SWEPT, FragmentMeta
-from overworld.replay_buffer.server import fragments_prefix
-from overworld.replay_buffer.sweeper import OrphanSweeper
-from overworld.rollout_manager.server import RolloutManagerService
-from overworld.v1 import (
-    replay_buffer_pb2,
-    replay_buffer_pb2_grpc,
-    rollout_manager_pb2,
-    rollout_manager_pb2_grpc,
-)
 from rb_support import (
     LENGTH,
     SPACES,
@@ -35,6 +23,19 @@ from rb_support import (
     start_front_process,
     stats,
     wait_until,
+)
+
+from overworld.core.config import RunConfig
+from overworld.core.grpc_util import channel, serve, wait_healthy
+from overworld.replay_buffer.index import SWEPT, FragmentMeta
+from overworld.replay_buffer.server import fragments_prefix
+from overworld.replay_buffer.sweeper import OrphanSweeper
+from overworld.rollout_manager.server import RolloutManagerService
+from overworld.v1 import (
+    replay_buffer_pb2,
+    replay_buffer_pb2_grpc,
+    rollout_manager_pb2,
+    rollout_manager_pb2_grpc,
 )
 
 

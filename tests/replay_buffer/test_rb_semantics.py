@@ -9,9 +9,6 @@ import time
 import grpc
 import numpy as np
 import pytest
-from overworld.core.config import ConfigError, load_config
-from overworld.replay_buffer.rate_limiter import RateLimiter
-from overworld.v1 import replay_buffer_pb2
 from rb_support import (
     fragment_data,
     insert,
@@ -22,6 +19,10 @@ from rb_support import (
     stats,
     wait_until,
 )
+
+from overworld.core.config import ConfigError, load_config
+from overworld.replay_buffer.rate_limiter import RateLimiter
+from overworld.v1 import replay_buffer_pb2
 
 
 def _sequences(chunk: replay_buffer_pb2.SampledChunk) -> list[int]:

@@ -1,0 +1,50 @@
+"""Prometheus metrics of the replay buffer, after real traffic, for each backend."""
+
+from __future__ import annotations
+
+from prometheus_client import REGISTRY, generate_latest
+from prometheus_client.parser import text_string_to_metric_families
+from rb_support import insert, sample, stats, wait_until
+
+from overworld.v1 import replay_buffer_pb2
+
+
+def _scrape() -> dict[tuple[str, tuple], float]:
+    out = {}
+    for family in text_string_to_metric_families(generate_latest(REGISTRY).decode()):
+        for s in family.samples:
+            out[(s.name, tuple(sorted(s.labels.items())))] = s.value
+    return out
+
+
+def test_metrics_after_traffic(make_buffer):
+    before = _scrape()
+    buf = make_buffer(max_chunks=3, max_reuse=2, max_staleness=1, service={"metrics_interval": 0.05})
+    insert(buf.stub, [buf.fragment(seq=q, version=2) for q in range(5)])  # 2 evicted
+    sample(buf.stub, 2)
+    sample(buf.stub, 3)  # at least one chunk sampled twice: reused
+    buf.stub.SetModelVersion(replay_buffer_pb2.SetModelVersionRequest(model_version=3))
+    st = stats(buf.stub)
+    assert st.chunks >= 1
+
+    def delta(name: str, **labels: str) -> float:
+        key = (name, tuple(sorted(labels.items())))
+        return _scrape().get(key, 0.0) - before.get(key, 0.0)
+
+    def gauge(name: str, **labels: str) -> float:
+        return _scrape()[(name, tuple(sorted(labels.items())))]
+
+    wait_until(lambda: gauge("overworld_replay_buffer_fragments") == st.fragments, 5, "the fragments gauge")
+    assert gauge("overworld_replay_buffer_bytes") == st.bytes > 0
+    assert gauge("overworld_replay_buffer_capacity_fragments") == 3
+    assert delta("overworld_replay_buffer_inserts_total") == 5
+    assert delta("overworld_replay_buffer_samples_total") == 5
+    assert delta("overworld_replay_buffer_drops_total", reason="evicted") == 2
+    assert delta("overworld_replay_buffer_drops_total", reason="reused") == st.dropped_chunks["reused"] >= 1
+    assert gauge("overworld_replay_buffer_mean_reuse") == st.mean_reuse > 0
+    assert gauge("overworld_replay_buffer_staleness", stat="mean") == st.mean_staleness == 1.0
+    assert gauge("overworld_replay_buffer_staleness", stat="max") == st.max_staleness == 1
+    assert delta("overworld_replay_buffer_sample_wait_seconds_count") == 2
+    assert delta("overworld_replay_buffer_ingest_latency_seconds_count") == 5
+    buf.stub.SetModelVersion(replay_buffer_pb2.SetModelVersionRequest(model_version=4))
+    assert delta("overworld_replay_buffer_drops_total", reason="stale") == st.chunks
