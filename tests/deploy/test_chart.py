@@ -13,8 +13,8 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from overworld.run_controller.rayjob import build_rayjob
 
+from overworld.run_controller.rayjob import build_rayjob
 from tests.deploy.deploy_support import (
     ARCHITECTURE,
     CHART,
@@ -542,3 +542,32 @@ def test_ray_version_matches_pyproject() -> None:
     match = re.search(r'"ray(?:\[[^\]]*\])?==([0-9.]+)"', pyproject)
     assert match, "pyproject.toml pins no ray version (ray==X.Y.Z)"
     assert yaml.safe_load((CHART / "values.yaml").read_text())["trainer"]["rayVersion"] == match[1]
+
+
+def test_run_controller_rbac_covers_what_it_calls(default_objects: list[dict[str, Any]]) -> None:
+    """kopf watches and patches TrainingRuns (annotations, status) and posts events; the
+    handlers get/list/create/delete RayJobs. A namespaced Role must grant exactly that."""
+    (role,) = by_kind(default_objects, "Role").values()
+    granted = {
+        (group, resource, verb)
+        for rule in role["rules"]
+        for group in rule["apiGroups"]
+        for resource in rule["resources"]
+        for verb in rule["verbs"]
+    }
+    needed = {
+        *(("overworld.dev", "trainingruns", v) for v in ("get", "list", "watch", "patch")),
+        ("overworld.dev", "trainingruns/status", "patch"),
+        *(("ray.io", "rayjobs", v) for v in ("get", "list", "watch", "create", "delete")),
+        ("", "events", "create"),
+    }
+    assert needed <= granted, sorted(needed - granted)
+    assert not any(verb == "*" or resource == "*" for _, resource, verb in granted)
+    assert not by_kind(default_objects, "ClusterRole")
+    deployment = by_kind(default_objects, "Deployment")["overworld-run-controller"]
+    pod = deployment["spec"]["template"]["spec"]
+    assert pod["serviceAccountName"] == role["metadata"]["name"]
+    (container,) = pod["containers"]
+    assert container["command"] == ["python", "-m", "overworld.run_controller"]
+    namespace_env = next(e for e in container["env"] if e["name"] == "OVERWORLD_NAMESPACE")
+    assert namespace_env["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
