@@ -68,6 +68,8 @@ INGEST_LATENCY = Histogram("overworld_replay_buffer_ingest_latency_seconds",
                            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 2.5))
 STALENESS = Gauge("overworld_replay_buffer_staleness", "Model versions behind, over held chunks", ["stat"])
 MEAN_REUSE = Gauge("overworld_replay_buffer_mean_reuse", "Mean times sampled of removed chunks")
+DUPLICATES = Counter("overworld_replay_buffer_duplicates_total",
+                     "Fragments at or below their slot's last sequence number (resends), acknowledged, not re-added")
 ORPHANS = Counter("overworld_replay_buffer_orphans_swept_total", "Unreferenced blobs deleted by the sweeper")
 
 POLL_SECONDS = 0.05  # other fronts' changes are seen by polling the shared index
@@ -271,6 +273,8 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
             DROPS.labels(reason).inc(n)
         if result.status == OK:
             INSERTS.inc()
+        else:
+            DUPLICATES.inc()
         INGEST_LATENCY.observe(time.monotonic() - p.started)
         self._notify()
         h = p.header
@@ -387,9 +391,7 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
                     abort(context, grpc.StatusCode.UNAVAILABLE, f"blob store read failed: {err}; retry")
                 if sent == 0:
                     SAMPLE_WAIT.observe(time.monotonic() - started)
-                yield replay_buffer_pb2.SampledChunk(
-                    chunk_id=claim.chunk.chunk_id, fragments=[common_pb2.Fragment.FromString(b) for b in blobs],
-                    times_sampled=claim.chunk.times_sampled)
+                yield _sampled_chunk(claim.chunk.chunk_id, blobs, claim.chunk.times_sampled)
                 SAMPLES.inc(len(blobs))
                 if claim.final:
                     DROPS.labels("reused").inc()
@@ -447,6 +449,29 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
         STALENESS.labels("max").set(s.max_staleness)
         MEAN_REUSE.set(s.mean_reuse)
         return s
+
+
+def _varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        byte = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(byte | 0x80)
+        else:
+            out.append(byte)
+            return bytes(out)
+
+
+def _sampled_chunk(chunk_id: int, blobs: list[bytes], times_sampled: int) -> replay_buffer_pb2.SampledChunk:
+    """A SampledChunk from the stored fragment bytes as they are: the blobs are serialized Fragments, so
+    the message is assembled on the wire format and parsed once (cheaper than parsing each fragment
+    and copying it into the chunk)."""
+    parts = [b"\x08", _varint(chunk_id)]  # field 1, varint
+    for blob in blobs:
+        parts += [b"\x12", _varint(len(blob)), blob]  # field 2, length-delimited
+    parts += [b"\x18", _varint(times_sampled)]  # field 3, varint
+    return replay_buffer_pb2.SampledChunk.FromString(b"".join(parts))
 
 
 def _rejects() -> dict[str, int]:
