@@ -39,7 +39,7 @@ def serve_main(args: argparse.Namespace) -> int:
     if args.service == "run-controller":
         from overworld.run_controller import main as controller_main
 
-        return controller_main()
+        return controller_main([])
     if not args.port:
         args.port = DEFAULT_PORTS[args.service]
     done = threading.Event()
@@ -64,6 +64,8 @@ def main(argv: list[str] | None = None) -> int:
                    help="stop once the mean return of the last 100 episodes reaches this")
     r.add_argument("--summary", default=None, help="write the JSON run summary here")
     r.add_argument("--workdir", default=None, help="default: runs/<run_id>")
+    r.add_argument("--resume", default=None, metavar="latest|CHECKPOINT_ID",
+                   help="continue the run in --workdir from a checkpoint")
     _serve_parser(sub)
     s = sub.add_parser("status", help="print the fleet status of a running run")
     s.add_argument("--rollout-manager", default=env_default("rollout-manager", "127.0.0.1:50051"))
@@ -74,7 +76,8 @@ def main(argv: list[str] | None = None) -> int:
         from overworld.launcher import run
 
         try:
-            summary = run(args.config, args.set, args.max_env_steps, args.summary, args.workdir, args.target_return)
+            summary = run(args.config, args.set, args.max_env_steps, args.summary, args.workdir, args.target_return,
+                          args.resume)
         except ConfigError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2

@@ -16,10 +16,13 @@ from typing import IO, Any
 
 import grpc
 
-from overworld.core.config import RunConfig, load_config, to_yaml
+from overworld.core.config import ConfigError, RunConfig, load_config, to_yaml
 from overworld.core.grpc_util import channel, wait_healthy
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.v1 import trainer_pb2, trainer_pb2_grpc
+
+MAX_RESTARTS = 3  # per service; the trainer resumes from its latest checkpoint by itself
+RESTARTABLE = ("trainer", "rollout-worker")
 
 
 def free_port() -> int:
@@ -44,9 +47,12 @@ class Launcher:
         self.config_path = config_path
         self.children: list[Child] = []
         self.addresses: dict[str, str] = {}
+        self.flags: dict[str, tuple[str, ...]] = {}
+        self.restarts: dict[str, int] = {}
 
     def start(self, name: str, *flags: str, port: int | None = None) -> Child:
         port = port or free_port()
+        self.flags[name] = flags
         address = f"127.0.0.1:{port}"
         log_path = self.workdir / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -62,7 +68,17 @@ class Launcher:
         print(f"  {name:<18} {address:<18} pid {proc.pid:<8} log {log_path}", flush=True)
         return child
 
-    def start_all(self) -> None:
+    def restart(self, child: Child) -> Child:
+        """Start a crashed service again on the same port, as a Deployment's restart would."""
+        child.log_file.close()
+        self.children.remove(child)
+        self.restarts[child.name] = self.restarts.get(child.name, 0) + 1
+        port = int(child.address.rsplit(":", 1)[1])
+        print(f"\n{child.name} exited with code {child.proc.returncode}; restarting it "
+              f"({self.restarts[child.name]} of {MAX_RESTARTS})", flush=True)
+        return self.start(child.name, *self.flags[child.name], port=port)
+
+    def start_all(self, resume: str | None = None) -> None:
         a = self.addresses
         print("starting services:", flush=True)
         self.start("model-registry")
@@ -73,7 +89,7 @@ class Launcher:
         self.start("replay-buffer", "--rollout-manager", a["rollout-manager"])
         self.wait("replay-buffer", 60)
         self.start("trainer", "--rollout-manager", a["rollout-manager"], "--replay-buffer", a["replay-buffer"],
-                   "--gae", a["gae"], "--model-registry", a["model-registry"])
+                   "--gae", a["gae"], "--model-registry", a["model-registry"], *(["--resume", resume] if resume else []))
         for i in range(self.config.rollout_config.num_rollout_workers):
             self.start(f"rollout-worker#{i}", "--rollout-manager", a["rollout-manager"],
                        "--replay-buffer", a["replay-buffer"], "--model-registry", a["model-registry"])
@@ -96,21 +112,46 @@ class Launcher:
         return [c for c in self.children if c.proc.poll() is not None]
 
     def stop(self) -> None:
-        """Workers first (they flush), then the trainer, then the rest; SIGKILL whatever lingers."""
-        order = sorted(self.children, key=lambda c: (not c.name.startswith("rollout-worker"), c.name != "trainer"))
-        for group in (order[: sum(c.name.startswith("rollout-worker") for c in order)], order):
-            for c in group:
-                if c.proc.poll() is None:
-                    c.proc.send_signal(signal.SIGTERM)
-            deadline = time.monotonic() + 40
-            for c in group:
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
-        for c in self.children:
-            with contextlib.suppress(ProcessLookupError, PermissionError):
-                os.killpg(c.proc.pid, signal.SIGKILL)  # Ray and env processes started by the service
-            c.proc.wait()
-            c.log_file.close()
+        """Workers first (they flush), then the trainer, then the rest; SIGKILL whatever lingers,
+        descendants included (Ray's raylet and workers, env processes). A second Ctrl-C skips the
+        graceful part but still leaves no process behind."""
+        family = {c.proc.pid: descendants(c.proc.pid) for c in self.children}
+        try:
+            workers = [c for c in self.children if c.name.startswith("rollout-worker")]
+            for group in (workers, [c for c in self.children if c.name == "trainer"], self.children):
+                for c in group:
+                    if c.proc.poll() is None:
+                        c.proc.send_signal(signal.SIGTERM)
+                deadline = time.monotonic() + 40
+                for c in group:
+                    with contextlib.suppress(subprocess.TimeoutExpired):
+                        c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+        except KeyboardInterrupt:
+            print("\ninterrupted again: killing every service now", flush=True)
+        finally:
+            for c in self.children:
+                for pid in [c.proc.pid, *family[c.proc.pid], *descendants(c.proc.pid)]:
+                    with contextlib.suppress(ProcessLookupError, PermissionError):
+                        os.kill(pid, signal.SIGKILL)
+                c.proc.wait()
+                c.log_file.close()
+
+
+def descendants(pid: int) -> list[int]:
+    """Every process below `pid` (read from /proc; empty where /proc is missing)."""
+    children: dict[int, list[int]] = {}
+    for entry in Path("/proc").glob("[0-9]*/stat"):
+        try:
+            fields = entry.read_text().rsplit(")", 1)[1].split()
+        except OSError:
+            continue
+        children.setdefault(int(fields[1]), []).append(int(entry.parent.name))
+    out, stack = [], [pid]
+    while stack:
+        for child in children.get(stack.pop(), []):
+            out.append(child)
+            stack.append(child)
+    return out
 
 
 def tail(path: Path, lines: int = 20) -> str:
@@ -121,8 +162,14 @@ def tail(path: Path, lines: int = 20) -> str:
 
 
 def run(config_source: str, overrides: list[str], max_env_steps: int | None, summary_path: str | None,
-        workdir: str | None, target_return: float | None, progress_interval: float = 2.0) -> dict[str, Any]:
+        workdir: str | None, target_return: float | None, resume: str | None = None,
+        progress_interval: float = 2.0) -> dict[str, Any]:
     config = load_config(config_source, overrides)
+    previous = Path(workdir, "config.yaml") if workdir else None
+    if resume and previous is not None and previous.exists():
+        config.run_id = load_config(previous).run_id  # same run: its checkpoints, its blobs
+    elif resume and not workdir:
+        raise ConfigError("--resume needs --workdir: the directory of the run to resume")
     if not config.run_id:
         config.run_id = f"run-{time.strftime('%Y%m%d-%H%M%S')}"
     work = Path(workdir or Path("runs") / config.run_id).resolve()
@@ -138,8 +185,13 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
                                "steps_to_target": None}
     fleet: Any = None
     trainer_status: Any = None
+
+    def offset(status: Any) -> int:
+        """A resumed run's services count env steps from zero; the checkpoint knows where it was."""
+        return int(status.start_env_steps) if resume and status is not None else 0
+
     try:
-        launcher.start_all()
+        launcher.start_all(resume)
         manager = RolloutManagerClient(launcher.addresses["rollout-manager"])
         trainer = trainer_pb2_grpc.TrainerStub(channel(launcher.addresses["trainer"]))
         is_tty = sys.stdout.isatty()
@@ -152,6 +204,9 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
                 if c.name == "trainer" and trainer_status is not None and trainer_status.state == "finished":
                     summary["status"] = "completed"
                     break
+                if c.name.startswith(RESTARTABLE) and launcher.restarts.get(c.name, 0) < MAX_RESTARTS:
+                    launcher.restart(c)
+                    continue
                 raise RuntimeError(f"{c.name} exited with code {c.proc.returncode}; last lines of {c.log_path}:\n"
                                    + tail(c.log_path))
             try:
@@ -169,13 +224,13 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
             now = time.monotonic()
             if now - last_print >= progress_interval or reached:
                 last_print = now
-                line = progress_line(fleet, trainer_status, now - started, max_env_steps)
+                line = progress_line(fleet, trainer_status, now - started, max_env_steps, offset(trainer_status))
                 print(("\r" + line) if is_tty else line, end="" if is_tty else "\n", flush=True)
             if reached:
                 summary["status"] = "target_reached"
-                summary["steps_to_target"] = fleet.env_steps
+                summary["steps_to_target"] = offset(trainer_status) + fleet.env_steps
                 break
-            if max_env_steps is not None and fleet.env_steps >= max_env_steps:
+            if max_env_steps is not None and offset(trainer_status) + fleet.env_steps >= max_env_steps:
                 summary["status"] = "max_env_steps"
                 break
     except KeyboardInterrupt:
@@ -189,14 +244,19 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
         launcher.stop()
     wall = time.monotonic() - started
     if fleet is not None:
-        summary.update(env_steps=fleet.env_steps, episodes=fleet.episodes,
+        summary.update(env_steps=offset(trainer_status) + fleet.env_steps, episodes=fleet.episodes,
                        mean_return_last_100=fleet.mean_return_last_100 if fleet.episodes else None,
                        tasks={t.task: {"episodes": t.episodes, "mean_return_last_100": t.mean_return_last_100,
                                        "mean_length_last_100": t.mean_length_last_100,
                                        **dict(t.mean_extras_last_100)} for t in fleet.tasks})
     if trainer_status is not None:
         summary.update(model_version=trainer_status.model_version, updates=trainer_status.updates,
-                       iterations=trainer_status.iteration, samples_trained=trainer_status.samples_trained)
+                       iterations=trainer_status.iteration, samples_trained=trainer_status.samples_trained,
+                       resumed_from=trainer_status.resumed_from or None,
+                       start_env_steps=trainer_status.start_env_steps if resume else 0,
+                       start_model_version=trainer_status.start_model_version,
+                       start_rho=trainer_status.start_rho, latest_checkpoint=trainer_status.latest_checkpoint or None)
+    summary["restarts"] = dict(launcher.restarts)
     summary["wall_seconds"] = round(wall, 2)
     summary["env_steps_per_second"] = round(summary["env_steps"] / wall, 1) if wall > 0 else 0.0
     if summary_path:
@@ -207,8 +267,8 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
     return summary
 
 
-def progress_line(fleet: Any, trainer: Any, elapsed: float, max_env_steps: int | None) -> str:
-    steps = fleet.env_steps
+def progress_line(fleet: Any, trainer: Any, elapsed: float, max_env_steps: int | None, offset: int = 0) -> str:
+    steps = offset + fleet.env_steps
     of = f"/{max_env_steps:,}" if max_env_steps else ""
     versions = [w.model_version for w in fleet.workers]
     lag = trainer.model_version - (sum(versions) / len(versions)) if versions else 0.0

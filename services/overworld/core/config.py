@@ -106,6 +106,8 @@ class TrainConfig:
     keep_interval: int = 40
     record_video_interval: int = 0
     fix_decoder: bool = False
+    # null/"auto": resume from this run's latest checkpoint if there is one (a restarted trainer
+    # continues by itself); "latest" or a checkpoint id: must exist; "never": start fresh.
     resume: str | None = None
     resume_optimizer: bool = True
     save_path: str = "output"
@@ -114,6 +116,11 @@ class TrainConfig:
     log_interval: int = 1
     sample_timeout: float = 120.0
     vtrace: bool = False
+    eval_interval: int = 0  # iterations between evaluations on a separate env; 0 = never
+    eval_episodes: int = 5
+    eval_env_kwargs: dict[str, Any] = field(default_factory=dict)  # overrides env_kwargs for evaluation
+    eval_deterministic: bool = True
+    hooks: list[str] = field(default_factory=list)  # "module:function" of setup functions: f(trainer)
 
 
 @dataclass
@@ -140,6 +147,11 @@ class RunConfig:
     rollout_config: RolloutConfig = field(default_factory=RolloutConfig)
     train_config: TrainConfig = field(default_factory=TrainConfig)
     logger_config: LoggerConfig = field(default_factory=LoggerConfig)
+
+
+# Mappings whose keys belong to the user's generators, not to this schema.
+FREE_FORM = ("env_kwargs", "policy_kwargs")
+FREE_FORM_NESTED = ("train_config.eval_env_kwargs.", "rollout_config.episode_statistics_config.")
 
 
 def _user_dict(source: str | Path | dict[str, Any]) -> dict[str, Any]:
@@ -181,7 +193,8 @@ def load_config(source: str | Path | dict[str, Any], overrides: list[str] | None
             if "=" not in item:
                 raise ConfigError(f"--set {item!r}: expected dotted.key=value")
             key, value = item.split("=", 1)
-            if OmegaConf.select(merged, key, default="__missing__") == "__missing__":
+            free_form = key.split(".")[0] in FREE_FORM or key.startswith(FREE_FORM_NESTED)
+            if not free_form and OmegaConf.select(merged, key, default="__missing__") == "__missing__":
                 raise ConfigError(f"--set {key}: unknown config key")
             merged = OmegaConf.merge(merged, OmegaConf.from_dotlist([f"{key}={value}"]))
     except OmegaConfBaseException as err:

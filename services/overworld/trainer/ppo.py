@@ -1,28 +1,39 @@
-"""PPOTrainer: MineStudio's PPO, corrected (see docs/trainer.md for every key)."""
+"""PPOTrainer: MineStudio's PPO, corrected. Read top to bottom: setup, the iteration loop, one
+update over context windows, the optimizer step.
+
+Fixes over MineStudio: ratios against the behaviour log-probs recorded at rollout; advantages
+normalised over the global batch; the recurrent state is reset at episode starts inside a window
+(the policy sees `first`); the reference policy sees the same windows and carried state; a
+non-finite gradient on any rank skips the step on every rank; any batch_size_per_gpu.
+"""
 
 from __future__ import annotations
 
+import contextlib
 import copy
 import logging
 import math
 import time
+from collections.abc import Iterator
 
 import torch
 
+from overworld.core.imports import import_object
 from overworld.policies.base import Policy
-from overworld.trainer.base import BaseTrainer, all_reduce_sum, build_policy_for_training, is_distributed
+from overworld.trainer.base import BaseTrainer, all_reduce_sum, is_distributed
+from overworld.trainer.builtin_hooks import register_builtin_hooks
 from overworld.trainer.data import Batch
-from overworld.trainer.loss import LossConfig, ppo_loss
+from overworld.trainer.loss import LossConfig, LossTerms, ppo_loss
 
 log = logging.getLogger("overworld.trainer.ppo")
+
+TERMS = ("total", "policy", "value", "entropy", "kl", "approx_kl", "clip_fraction")
 
 
 class PPOTrainer(BaseTrainer):
     def setup_model_and_optimizer(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        import ray.train.torch
-
         t = self.config.train_config
-        policy = build_policy_for_training(self.config)
+        policy = self.build_policy()
         if t.zero_initial_vf:
             for module in policy.value_head_modules():
                 for p in module.parameters():
@@ -36,132 +47,193 @@ class PPOTrainer(BaseTrainer):
             self.reference = copy.deepcopy(policy).to(self.device).eval()
             for p in self.reference.parameters():
                 p.requires_grad_(False)
-        model = ray.train.torch.prepare_model(policy) if self.world_size > 1 else policy.to(self.device)
+        policy.to(self.device)
+        model: torch.nn.Module = policy
+        if self.world_size > 1:
+            import ray.train.torch
+
+            model = ray.train.torch.prepare_model(policy)
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay, eps=t.adam_eps)
-        self.rho = t.kl_divergence_coef_rho
+        self.amp_dtype = (torch.float16 if self.device.type == "cuda" else torch.bfloat16) if t.use_amp else None
+        self.scaler = torch.amp.GradScaler("cuda") if t.use_amp and self.device.type == "cuda" else None
         self.loss_config = LossConfig(t.ppo_clip, t.clip_vloss, t.ppo_policy_coef, t.ppo_vf_coef,
                                       t.entropy_bonus_coef, t.log_ratio_range)
         return model, optimizer
 
     def train(self) -> None:
         t = self.config.train_config
-        chunks_per_rank = t.batch_size_per_gpu * t.batches_per_iteration
-        self.model_version = 1
-        self.broadcast_model_to_rollout_workers(self.model_version)
+        logger = register_builtin_hooks(self)
+        for ref in t.hooks:
+            import_object(ref)(self)
+        self.publish_initial_version()
         self.report("running", {})
-        for self.iteration in range(1, t.num_iterations + 1):
-            started = time.monotonic()
-            if t.anneal_lr_linearly:
-                for group in self.optimizer.param_groups:
-                    group["lr"] = t.learning_rate * (1 - (self.iteration - 1) / t.num_iterations)
-            batch = self.fetch_fragments_and_estimate_advantages(chunks_per_rank)
-            fetched = time.monotonic()
-            metrics = self.train_iteration(batch)
-            self.rho *= t.coef_rho_decay
-            if self.updates >= t.vf_warmup:
-                self.model_version += 1
-                self.broadcast_model_to_rollout_workers(self.model_version)
-            metrics.update({"trainer/fetch_seconds": fetched - started, "trainer/iteration_seconds":
-                            time.monotonic() - started})
-            if self.iteration % t.log_interval == 0:
-                self.report("running", metrics)
+        last_env_steps = self._fleet_env_steps()
+        try:
+            while self.iteration < t.num_iterations:
+                self.iteration += 1
+                started = time.monotonic()
+                self.hooks.run("pre_collect", self)
+                batch = self.fetch_fragments_and_estimate_advantages()
+                self.hooks.run("post_collect", self, batch=batch)
+                fetched = time.monotonic()
+                updates_before = self.updates
+                metrics = self.train_iteration(batch)
+                fleet_steps = self._fleet_env_steps()
+                new_steps = max(0, fleet_steps - last_env_steps)
+                last_env_steps = fleet_steps
+                self.env_steps += new_steps
+                metrics.update({
+                    "trainer/fetch_seconds": fetched - started,
+                    "trainer/iteration_seconds": time.monotonic() - started,
+                    "trainer/utd_ratio": (self.updates - updates_before) / new_steps if new_steps else math.nan,
+                    "trainer/env_steps_all_workers": float(self.env_steps),
+                })
+                self.hooks.run("post_iteration", self, metrics=metrics)
+        finally:
+            logger.close()
+        if self.rank == 0 and self.config.train_config.save_interval > 0 and self.latest_checkpoint != \
+                f"iter-{self.iteration:08d}":
+            self.save_checkpoint()
         self.report("finished", {})
 
-    def _normalize_advantage(self, batch: Batch) -> None:
-        adv = batch.advantage
-        assert adv is not None
-        t = self.config.train_config
-        if t.normalize_advantage_full_batch:
-            # Over the global batch: MineStudio normalised per rank.
-            stats = all_reduce_sum(torch.stack([adv.sum(), (adv**2).sum(), torch.tensor(float(adv.numel()))]))
-            mean = stats[0] / stats[2]
-            std = (stats[1] / stats[2] - mean**2).clamp(min=0).sqrt()
-            batch.advantage = (adv - mean) / (std + 1e-8)
+    def _fleet_env_steps(self) -> int:
+        try:
+            return int(self.manager.fleet_status(timeout=5).env_steps)
+        except Exception:  # statistics only: never stall training on the manager
+            return 0
+
+    # -- one iteration -------------------------------------------------------------------------
+    def _normalize(self, adv: torch.Tensor, global_batch: bool) -> torch.Tensor:
+        count = torch.tensor(float(adv.numel()), device=adv.device)
+        stats = torch.stack([adv.sum(), (adv**2).sum(), count])
+        if global_batch:
+            stats = all_reduce_sum(stats)
+        mean = stats[0] / stats[2]
+        std = (stats[1] / stats[2] - mean**2).clamp(min=0).sqrt()
+        return (adv - mean) / (std + 1e-8)
 
     def _update_value_normalizer(self, batch: Batch) -> None:
         target = batch.value_target
         assert target is not None
-        stats = all_reduce_sum(torch.stack([target.sum(), (target**2).sum(), torch.tensor(float(target.numel()))]))
+        stats = all_reduce_sum(torch.stack([target.sum(), (target**2).sum(),
+                                            torch.tensor(float(target.numel()), device=target.device)]))
         self.unwrapped_model.value_normalizer.update(stats[0] / stats[2], stats[1] / stats[2])
+
+    def _minibatches(self, batch: Batch) -> Iterator[tuple[int, torch.Tensor]]:
+        t = self.config.train_config
+        order = torch.randperm(batch.size, device=self.device)
+        for b in range(t.batches_per_iteration):
+            idx = order[b * t.batch_size_per_gpu:(b + 1) * t.batch_size_per_gpu]
+            if len(idx):
+                yield b, idx
+
+    def _autocast(self) -> contextlib.AbstractContextManager:
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
     def train_iteration(self, batch: Batch) -> dict[str, float]:
         t = self.config.train_config
-        self._normalize_advantage(batch)
+        assert batch.advantage is not None and batch.value_target is not None and batch.old_vpred is not None
+        if t.normalize_advantage_full_batch:
+            batch.advantage = self._normalize(batch.advantage, global_batch=True)
         self._update_value_normalizer(batch)
         normalizer = self.unwrapped_model.value_normalizer
-        target_vpred = normalizer.normalize(batch.value_target)  # type: ignore[arg-type]
-        # The stored old predictions were made before the statistics moved; bring them along.
-        old_vpred = normalizer.normalize(normalizer.denormalize(batch.old_vpred))  # type: ignore[arg-type]
-        L = batch.length
-        window = min(t.context_length, L)
-        sums: dict[str, float] = {}
-        count = 0
+        target_vpred = normalizer.normalize(batch.value_target)
+        # The stored predictions were made before the statistics moved; bring them along.
+        old_vpred = normalizer.normalize(normalizer.denormalize(batch.old_vpred))
+        sums = dict.fromkeys(TERMS, 0.0)
+        windows = 0
         skipped = 0
-        for _epoch in range(t.epochs_per_iteration):
-            order = torch.randperm(batch.size, device=self.device)
-            for b in range(t.batches_per_iteration):
-                idx = order[b * t.batch_size_per_gpu:(b + 1) * t.batch_size_per_gpu]
-                if len(idx) == 0:
-                    continue
+        for epoch in range(t.epochs_per_iteration):
+            for b, idx in self._minibatches(batch):
                 mb = batch.select(idx)
-                state = mb.state
-                ref_state = mb.state
-                for start in range(0, L, window):
-                    sl = slice(start, start + window)
-                    w = mb.select(slice(None), sl)
-                    out, state = self.model(w.obs, state, w.first)
-                    state = {k: v.detach() for k, v in state.items()}
-                    ref_logits = None
-                    if self.reference is not None and self.rho > 0:
-                        with torch.no_grad():
-                            ref_out, ref_state = self.reference(w.obs, ref_state, w.first)
-                        ref_logits = ref_out.logits
-                    terms = ppo_loss(out, w.action, w.behaviour_logp, w.advantage, target_vpred[idx][:, sl],  # type: ignore[arg-type]
-                                     old_vpred[idx][:, sl], ref_logits, self.rho, self.loss_config,
-                                     value_only=self.updates < t.vf_warmup)
-                    scale = (w.length / L) / t.gradient_accumulation
-                    (terms.total * scale).backward()
-                    for name in ("total", "policy", "value", "entropy", "kl", "approx_kl", "clip_fraction"):
-                        sums[name] = sums.get(name, 0.0) + float(getattr(terms, name).detach())
-                    count += 1
-                if (b + 1) % t.gradient_accumulation == 0:
-                    skipped += self._optimizer_step()
-        self.samples_trained += batch.size * L
-        explained = self._explained_variance(batch)
-        metrics = {f"trainer/{k}": v / max(count, 1) for k, v in sums.items()}
-        metrics = {
-            "trainer/policy_loss": metrics["trainer/policy"], "trainer/value_loss": metrics["trainer/value"],
-            "trainer/entropy_bonus": metrics["trainer/entropy"], "trainer/kl_divergence_loss": metrics["trainer/kl"],
-            "trainer/total_loss": metrics["trainer/total"], "trainer/approx_kl": metrics["trainer/approx_kl"],
-            "trainer/clip_fraction": metrics["trainer/clip_fraction"],
+                if not t.normalize_advantage_full_batch:
+                    mb.advantage = self._normalize(mb.advantage, global_batch=False)  # type: ignore[arg-type]
+                accumulate_done = (b + 1) % t.gradient_accumulation == 0
+                for _ in range(t.optim_steps_per_batch if accumulate_done else 1):
+                    for terms in self._backward_windows(mb, target_vpred[idx], old_vpred[idx]):
+                        for name in TERMS:
+                            sums[name] += float(getattr(terms, name).detach())
+                        windows += 1
+                    if accumulate_done:
+                        skipped += self._optimizer_step()
+            self.hooks.run("post_epoch", self, epoch=epoch)
+        self.samples_trained += batch.size * batch.length
+        mean = {k: v / max(windows, 1) for k, v in sums.items()}
+        return {
+            "trainer/policy_loss": mean["policy"], "trainer/value_loss": mean["value"],
+            "trainer/entropy_bonus": mean["entropy"], "trainer/kl_divergence_loss": mean["kl"],
+            "trainer/total_loss": mean["total"], "trainer/approx_kl": mean["approx_kl"],
+            "trainer/clip_fraction": mean["clip_fraction"],
             "trainer/learning_rate": self.optimizer.param_groups[0]["lr"], "trainer/rho": self.rho,
-            "trainer/explained_var": explained,
-            "trainer/abs_advantage": float(batch.advantage.abs().mean()),  # type: ignore[union-attr]
-            "trainer/abs_td_target": float(batch.value_target.abs().mean()),  # type: ignore[union-attr]
+            "trainer/explained_var": self._explained_variance(batch),
+            "trainer/abs_advantage": float(batch.advantage.abs().mean()),
+            "trainer/abs_td_target": float(batch.value_target.abs().mean()),
             "trainer/buffer_reward": float(batch.reward.sum(1).mean()),
             "trainer/skipped_steps": float(skipped),
             "trainer/policy_lag": float((self.model_version - batch.model_version.float()).mean()),
         }
-        return metrics
+
+    def _backward_windows(self, mb: Batch, target_vpred: torch.Tensor, old_vpred: torch.Tensor) -> Iterator[LossTerms]:
+        """Forward and backward over consecutive context windows, carrying the (detached) recurrent
+        state; the reference policy runs on the same windows with its own carried state."""
+        t = self.config.train_config
+        L = mb.length
+        window = min(t.context_length, L)
+        state, ref_state = mb.state, mb.state
+        for start in range(0, L, window):
+            sl = slice(start, start + window)
+            w = mb.select(slice(None), sl)
+            with self._autocast():
+                out, state = self.model(w.obs, state, w.first)
+                ref_logits = None
+                if self.reference is not None and self.rho > 0:
+                    with torch.no_grad():
+                        ref_out, ref_state = self.reference(w.obs, ref_state, w.first)
+                    ref_logits = ref_out.logits
+            state = {k: v.detach() for k, v in state.items()}
+            out.vpred = out.vpred.float()
+            out.logits = {k: v.float() for k, v in out.logits.items()}
+            terms = ppo_loss(out, w.action, w.behaviour_logp, w.advantage, target_vpred[:, sl],  # type: ignore[arg-type]
+                             old_vpred[:, sl], ref_logits, self.rho, self.loss_config,
+                             value_only=self.updates < t.vf_warmup)
+            self.hooks.run("post_loss", self, terms=terms)
+            loss = terms.total * (w.length / L) / t.gradient_accumulation
+            (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
+            yield terms
 
     def _optimizer_step(self) -> int:
-        """Clip, step, zero. A NaN or infinite gradient on any rank skips the step on every rank."""
+        """Clip, step, zero. A non-finite gradient on any rank skips the step on every rank."""
         t = self.config.train_config
+        self.hooks.run("pre_optim_step", self)
         params = [p for p in self.model.parameters() if p.requires_grad]
-        finite = torch.tensor(float(all(p.grad is None or torch.isfinite(p.grad).all() for p in params)))
-        finite = all_reduce_sum(finite) if is_distributed() else finite
+        if self.scaler is not None:
+            self.scaler.unscale_(self.optimizer)
+        finite = torch.tensor(float(all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params)),
+                              device=self.device)
+        if is_distributed():
+            finite = all_reduce_sum(finite)
         if finite.item() < self.world_size:
-            log.warning("non-finite gradient on some rank: skipping this optimizer step everywhere")
+            log.warning("non-finite gradient on some rank: skipping this optimizer step on every rank")
             self.optimizer.zero_grad(set_to_none=True)
+            if self.scaler is not None:
+                self.scaler.update()
+            self.hooks.run("post_optim_step", self, skipped=True)
             return 1
         if t.max_grad_value is not None:
             torch.nn.utils.clip_grad_value_(params, t.max_grad_value)
         if t.max_grad_norm and t.max_grad_norm > 0:
             torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
-        self.optimizer.step()
+        if self.scaler is not None:
+            self.scaler.step(self.optimizer)
+            self.scaler.update()
+        else:
+            self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.updates += 1
+        self.hooks.run("post_optim_step", self, skipped=False)
         return 0
 
     @torch.no_grad()

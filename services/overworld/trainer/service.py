@@ -4,6 +4,8 @@ serves the trainer status that rank 0 reports after every iteration."""
 from __future__ import annotations
 
 import logging
+import os
+import socket
 import threading
 import time
 
@@ -63,17 +65,25 @@ class TrainerStatusService(trainer_pb2_grpc.TrainerServicer):
             self.status.error = error
 
 
+def advertised_host(bind_host: str) -> str:
+    """Where Ray Train workers (possibly other pods) reach this driver's status endpoint."""
+    if bind_host not in ("0.0.0.0", "::", ""):
+        return bind_host
+    return os.environ.get("POD_IP") or socket.gethostbyname(socket.gethostname())
+
+
 class TrainerDriver:
     def __init__(self, rollout_manager: str, replay_buffer: str, gae: str, model_registry: str, host: str,
-                 port: int, ray_address: str, storage_path: str, done: threading.Event) -> None:
+                 port: int, ray_address: str, workdir: str, resume: str, done: threading.Event) -> None:
         self.status = TrainerStatusService()
         self.server: Server = serve([(trainer_pb2_grpc.add_TrainerServicer_to_server, self.status,
                                       "overworld.v1.Trainer")], host, port)
         self.config = RolloutManagerClient(rollout_manager).run_config()
+        if resume:
+            self.config.train_config.resume = resume
         self.addresses = {"rollout_manager": rollout_manager, "replay_buffer": replay_buffer, "gae": gae,
-                          "model_registry": model_registry, "status_address": f"127.0.0.1:{self.server.port}"
-                          if host in ("127.0.0.1", "0.0.0.0", "localhost") else f"{host}:{self.server.port}",
-                          "storage_path": storage_path}
+                          "model_registry": model_registry, "status_address": f"{advertised_host(host)}:{self.server.port}",
+                          "workdir": workdir}
         self.ray_address = ray_address
         self.done = done
         self.failed = False
@@ -83,6 +93,8 @@ class TrainerDriver:
     def _fit(self) -> None:
         import ray
 
+        # Ray nices its workers to 15 by default; the learner must not yield to every other process.
+        os.environ.setdefault("RAY_worker_niceness", "0")
         try:
             if self.ray_address:
                 ray.init(address=self.ray_address, log_to_driver=True)

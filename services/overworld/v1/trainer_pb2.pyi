@@ -11,7 +11,7 @@ class GetTrainerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TrainerStatus(_message.Message):
-    __slots__ = ("state", "iteration", "updates", "model_version", "samples_trained", "metrics", "error", "resumed_from", "start_model_version", "start_env_steps", "latest_checkpoint")
+    __slots__ = ("state", "iteration", "updates", "model_version", "samples_trained", "metrics", "error", "resumed_from", "start_model_version", "start_env_steps", "latest_checkpoint", "start_rho", "env_steps")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -30,6 +30,8 @@ class TrainerStatus(_message.Message):
     START_MODEL_VERSION_FIELD_NUMBER: _ClassVar[int]
     START_ENV_STEPS_FIELD_NUMBER: _ClassVar[int]
     LATEST_CHECKPOINT_FIELD_NUMBER: _ClassVar[int]
+    START_RHO_FIELD_NUMBER: _ClassVar[int]
+    ENV_STEPS_FIELD_NUMBER: _ClassVar[int]
     state: str
     iteration: int
     updates: int
@@ -41,7 +43,9 @@ class TrainerStatus(_message.Message):
     start_model_version: int
     start_env_steps: int
     latest_checkpoint: str
-    def __init__(self, state: _Optional[str] = ..., iteration: _Optional[int] = ..., updates: _Optional[int] = ..., model_version: _Optional[int] = ..., samples_trained: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., resumed_from: _Optional[str] = ..., start_model_version: _Optional[int] = ..., start_env_steps: _Optional[int] = ..., latest_checkpoint: _Optional[str] = ...) -> None: ...
+    start_rho: float
+    env_steps: int
+    def __init__(self, state: _Optional[str] = ..., iteration: _Optional[int] = ..., updates: _Optional[int] = ..., model_version: _Optional[int] = ..., samples_trained: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., resumed_from: _Optional[str] = ..., start_model_version: _Optional[int] = ..., start_env_steps: _Optional[int] = ..., latest_checkpoint: _Optional[str] = ..., start_rho: _Optional[float] = ..., env_steps: _Optional[int] = ...) -> None: ...
 
 class ReportProgressResponse(_message.Message):
     __slots__ = ()

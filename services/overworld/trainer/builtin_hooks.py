@@ -1,0 +1,82 @@
+"""The trainer's built-in behaviours, each a hook at a named point (see hooks.py)."""
+
+from __future__ import annotations
+
+import logging
+from pathlib import Path
+from typing import Any
+
+from overworld.core.config import as_dict
+from overworld.trainer.evaluation import evaluate
+from overworld.trainer.loggers import build_loggers
+
+log = logging.getLogger("overworld.trainer")
+
+
+def anneal_learning_rate(trainer: Any) -> None:
+    t = trainer.config.train_config
+    if t.anneal_lr_linearly:
+        for group in trainer.optimizer.param_groups:
+            group["lr"] = t.learning_rate * max(0.0, 1 - (trainer.iteration - 1) / t.num_iterations)
+
+
+def decay_kl_coefficient(trainer: Any, metrics: dict[str, float]) -> None:
+    trainer.rho *= trainer.config.train_config.coef_rho_decay
+
+
+def publish_weights(trainer: Any, metrics: dict[str, float]) -> None:
+    # During the value warm-up MineStudio broadcasts nothing: the policy has not changed.
+    if trainer.updates >= trainer.config.train_config.vf_warmup:
+        trainer.broadcast_model_to_rollout_workers(trainer.model_version + 1)
+
+
+def save_checkpoint(trainer: Any, metrics: dict[str, float]) -> None:
+    t = trainer.config.train_config
+    if trainer.rank == 0 and t.save_interval > 0 and trainer.iteration % t.save_interval == 0:
+        ckpt_id = trainer.save_checkpoint()
+        trainer.hooks.run("on_checkpoint", trainer, checkpoint_id=ckpt_id)
+
+
+def run_evaluation(trainer: Any, metrics: dict[str, float]) -> None:
+    t = trainer.config.train_config
+    if trainer.rank == 0 and t.eval_interval > 0 and trainer.iteration % t.eval_interval == 0:
+        model = trainer.unwrapped_model
+        model.eval()
+        results = evaluate(model, trainer.config, t.eval_episodes, seed=10_000 + trainer.iteration,
+                           device=trainer.device)
+        model.train()
+        metrics.update(results)
+        trainer.hooks.run("on_evaluate", trainer, results=results)
+
+
+class LogMetrics:
+    """Console / TensorBoard / W&B, plus the driver's status (and so Prometheus), every log_interval."""
+
+    def __init__(self, trainer: Any) -> None:
+        self.loggers = []
+        if trainer.rank == 0:
+            run_dir = Path(trainer.workdir) / "logs" / (trainer.config.run_id or "run")
+            self.loggers = build_loggers(trainer.config.logger_config, run_dir,
+                                         trainer.config.train_config.num_iterations, as_dict(trainer.config))
+
+    def __call__(self, trainer: Any, metrics: dict[str, float]) -> None:
+        if trainer.iteration % trainer.config.train_config.log_interval:
+            return
+        for logger in self.loggers:
+            logger.log(metrics, trainer.iteration)
+        trainer.report("running", metrics)
+
+    def close(self) -> None:
+        for logger in self.loggers:
+            logger.close()
+
+
+def register_builtin_hooks(trainer: Any) -> LogMetrics:
+    trainer.hooks.register("pre_collect", anneal_learning_rate)
+    trainer.hooks.register("post_iteration", decay_kl_coefficient)
+    trainer.hooks.register("post_iteration", publish_weights)
+    trainer.hooks.register("post_iteration", save_checkpoint)
+    trainer.hooks.register("post_iteration", run_evaluation)
+    logger = LogMetrics(trainer)
+    trainer.hooks.register("post_iteration", logger)
+    return logger

@@ -1,0 +1,74 @@
+"""Readers that sample chunks from the replay buffer, optionally ahead of the learner.
+
+`num_readers` Sample streams split each batch between them; `prefetch_batches` batches are fetched
+ahead in the background (0: fetch when asked, which keeps the policy lag of on-policy runs lowest).
+Every call has a deadline: nothing here waits forever.
+"""
+
+from __future__ import annotations
+
+import logging
+import queue
+import threading
+from concurrent.futures import ThreadPoolExecutor
+
+from overworld.core.grpc_util import retry
+from overworld.v1 import replay_buffer_pb2, replay_buffer_pb2_grpc
+
+log = logging.getLogger("overworld.trainer")
+
+
+def sample_chunks(stub: replay_buffer_pb2_grpc.ReplayBufferStub, n: int, timeout: float, reader_id: str,
+                  stop: threading.Event | None = None) -> list[replay_buffer_pb2.SampledChunk]:
+    chunks: list[replay_buffer_pb2.SampledChunk] = []
+    while len(chunks) < n and not (stop and stop.is_set()):
+        request = replay_buffer_pb2.SampleRequest(num_chunks=n - len(chunks), timeout_seconds=timeout,
+                                                  reader_id=reader_id, allow_partial=True)
+        got = retry(lambda r=request: list(stub.Sample(r, timeout=timeout + 30)), "Sample", timeout + 60)
+        if not got:
+            log.info("%s waiting for data: %d of %d chunks", reader_id, len(chunks), n)
+        chunks += got
+    return chunks
+
+
+class ChunkReader:
+    def __init__(self, stub: replay_buffer_pb2_grpc.ReplayBufferStub, chunks_per_batch: int, num_readers: int,
+                 prefetch_batches: int, timeout: float, name: str) -> None:
+        self.stub = stub
+        self.n = chunks_per_batch
+        self.readers = max(1, min(num_readers, chunks_per_batch))
+        self.timeout = timeout
+        self.name = name
+        self.stop = threading.Event()
+        self.pool = ThreadPoolExecutor(self.readers, thread_name_prefix="reader")
+        self.queue: queue.Queue | None = None
+        if prefetch_batches > 0:
+            self.queue = queue.Queue(maxsize=prefetch_batches)
+            self.thread = threading.Thread(target=self._prefetch, name="prefetch", daemon=True)
+            self.thread.start()
+
+    def _fetch(self) -> list[replay_buffer_pb2.SampledChunk]:
+        shares = [self.n // self.readers + (i < self.n % self.readers) for i in range(self.readers)]
+        parts = self.pool.map(lambda i: sample_chunks(self.stub, shares[i], self.timeout, f"{self.name}-r{i}",
+                                                      self.stop), range(self.readers))
+        return [c for part in parts for c in part]
+
+    def _prefetch(self) -> None:
+        assert self.queue is not None
+        while not self.stop.is_set():
+            batch = self._fetch()
+            while not self.stop.is_set():
+                try:
+                    self.queue.put(batch, timeout=0.5)
+                    break
+                except queue.Full:
+                    continue
+
+    def next(self) -> list[replay_buffer_pb2.SampledChunk]:
+        if self.queue is None:
+            return self._fetch()
+        return self.queue.get()
+
+    def close(self) -> None:
+        self.stop.set()
+        self.pool.shutdown(wait=False, cancel_futures=True)
