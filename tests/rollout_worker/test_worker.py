@@ -1,107 +1,142 @@
 """A real rollout worker (env subprocesses, shared memory) against real manager, buffer and
 registry servers on loopback sockets."""
 
+from __future__ import annotations
+
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable
 from pathlib import Path
 
-import numpy as np
 import pytest
-from overworld.core.blobs import LocalBlobStore
-from overworld.core.config import load_config
+
 from overworld.core.fragment import Fragment, validate
-from overworld.core.grpc_util import channel, serve
-from overworld.core.weights import to_bytes
-from overworld.model_registry.client import ModelRegistryClient
-from overworld.model_registry.server import ModelRegistryService
-from overworld.replay_buffer.index import MemoryIndex
-from overworld.replay_buffer.server import ReplayBufferService
-from overworld.rollout_manager.server import RolloutManagerService
-from overworld.rollout_worker.env_pool import EnvPool
-from overworld.rollout_worker.worker import RolloutWorker, run_spaces
-from overworld.v1 import (
-    model_registry_pb2_grpc,
-    replay_buffer_pb2,
-    replay_buffer_pb2_grpc,
-    rollout_manager_pb2_grpc,
-)
+from overworld.rollout_manager.client import RolloutManagerClient
+from overworld.rollout_worker.worker import RolloutWorker
+from overworld.v1 import replay_buffer_pb2
+from overworld.v1 import rollout_manager_pb2 as mpb
+from tests.rollout_worker import faulty_envs
+from tests.rollout_worker.conftest import Cluster, T
 
-T = 16
+ENVS = str(Path(faulty_envs.__file__).resolve())  # a file path: see test_env_pool.py
 
 
-@pytest.fixture
-def cluster(tmp_path: Path) -> Iterator[dict]:
-    config = load_config({
-        "run_id": "wtest", "env_kwargs": {"id": "CartPole-v1"},
-        "rollout_config": {"fragment_length": T, "to_send_queue_size": 8,
-                           "worker_config": {"num_envs": 4, "num_env_processes": 2, "device": "cpu"},
-                           "replay_buffer_config": {"max_chunks": 1000, "max_reuse": 1, "max_staleness": 100}},
-        "train_config": {"batches_per_iteration": 1, "gradient_accumulation": 1, "context_length": T}})
-    manager = RolloutManagerService(config)
-    ms = serve([(rollout_manager_pb2_grpc.add_RolloutManagerServicer_to_server, manager, "m")])
-    registry = ModelRegistryService(LocalBlobStore(tmp_path / "registry"))
-    rs = serve([(model_registry_pb2_grpc.add_ModelRegistryServicer_to_server, registry, "r")])
-    rb = config.rollout_config.replay_buffer_config
-    buffer = ReplayBufferService(MemoryIndex(rb.max_chunks, rb.max_reuse, rb.max_staleness, 1), LocalBlobStore(tmp_path / "b"),
-                                 "wtest", T, 1, rb.max_chunks, lambda: manager._spaces)
-    bs = serve([(replay_buffer_pb2_grpc.add_ReplayBufferServicer_to_server, buffer, "b")])
-    spaces, policy, _, _ = run_spaces(config)
-    ModelRegistryClient(rs.address).publish(1, to_bytes(policy.state_dict()))
-    replay_buffer_pb2_grpc.ReplayBufferStub(channel(bs.address)).SetModelVersion(
-        replay_buffer_pb2.SetModelVersionRequest(model_version=1))  # as the trainer does when it publishes
-    yield {"config": config, "manager": manager, "registry": rs, "buffer": bs, "spaces": spaces, "policy": policy,
-           "addresses": (ms.address, bs.address, rs.address)}
-    for s in (bs, rs, ms):
-        s.stop(0)
-    registry.stop()
-    buffer.stop()
+def wait_for(condition: Callable[[], bool], timeout: float, what: str) -> None:
+    deadline = time.monotonic() + timeout
+    while not condition():
+        if time.monotonic() > deadline:
+            raise AssertionError(f"timed out after {timeout}s waiting for {what}")
+        time.sleep(0.05)
 
 
-def test_env_pool_steps_in_shared_memory(cluster) -> None:
-    config, spaces = cluster["config"], cluster["spaces"]
-    pool = EnvPool(config.env_generator, {"id": "CartPole-v1"}, spaces, 4, 2, seed=0)
-    try:
-        obs = pool.reset()
-        assert obs["obs"].shape == (4, 4)
-        ended = 0
-        for _ in range(300):
-            result = pool.step({"action": np.zeros(4, np.int64)})  # always push left: episodes end fast
-            ended += int((result.terminated | result.truncated).sum())
-        assert ended >= 4 and np.isfinite(result.obs["obs"]).all()
-    finally:
-        pool.close()
+class Running:
+    def __init__(self, cluster: Cluster, backend: str | None = None) -> None:
+        self.worker = RolloutWorker(*cluster.addresses, env_backend=backend)
+        self.thread = threading.Thread(target=self.worker.run, daemon=True)
+        self.thread.start()
+
+    def stop(self) -> None:
+        self.worker.stop_event.set()
+        self.thread.join(30)
+        self.worker.shutdown()
 
 
-def test_worker_streams_valid_fragments_swaps_weights_and_flushes(cluster) -> None:
-    manager_addr, buffer_addr, registry_addr = cluster["addresses"]
-    worker = RolloutWorker(manager_addr, buffer_addr, registry_addr)
-    thread = threading.Thread(target=worker.run)
-    thread.start()
-    try:
-        deadline = time.monotonic() + 60
-        while worker.sender.sent < 8 and time.monotonic() < deadline:
-            time.sleep(0.1)
-        assert worker.sender.sent >= 8, "worker sent no fragments"
-        policy = cluster["policy"]
-        ModelRegistryClient(registry_addr).publish(2, to_bytes(policy.state_dict()))
-        deadline = time.monotonic() + 30
-        while worker.model_version < 2 and time.monotonic() < deadline:
-            time.sleep(0.05)
-        assert worker.model_version == 2
-        time.sleep(1.0)
-    finally:
-        worker.shutdown()
-        thread.join(30)
-    stub = replay_buffer_pb2_grpc.ReplayBufferStub(channel(buffer_addr))
-    stats = stub.GetStats(replay_buffer_pb2.GetStatsRequest())
-    assert stats.inserted_fragments == worker.sender.sent  # SIGTERM path: every complete fragment acknowledged
-    chunks = list(stub.Sample(replay_buffer_pb2.SampleRequest(num_chunks=stats.chunks, timeout_seconds=5)))
-    versions = set()
+def all_fragments(cluster: Cluster) -> list[Fragment]:
+    stats = cluster.stats()
+    chunks = list(cluster.buffer_stub.Sample(replay_buffer_pb2.SampleRequest(num_chunks=stats.chunks,
+                                                                             timeout_seconds=5)))
+    out = []
     for chunk in chunks:
         fragment = Fragment.from_proto(chunk.fragments[0])
-        validate(fragment, cluster["spaces"], T, "wtest")
-        versions |= set(fragment.data["model_version"].tolist())
+        validate(fragment, cluster.spaces, cluster.config.rollout_config.fragment_length, "wtest")
+        out.append(fragment)
+    return out
+
+
+@pytest.mark.parametrize("backend", ["subprocess", "inprocess"])
+def test_worker_streams_valid_fragments_swaps_weights_and_flushes(make_cluster, backend: str) -> None:
+    cluster = make_cluster()
+    run = Running(cluster, backend)
+    w = run.worker
+    try:
+        wait_for(lambda: w.sender.sent >= 8, 60, "8 fragments")
+        cluster.publish(2)
+        wait_for(lambda: w.model_version == 2, 30, "model version 2")
+        time.sleep(1.0)
+    finally:
+        run.stop()
+    assert cluster.stats().inserted_fragments == w.sender.sent == w.fragments_completed  # nothing complete lost
+    fragments = all_fragments(cluster)
+    versions = set()
+    for f in fragments:
+        versions |= set(f.data["model_version"].tolist())
+        assert f.worker_id == w.worker_id and 0 <= f.env_slot < 4
     assert versions >= {1, 2}
-    status = cluster["manager"]
-    assert status._episodes > 0 and not status._workers  # episodes reported; deregistered
+    # per slot, sequence numbers count up from 0 without gaps (no env failed)
+    by_slot: dict[int, list[int]] = {}
+    for f in fragments:
+        by_slot.setdefault(f.env_slot, []).append(f.sequence)
+    for seqs in by_slot.values():
+        assert sorted(seqs) == list(range(len(seqs)))
+    manager = cluster.manager
+    assert manager._episodes > 0 and not manager._workers  # episodes reported; deregistered
+
+
+@pytest.mark.parametrize("fault", ["crash", "hang", "die"])
+def test_faulty_envs_still_yield_valid_fragments(make_cluster, tmp_path: Path, fault: str) -> None:
+    gen, kwargs, reason = {
+        "crash": ("crashing", {"every": 23, "length": 40}, "error"),
+        "hang": ("hanging", {"flag": str(tmp_path / "hang.flag"), "at": 20, "length": 40}, "timeout"),
+        "die": ("dying", {"flag": str(tmp_path / "die.flag"), "at": 20, "length": 40}, "died"),
+    }[fault]
+    cluster = make_cluster(env_generator=f"{ENVS}:{gen}", env_kwargs=kwargs,
+                           rollout_config={"worker_config": {"step_timeout": 1.0}})
+    run = Running(cluster)
+    w = run.worker
+    try:
+        wait_for(lambda: w.pool.restarts[reason] > 0, 60, f"an env restart ({reason})")
+        sent = w.sender.sent
+        wait_for(lambda: w.sender.sent >= sent + 12, 60, "fragments after the restart")
+    finally:
+        run.stop()
+    assert w.fragments_dropped > 0  # the partial fragments of the restarted envs
+    assert cluster.stats().inserted_fragments == w.sender.sent == w.fragments_completed
+    fragments = all_fragments(cluster)
+    assert len(fragments) >= 12
+    for f in fragments:
+        # The counting env's observation is its step count: consecutive within an episode.
+        steps = f.data["obs.obs"][:, 0]
+        for t in range(1, T):
+            if not f.data["first"][t]:
+                assert steps[t] == steps[t - 1] + 1, (f.env_slot, f.sequence, steps)
+            else:
+                assert steps[t] == 0
+
+
+def test_episode_statistics_and_video_arrive(make_cluster, tmp_path: Path) -> None:
+    cluster = make_cluster(env_generator=f"{ENVS}:counting", env_kwargs={"length": 30, "image": True},
+                           task_name="count", rollout_config={"worker_config": {"video_fps": 10}})
+    client = RolloutManagerClient(cluster.ms.address)
+    run = Running(cluster)
+    try:
+        wait_for(lambda: cluster.manager._episodes >= 4, 60, "episode statistics")
+        request_id = client.stub.RequestVideo(mpb.RequestVideoRequest(iteration=3)).request_id
+        wait_for(lambda: len(client.stub.ListVideos(mpb.ListVideosRequest()).videos) == 1, 60, "a video")
+    finally:
+        run.stop()
+    (task,) = client.fleet_status().tasks
+    assert task.task == "count" and task.mean_return_last_100 == 30.0 and task.mean_length_last_100 == 30
+    assert task.mean_extras_last_100["achievement_count"] == 30.0
+    assert task.mean_discounted_return_last_100 == pytest.approx(sum(0.999**i for i in range(30)), rel=1e-6)
+    (video,) = client.stub.ListVideos(mpb.ListVideosRequest()).videos
+    assert video.request_id == request_id and video.iteration == 3 and video.length == 30 and video.fps == 10
+    assert video.worker_id == run.worker.worker_id and video.task == "count"
+    data = cluster.manager.videos.store.get(video.key)
+    assert len(data) == video.size_bytes and data[4:8] == b"ftyp"
+    path = tmp_path / "v.mp4"
+    path.write_bytes(data)
+    import imageio.v2 as imageio
+
+    with imageio.get_reader(path, format="FFMPEG") as reader:
+        frames = [frame for frame in reader]  # noqa: C416 - list() asks len(), which is inf
+    assert len(frames) == 31 and frames[0].shape == (16, 16, 3)  # every step's observation + the final one

@@ -1,5 +1,6 @@
 """The rollout-manager: hands out the run config, keeps the fleet (leases, heartbeats), owns the
-run's spaces, and aggregates episode statistics."""
+run's spaces, aggregates episode statistics, and brokers episode videos (requests handed to
+workers in heartbeat replies, MP4s stored in a blob store and listed)."""
 
 from __future__ import annotations
 
@@ -14,9 +15,11 @@ import grpc
 import numpy as np
 from prometheus_client import Counter, Gauge
 
+from overworld.core.blobs import BlobStore
 from overworld.core.config import RunConfig, config_hash, to_yaml
 from overworld.core.grpc_util import abort
 from overworld.core.specs import Spaces
+from overworld.rollout_manager.videos import VideoBook, video_store_url
 from overworld.v1 import common_pb2, rollout_manager_pb2, rollout_manager_pb2_grpc
 
 log = logging.getLogger("overworld.rollout_manager")
@@ -39,6 +42,12 @@ class WorkerRecord:
     env_steps: int = 0
     fragments_sent: int = 0
     model_version: int = 0
+    env_steps_per_second: float = 0.0
+    env_restarts: dict[str, int] = field(default_factory=dict)
+    fragments_dropped: int = 0
+    send_queue_depth: int = 0
+    fragments_completed: int = 0
+    envs_ready: int = 0
 
 
 @dataclass
@@ -51,7 +60,8 @@ class TaskRecord:
 
 
 class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
-    def __init__(self, config: RunConfig, lease_seconds: float = 15.0) -> None:
+    def __init__(self, config: RunConfig, lease_seconds: float = 15.0, video_store: BlobStore | None = None,
+                 workdir: str = ".", blobs: str = "") -> None:
         self.config = config
         self.run_id = config.run_id or uuid.uuid4().hex[:12]
         self.config.run_id = self.run_id
@@ -68,6 +78,8 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         self._all_returns: deque = deque(maxlen=WINDOW)
         self._episodes = 0
         self._registrations = 0
+        url = video_store_url(config.rollout_config.worker_config.video_output_dir, workdir, blobs)
+        self.videos = VideoBook(video_store, url, self.run_id, config.train_config.record_video_interval)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -79,6 +91,7 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
 
     def _depart(self, worker_id: str) -> None:
         w = self._workers.pop(worker_id, None)
+        self.videos.release(worker_id)
         if w:
             self._departed_steps += w.env_steps
             self._departed_fragments += w.fragments_sent
@@ -123,7 +136,17 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             w.env_steps = max(w.env_steps, request.env_steps)
             w.fragments_sent = max(w.fragments_sent, request.fragments_sent)
             w.model_version = request.model_version
-        return rollout_manager_pb2.HeartbeatResponse(lease_valid=True)
+            w.env_steps_per_second = request.env_steps_per_second
+            w.env_restarts = dict(request.env_restarts)
+            w.fragments_dropped = request.fragments_dropped
+            w.send_queue_depth = request.send_queue_depth
+            w.fragments_completed = max(w.fragments_completed, request.fragments_completed)
+            w.envs_ready = request.envs_ready
+            version = max(x.model_version for x in self._workers.values())
+        self.videos.on_model_version(version)
+        video = self.videos.assign(request.worker_id)
+        return rollout_manager_pb2.HeartbeatResponse(lease_valid=True, record_video=bool(video),
+                                                     video_request_id=video)
 
     def Deregister(self, request, context):  # type: ignore[no-untyped-def]
         with self._lock:
@@ -167,7 +190,10 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                 rollout_manager_pb2.WorkerInfo(
                     worker_id=w.worker_id, hostname=w.hostname, address=w.address, num_envs=w.num_envs,
                     env_steps=w.env_steps, fragments_sent=w.fragments_sent, model_version=w.model_version,
-                    seconds_since_heartbeat=now - w.last_heartbeat)
+                    seconds_since_heartbeat=now - w.last_heartbeat, env_steps_per_second=w.env_steps_per_second,
+                    env_restarts=w.env_restarts, fragments_dropped=w.fragments_dropped,
+                    send_queue_depth=w.send_queue_depth, fragments_completed=w.fragments_completed,
+                    envs_ready=w.envs_ready)
                 for w in self._workers.values()
             ]
             tasks = []
@@ -183,4 +209,29 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                 env_steps=self._departed_steps + sum(w.env_steps for w in self._workers.values()),
                 episodes=self._episodes,
                 mean_return_last_100=float(np.mean(self._all_returns)) if self._all_returns else 0.0,
-                tasks=tasks)
+                tasks=tasks, videos=len(self.videos.list()), pending_video_requests=self.videos.pending())
+
+    def RequestVideo(self, request, context):  # type: ignore[no-untyped-def]
+        return rollout_manager_pb2.RequestVideoResponse(request_id=self.videos.request(request.iteration))
+
+    def UploadVideo(self, request_iterator, context):  # type: ignore[no-untyped-def]
+        info: rollout_manager_pb2.VideoInfo | None = None
+        parts: list[bytes] = []
+        for chunk in request_iterator:
+            if info is None:
+                if not chunk.HasField("info"):
+                    abort(context, grpc.StatusCode.INVALID_ARGUMENT, "the first chunk must carry the video's info")
+                info = chunk.info
+            parts.append(chunk.data)
+        if info is None:
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, "empty upload")
+        data = b"".join(parts)
+        if not data.startswith(b"\x00\x00\x00") or b"ftyp" not in data[:16]:
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, "not an MP4 file")
+        try:
+            return self.videos.store_video(info, data)
+        except OSError as err:
+            abort(context, grpc.StatusCode.UNAVAILABLE, f"video store {self.videos.store_url}: {err}")
+
+    def ListVideos(self, request, context):  # type: ignore[no-untyped-def]
+        return rollout_manager_pb2.ListVideosResponse(videos=self.videos.list())

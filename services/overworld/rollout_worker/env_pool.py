@@ -1,185 +1,369 @@
-"""Environments in subprocesses, stepped in lockstep, with observations in shared memory.
+"""N environment slots in G groups, stepped asynchronously so that the policy's inference on one
+group overlaps the stepping of the other(s).
 
-Per step the parent writes actions into shared memory and sends each process one byte; each
-process steps its environments, resets the finished ones (writing the final observation of a
-truncated episode aside, for bootstrapping), and answers with a short JSON line of episode ends.
-No observation or action is ever pickled.
+Protocol per group g: the worker reads `ready(g)` (slots with an observation to act on), writes
+their actions into the slot arrays and calls `send(g, slots, actions)`; later `wait(g)` returns a
+`GroupResult` (stepped slots with reward/terminated/truncated in the arrays, ended episodes, slots
+that joined after a reset, slots that failed). Observations live in shared memory and are never
+pickled; a step command is two bytes, a reply a short JSON line.
+
+Backends: `EnvPool` (spawned env processes; the default) and `InProcessEnvPool` (every env in the
+worker's own process, stepped when sent: for envs so cheap that a process hop costs more than the
+step, such as CartPole).
+
+Faults (EnvPool): an env that raises is rebuilt inside its process (reason `error`); a process that
+dies (`died`), misses `step_timeout` on a step or leaves a slot without a reset for
+`4 * step_timeout` (`timeout`) is killed and started again (backoff 0.5, 1, 2 ... 30 s while it keeps
+dying within a minute of its start); its slots are reported failed, the other processes go on. `restart_interval` rebuilds an
+env between episodes (`interval`).
 """
 
 from __future__ import annotations
 
 import contextlib
 import json
+import logging
+import math
 import multiprocessing as mp
-import os
-from dataclasses import dataclass
-from multiprocessing import shared_memory
+import threading
+import time
+from collections import Counter, deque
+from dataclasses import dataclass, field
+from multiprocessing.connection import Connection, wait
 from typing import Any
 
 import numpy as np
 
-from overworld.core.specs import Spaces, TensorSpec
+from overworld.core.imports import call_generator, import_object
+from overworld.core.specs import Spaces
+from overworld.rollout_worker import env_process
+from overworld.rollout_worker.env_runner import EnvRunner
+from overworld.rollout_worker.metrics import ENV_RESTARTS
+from overworld.rollout_worker.shm import SharedArrays, layout, local_arrays
 
-STEP, RESET, CLOSE = b"s", b"r", b"c"
+log = logging.getLogger("overworld.rollout_worker.env_pool")
+
+MAX_DEATHS_BEFORE_HELLO = 5
 
 
 @dataclass
-class StepResult:
-    obs: dict[str, np.ndarray]  # after the step (reset observation where the episode ended)
-    reward: np.ndarray
-    terminated: np.ndarray
-    truncated: np.ndarray
-    final_obs: dict[str, np.ndarray]  # final observation where truncated (else stale)
-    episode_infos: dict[int, dict[str, float]]  # slot -> extras of the episode that ended
+class GroupResult:
+    group: int
+    stepped: list[int] = field(default_factory=list)
+    ended: dict[int, dict[str, float]] = field(default_factory=dict)
+    failed: dict[int, str] = field(default_factory=dict)  # slot -> reason; its episode is lost
+    joined: list[int] = field(default_factory=list)  # slots starting an episode (obs written)
+    recycled: list[int] = field(default_factory=list)
+
+    def empty(self) -> bool:
+        return not (self.stepped or self.failed or self.joined)
 
 
-def _layout(spaces: Spaces) -> dict[str, TensorSpec]:
-    out = {}
-    for k, s in spaces.obs.items():
-        out[f"obs.{k}"] = s
-        out[f"final_obs.{k}"] = s
-    for k, s in spaces.action.items():
-        out[f"action.{k}"] = s
-    out["reward"] = TensorSpec((), "float32")
-    out["terminated"] = TensorSpec((), "bool")
-    out["truncated"] = TensorSpec((), "bool")
-    return out
+def group_slots(num_envs: int, num_groups: int) -> list[np.ndarray]:
+    return [g for g in np.array_split(np.arange(num_envs), max(1, min(num_groups, num_envs))) if g.size]
 
 
-class SharedArrays:
-    def __init__(self, layout: dict[str, TensorSpec], num_envs: int, names: dict[str, str] | None = None) -> None:
-        self.blocks: dict[str, shared_memory.SharedMemory] = {}
+class _PoolBase:
+    def __init__(self, spaces: Spaces, num_envs: int, num_groups: int) -> None:
+        self.spaces = spaces
+        self.num_envs = num_envs
+        self.groups = group_slots(num_envs, num_groups)
+        self.group_of = np.zeros(num_envs, np.int64)
+        for g, slots in enumerate(self.groups):
+            self.group_of[slots] = g
+        self.active = np.zeros(num_envs, np.bool_)
+        self.inactive_since = np.full(num_envs, time.monotonic())
+        self.restarts: Counter[str] = Counter()
+        self._pending = [GroupResult(g) for g in range(len(self.groups))]
         self.arrays: dict[str, np.ndarray] = {}
-        for key, spec in layout.items():
-            shape = (num_envs, *spec.shape)
-            nbytes = max(1, int(np.prod(shape)) * np.dtype(spec.dtype).itemsize)
-            if names is None:
-                block = shared_memory.SharedMemory(create=True, size=nbytes)
-            else:
-                block = shared_memory.SharedMemory(name=names[key])
-            self.blocks[key] = block
-            self.arrays[key] = np.ndarray(shape, dtype=spec.dtype, buffer=block.buf)
 
     @property
-    def names(self) -> dict[str, str]:
-        return {k: b.name for k, b in self.blocks.items()}
+    def obs(self) -> dict[str, np.ndarray]:
+        return {k: self.arrays[f"obs.{k}"] for k in self.spaces.obs}
 
-    def close(self, unlink: bool) -> None:
-        self.arrays.clear()
-        for block in self.blocks.values():
-            block.close()
-            if unlink:
-                block.unlink()
+    @property
+    def final_obs(self) -> dict[str, np.ndarray]:
+        return {k: self.arrays[f"final_obs.{k}"] for k in self.spaces.obs}
 
+    def ready(self, g: int) -> np.ndarray:
+        slots = self.groups[g]
+        return slots[self.active[slots]]
 
-def _to_dict_obs(obs: Any, keys: list[str]) -> dict[str, Any]:
-    return obs if isinstance(obs, dict) else {keys[0]: obs}
-
-
-def _env_process(conn: Any, env_ref: str, env_kwargs: dict[str, Any], slots: list[int], seeds: list[int],
-                 layout: dict[str, TensorSpec], num_envs: int, shm_names: dict[str, str]) -> None:
-    from overworld.core.imports import call_generator, import_object
-
-    os.environ.setdefault("OMP_NUM_THREADS", "1")
-    shared = SharedArrays(layout, num_envs, shm_names)
-    a = shared.arrays
-    obs_keys = sorted(k[4:] for k in layout if k.startswith("obs."))
-    action_keys = sorted(k[7:] for k in layout if k.startswith("action."))
-    generator = import_object(env_ref)
-    envs = [call_generator(generator, env_kwargs) for _ in slots]
-
-    def write_obs(prefix: str, slot: int, obs: Any) -> None:
-        for k, v in _to_dict_obs(obs, obs_keys).items():
-            a[f"{prefix}.{k}"][slot] = v
-
-    try:
-        while True:
-            cmd = conn.recv_bytes()
-            if cmd == CLOSE:
-                break
-            ended: dict[int, dict[str, float]] = {}
-            for env, slot, seed in zip(envs, slots, seeds, strict=True):
-                if cmd == RESET:
-                    obs, _ = env.reset(seed=seed)
-                    write_obs("obs", slot, obs)
-                    continue
-                if len(action_keys) == 1 and action_keys[0] == "action":
-                    action: Any = a["action.action"][slot].item() if a["action.action"][slot].ndim == 0 \
-                        else a["action.action"][slot].copy()
-                else:
-                    action = {k: a[f"action.{k}"][slot].copy() for k in action_keys}
-                obs, reward, terminated, truncated, info = env.step(action)
-                a["reward"][slot] = reward
-                a["terminated"][slot] = terminated
-                a["truncated"][slot] = truncated and not terminated
-                if terminated or truncated:
-                    if truncated and not terminated:
-                        write_obs("final_obs", slot, obs)
-                    extras = info.get("achievements", {}) if isinstance(info, dict) else {}
-                    ended[slot] = {k: float(v) for k, v in extras.items()}
-                    obs, _ = env.reset()
-                write_obs("obs", slot, obs)
-            conn.send_bytes(json.dumps(ended).encode())
-    finally:
-        for env in envs:
-            env.close()
-        shared.close(unlink=False)
-
-
-class EnvPool:
-    def __init__(self, env_ref: str, env_kwargs: dict[str, Any], spaces: Spaces, num_envs: int,
-                 num_processes: int, seed: int) -> None:
-        self.num_envs = num_envs
-        self.spaces = spaces
-        layout = _layout(spaces)
-        self.shared = SharedArrays(layout, num_envs)
-        ctx = mp.get_context("spawn")
-        num_processes = max(1, min(num_processes or num_envs, num_envs))
-        groups = np.array_split(np.arange(num_envs), num_processes)
-        self.conns = []
-        self.procs = []
-        for group in groups:
-            parent, child = ctx.Pipe()
-            slots = [int(i) for i in group]
-            proc = ctx.Process(target=_env_process, daemon=True, args=(
-                child, env_ref, env_kwargs, slots, [seed + i for i in slots], layout, num_envs, self.shared.names))
-            proc.start()
-            child.close()
-            self.conns.append(parent)
-            self.procs.append(proc)
-
-    def _broadcast(self, cmd: bytes) -> dict[int, dict[str, float]]:
-        for conn in self.conns:
-            conn.send_bytes(cmd)
-        ended: dict[int, dict[str, float]] = {}
-        for conn, proc in zip(self.conns, self.procs, strict=True):
-            if not conn.poll(600):
-                raise TimeoutError(f"environment process {proc.pid} did not answer in 600s")
-            ended.update({int(k): v for k, v in json.loads(conn.recv_bytes()).items()})
-        return ended
-
-    def _view(self, prefix: str) -> dict[str, np.ndarray]:
-        return {k: self.shared.arrays[f"{prefix}.{k}"] for k in self.spaces.obs}
-
-    def reset(self) -> dict[str, np.ndarray]:
-        self._broadcast(RESET)
-        return self._view("obs")
-
-    def step(self, action: dict[str, np.ndarray]) -> StepResult:
+    def _write_actions(self, g: int, slots: np.ndarray, action: dict[str, np.ndarray]) -> None:
         for k, v in action.items():
-            self.shared.arrays[f"action.{k}"][:] = v
-        ended = self._broadcast(STEP)
-        a = self.shared.arrays
-        return StepResult(self._view("obs"), a["reward"], a["terminated"], a["truncated"],
-                          self._view("final_obs"), ended)
+            self.arrays[f"action.{k}"][slots] = v
+        act = self.arrays["act"]
+        act[self.groups[g]] = False
+        act[slots] = True
+
+    def _count_restarts(self, reason: str, n: int) -> None:
+        if n:
+            self.restarts[reason] += n
+            ENV_RESTARTS.labels(reason).inc(n)
+
+    def _deactivate(self, slot: int) -> None:
+        if self.active[slot]:
+            self.active[slot] = False
+            self.inactive_since[slot] = time.monotonic()
+
+    def _on_message(self, msg: dict[str, Any]) -> None:
+        """A step reply and/or joins, in the order the env process produced them."""
+        if "group" in msg:
+            r = self._pending[int(msg["group"])]
+            r.stepped.extend(int(s) for s in msg["stepped"])
+            for s, extras in msg["ended"].items():
+                r.ended[int(s)] = extras
+                self._deactivate(int(s))
+            for s, reason in msg["errors"].items():
+                r.failed[int(s)] = reason
+                self._deactivate(int(s))
+            self._count_restarts("error", len(msg["errors"]))
+            r.recycled.extend(int(s) for s in msg["recycled"])
+            self._count_restarts("interval", len(msg["recycled"]))
+        for s in msg.get("joined", ()):
+            s = int(s)
+            self.active[s] = True
+            self._pending[int(self.group_of[s])].joined.append(s)
+
+    def _take(self, g: int) -> GroupResult:
+        result, self._pending[g] = self._pending[g], GroupResult(g)
+        return result
+
+    def idle_wait(self, timeout: float) -> None:
+        time.sleep(timeout)
+
+
+class InProcessEnvPool(_PoolBase):
+    """Every env in this process, stepped synchronously in `send` (no overlap, no process hop)."""
+
+    def __init__(self, env_ref: str, env_kwargs: dict[str, Any], spaces: Spaces, num_envs: int, num_groups: int,
+                 seed: int, restart_interval: float | None = None) -> None:
+        super().__init__(spaces, num_envs, num_groups)
+        self.arrays = local_arrays(layout(spaces), num_envs)
+        generator = import_object(env_ref)
+        self.runner = EnvRunner(lambda: call_generator(generator, dict(env_kwargs)), list(range(num_envs)),
+                                {s: seed + s for s in range(num_envs)}, self.arrays, restart_interval,
+                                background=False)
+        self.runner.start()
+        self._check()
+        self._on_message({"joined": self.runner.take_joined()})
+        for r in self._pending:
+            r.joined.clear()  # the worker starts every slot with first=True anyway
+
+    def _check(self) -> None:
+        if self.runner.fatal:
+            raise RuntimeError(f"environment failed: {self.runner.fatal}")
+
+    def send(self, g: int, slots: np.ndarray, action: dict[str, np.ndarray]) -> None:
+        self._write_actions(g, slots, action)
+        reply = self.runner.step([int(s) for s in self.groups[g]])
+        self._check()
+        self._on_message({"group": g, **reply})
+
+    def wait(self, g: int, stop: threading.Event | None = None) -> GroupResult:
+        return self._take(g)
 
     def close(self) -> None:
-        for conn in self.conns:
-            with contextlib.suppress(BrokenPipeError, OSError):
-                conn.send_bytes(CLOSE)
-        for proc in self.procs:
-            proc.join(5)
-            if proc.is_alive():
-                proc.kill()
-                proc.join(1)
+        self.runner.close()
+
+
+@dataclass
+class _Proc:
+    index: int
+    slots: list[int]
+    groups: dict[int, list[int]]
+    proc: Any = None
+    conn: Connection | None = None
+    state: str = "down"  # down | starting | running
+    outstanding: deque = field(default_factory=deque)  # groups with a step command in flight, in order
+    head_since: float = 0.0  # when the oldest outstanding command became the one being worked on
+    started_at: float = 0.0
+    respawn_at: float = 0.0
+    generation: int = 0
+    deaths_before_hello: int = 0
+    backoff: float = 0.0
+    fatal: str = ""
+
+
+class EnvPool(_PoolBase):
+    def __init__(self, env_ref: str, env_kwargs: dict[str, Any], spaces: Spaces, num_envs: int, num_processes: int,
+                 num_groups: int, seed: int, step_timeout: float = 60.0, restart_interval: float | None = None,
+                 reset_timeout: float | None = None) -> None:
+        super().__init__(spaces, num_envs, num_groups)
+        self.env_ref, self.env_kwargs, self.seed = env_ref, dict(env_kwargs), seed
+        self.step_timeout = step_timeout
+        self.reset_timeout = reset_timeout or 4 * step_timeout
+        self.restart_interval = restart_interval
+        self.spec = layout(spaces)
+        self.shared = SharedArrays(self.spec, num_envs)
+        self.arrays = self.shared.arrays
+        self.ctx = mp.get_context("spawn")
+        n = max(1, min(num_processes or num_envs, num_envs))
+        self.procs: list[_Proc] = []
+        for i in range(n):
+            slots = [s for s in range(num_envs) if s % n == i]
+            groups = {g: [s for s in slots if self.group_of[s] == g] for g in range(len(self.groups))}
+            self.procs.append(_Proc(i, slots, {g: v for g, v in groups.items() if v}))
+        self._proc_of = np.zeros(num_envs, np.int64)
+        for p in self.procs:
+            self._proc_of[p.slots] = p.index
+        for p in self.procs:
+            self._spawn(p)
+
+    # -- process lifecycle ---------------------------------------------------------------------
+    def _spawn(self, p: _Proc) -> None:
+        parent, child = self.ctx.Pipe()
+        seeds = {s: self.seed + s + 7919 * p.generation for s in p.slots}
+        p.proc = self.ctx.Process(target=env_process.main, name=f"env-process-{p.index}", daemon=True, args=(
+            child, self.env_ref, self.env_kwargs, p.slots, p.groups, seeds, self.spec, self.num_envs,
+            self.shared.names, self.restart_interval))
+        p.proc.start()
+        child.close()
+        p.conn, p.state, p.started_at, p.fatal = parent, "starting", time.monotonic(), ""
+        p.outstanding.clear()
+        p.generation += 1
+        now = time.monotonic()
+        self.inactive_since[p.slots] = now
+
+    def _fail(self, p: _Proc, reason: str) -> None:
+        """Kill the process; its slots fail (their partial fragments are dropped); respawn later."""
+        if p.state == "down":
+            return
+        if p.fatal:
+            reason = "error"
+        log.warning("env process %d (pid %s, slots %s) %s%s; restarting it", p.index, p.proc.pid if p.proc else "?",
+                    p.slots, {"timeout": "timed out", "died": "died"}.get(reason, "failed"),
+                    f": {p.fatal}" if p.fatal else "")
+        if p.state == "starting":
+            p.deaths_before_hello += 1
+            if p.deaths_before_hello >= MAX_DEATHS_BEFORE_HELLO:
+                raise RuntimeError(f"env process {p.index} died {p.deaths_before_hello} times before starting; "
+                                   f"is the env generator {self.env_ref!r} importable?")
+        if p.proc is not None and p.proc.is_alive():
+            p.proc.kill()
+        if p.proc is not None:
+            p.proc.join(2)
+        if p.conn is not None:
+            p.conn.close()
+        p.conn, p.state = None, "down"
+        p.outstanding.clear()
+        healthy = time.monotonic() - p.started_at > 60
+        p.backoff = 0.0 if healthy else (min(30.0, p.backoff * 2) if p.backoff else 0.5)
+        p.respawn_at = time.monotonic() + p.backoff
+        for s in p.slots:
+            self._deactivate(s)
+            self._pending[int(self.group_of[s])].failed[s] = reason
+        self.arrays["act"][p.slots] = False
+        self._count_restarts(reason, len(p.slots))
+
+    def _maintain(self) -> None:
+        now = time.monotonic()
+        for p in self.procs:
+            if p.state == "down" and now >= p.respawn_at:
+                self._spawn(p)
+            elif p.state == "starting" and now - p.started_at > self.reset_timeout:
+                self._fail(p, "timeout")
+            elif p.state == "running":
+                idle = [s for s in p.slots if not self.active[s] and now - self.inactive_since[s] > self.reset_timeout]
+                if idle:
+                    log.warning("slots %s got no reset for %.0fs", idle, self.reset_timeout)
+                    self._fail(p, "timeout")
+
+    def _handle(self, p: _Proc, raw: bytes) -> None:
+        msg = json.loads(raw)
+        if "hello" in msg:
+            p.state, p.deaths_before_hello = "running", 0
+            return
+        if "group" in msg:
+            g = int(msg["group"])
+            if p.outstanding and p.outstanding[0] == g:
+                p.outstanding.popleft()
+                p.head_since = time.monotonic()
+        self._on_message(msg)
+        if "fatal" in msg:
+            p.fatal = str(msg["fatal"])
+            self._fail(p, "error")
+
+    def _pump(self, timeout: float) -> None:
+        """Read every message that is there (waiting up to `timeout` for the first one)."""
+        live = [p for p in self.procs if p.state != "down" and p.conn is not None]
+        if not live:
+            time.sleep(max(0.0, timeout))
+            return
+        objects: list[Any] = [p.conn for p in live] + [p.proc.sentinel for p in live]
+        ready = wait(objects, timeout=max(0.0, timeout))
+        for p in live:
+            died = p.proc.sentinel in ready
+            if p.conn in ready or died:
+                try:
+                    while p.state != "down" and p.conn is not None and p.conn.poll():
+                        self._handle(p, p.conn.recv_bytes())
+                except (EOFError, OSError):
+                    died = True
+            if died and p.state != "down":
+                self._fail(p, "died")
+
+    # -- the step protocol -----------------------------------------------------------------------
+    def send(self, g: int, slots: np.ndarray, action: dict[str, np.ndarray]) -> None:
+        self._write_actions(g, slots, action)
+        now = time.monotonic()
+        for index in np.unique(self._proc_of[slots]):
+            p = self.procs[int(index)]
+            if p.state != "running" or p.conn is None:
+                continue
+            try:
+                p.conn.send_bytes(env_process.STEP + bytes([g]))
+            except (BrokenPipeError, OSError):
+                self._fail(p, "died")
+                continue
+            if not p.outstanding:
+                p.head_since = now
+            p.outstanding.append(g)
+
+    def wait(self, g: int, stop: threading.Event | None = None) -> GroupResult:
+        """Until every process stepping group g answered (or failed); returns what happened to g."""
+        while True:
+            waiting = [p for p in self.procs if p.state == "running" and g in p.outstanding]
+            now = time.monotonic()
+            for p in waiting:
+                if now - p.head_since > self.step_timeout:
+                    log.warning("env process %d: no answer in %.1fs (step_timeout)", p.index, self.step_timeout)
+                    self._fail(p, "timeout")
+            waiting = [p for p in waiting if p.state == "running"]
+            if not waiting:
+                self._pump(0.0)
+                break
+            deadline = min(p.head_since for p in waiting) + self.step_timeout
+            self._pump(min(0.5, max(0.0, deadline - now)))
+            if stop is not None and stop.is_set():
+                break
+        self._maintain()
+        return self._take(g)
+
+    def idle_wait(self, timeout: float) -> None:
+        """Nothing to step: wait for a join (or anything else) from any process."""
+        self._pump(timeout)
+        self._maintain()
+
+    def close(self) -> None:
+        for p in self.procs:
+            if p.conn is not None:
+                with contextlib.suppress(BrokenPipeError, OSError):
+                    p.conn.send_bytes(env_process.CLOSE)
+        deadline = time.monotonic() + 5
+        for p in self.procs:
+            if p.proc is not None:
+                p.proc.join(max(0.1, deadline - time.monotonic()))
+                if p.proc.is_alive():
+                    p.proc.kill()
+                    p.proc.join(1)
+            if p.conn is not None:
+                p.conn.close()
         self.shared.close(unlink=True)
+
+
+def num_groups_for(num_envs: int, batch_size: int) -> int:
+    """Groups of at most `batch_size` envs, and at least two so that inference overlaps stepping."""
+    if num_envs < 2:
+        return 1
+    return max(2, math.ceil(num_envs / max(1, batch_size)))

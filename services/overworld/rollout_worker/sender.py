@@ -35,10 +35,11 @@ class FragmentSender:
         self._thread = threading.Thread(target=self._run, name="fragment-sender", daemon=True)
         self._thread.start()
 
-    def put(self, fragment: common_pb2.Fragment, stop: threading.Event) -> bool:
-        """Block while the queue is full (backpressure); False if `stop` was set meanwhile."""
+    def put(self, fragment: common_pb2.Fragment, stop: threading.Event, force: bool = False) -> bool:
+        """Block while the queue is full (backpressure); False if `stop` was set meanwhile.
+        `force` (shutdown only) queues beyond the bound: complete fragments are never thrown away."""
         with self._cond:
-            while len(self._pending) + len(self._unacked) >= self.capacity:
+            while not force and len(self._pending) + len(self._unacked) >= self.capacity:
                 if stop.is_set():
                     return False
                 self._cond.wait(0.2)

@@ -23,7 +23,7 @@ class ControlService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
         return pb.WorkerStatus(worker_id=w.worker_id, num_envs=w.N, env_steps=w.env_steps,
                                fragments_sent=w.sender.sent, fragments_dropped=w.fragments_dropped,
                                model_version=w.model_version, send_queue_depth=w.sender.depth(),
-                               env_steps_per_second=w.steps_per_second)
+                               env_steps_per_second=w.steps_per_second, env_restarts=dict(w.pool.restarts))
 
     def Drain(self, request, context):  # type: ignore[no-untyped-def]
         self.drain.set()
@@ -38,6 +38,7 @@ class RolloutWorkerProcess:
         self.worker = RolloutWorker(rollout_manager, replay_buffer, model_registry, address=f"{host}:{port}")
         self.server: Server = serve([(rollout_worker_pb2_grpc.add_RolloutWorkerServicer_to_server,
                                       ControlService(self.worker, done), "overworld.v1.RolloutWorker")], host, port)
+        self.failed = False
         self._thread = threading.Thread(target=self._run, args=(done,), name="rollout-loop", daemon=True)
         self._thread.start()
 
@@ -45,6 +46,7 @@ class RolloutWorkerProcess:
         try:
             self.worker.run()
         except Exception:
+            self.failed = True
             log.exception("rollout loop failed")
         finally:
             done.set()

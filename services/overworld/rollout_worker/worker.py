@@ -1,5 +1,6 @@
-"""The rollout worker: N environments, batched policy inference, fragments cut per env slot and
-streamed to the replay buffer, new weights swapped in between batches."""
+"""The rollout worker: N environment slots in groups, batched policy inference on one group while
+the other group steps, fragments cut per slot and streamed to the replay buffer, new weights
+swapped in between batches, episode statistics and videos to the rollout-manager."""
 
 from __future__ import annotations
 
@@ -13,7 +14,6 @@ from typing import Any
 import grpc
 import numpy as np
 import torch
-from prometheus_client import Counter, Gauge, Histogram
 
 from overworld.core.config import RunConfig
 from overworld.core.fragment import Fragment
@@ -22,41 +22,50 @@ from overworld.core.imports import call_generator, import_object
 from overworld.core.specs import Spaces, TensorSpec, spaces_from_gym
 from overworld.policies.base import Policy, log_prob, sample
 from overworld.rollout_manager.client import RolloutManagerClient
-from overworld.rollout_worker.env_pool import EnvPool
+from overworld.rollout_worker.env_pool import EnvPool, GroupResult, InProcessEnvPool, num_groups_for
+from overworld.rollout_worker.episodes import EpisodeTracker
+from overworld.rollout_worker.fragments import FragmentCutter
+from overworld.rollout_worker.metrics import (
+    ENV_STEPS,
+    FRAGMENTS_DROPPED,
+    FRAGMENTS_SENT,
+    INFER_BATCH,
+    INFER_LATENCY,
+    MODEL_VERSION,
+    POLICY_LAG,
+    QUEUE_DEPTH,
+    STEP_LATENCY,
+)
 from overworld.rollout_worker.sender import FragmentSender
+from overworld.rollout_worker.video import VideoRecorder, image_key
 from overworld.rollout_worker.weights import WeightsWatcher
+from overworld.v1 import common_pb2
 from overworld.v1 import rollout_manager_pb2 as mpb
 
 log = logging.getLogger("overworld.rollout_worker")
-
-ENV_STEPS = Counter("overworld_env_steps_total", "Environment steps", ["worker"])
-FRAGMENTS_SENT = Counter("overworld_fragments_sent_total", "Fragments handed to the sender", ["worker"])
-POLICY_LAG = Histogram("overworld_fragment_policy_lag", "Model versions behind at send time",
-                       buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 32))
-INFER_BATCH = Histogram("overworld_inference_batch_size", "Observations per inference call",
-                        buckets=(1, 2, 4, 8, 16, 32, 64, 128, 256))
-INFER_LATENCY = Histogram("overworld_inference_latency_seconds", "Policy forward time",
-                          buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25))
-STEP_LATENCY = Histogram("overworld_env_step_latency_seconds", "Time to step all envs once",
-                         buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))
-RESTARTS = Counter("overworld_env_restarts_total", "Environment restarts", ["reason"])
-QUEUE_DEPTH = Gauge("overworld_send_queue_depth", "Fragments waiting to be sent or acknowledged")
-MODEL_VERSION = Gauge("overworld_worker_model_version", "Model version in use", ["worker"])
 
 
 def build_policy(config: RunConfig, observation_space: Any, action_space: Any) -> Policy:
     policy = call_generator(import_object(config.policy_generator), dict(config.policy_kwargs),
                             observation_space=observation_space, action_space=action_space)
     if not isinstance(policy, Policy):
-        raise TypeError(f"{config.policy_generator} returned {type(policy).__name__}, not an overworld Policy "
-                        "(wrap MineStudio policies with overworld.policies.minestudio)")
+        from overworld.policies.minestudio import is_mine_policy, wrap_mine_policy
+
+        if not is_mine_policy(policy):
+            raise TypeError(f"{config.policy_generator} returned {type(policy).__name__}, neither an overworld "
+                            "Policy nor a MineStudio MinePolicy")
+        policy = wrap_mine_policy(policy, action_space)
     policy.value_normalizer.enabled = config.train_config.use_normalized_vf
     return policy
 
 
 def describe_env(config: RunConfig) -> tuple[Any, Any]:
-    """Build one environment to read its spaces (no reset), then close it."""
-    env = call_generator(import_object(config.env_generator), dict(config.env_kwargs))
+    """The env's spaces: from the generator's declared `observation_space`/`action_space` when it has
+    them (building a Minecraft just to read its spaces takes minutes), else from one env built and closed."""
+    generator = import_object(config.env_generator)
+    if hasattr(generator, "observation_space") and hasattr(generator, "action_space"):
+        return generator.observation_space, generator.action_space
+    env = call_generator(generator, dict(config.env_kwargs))
     try:
         return env.observation_space, env.action_space
     finally:
@@ -71,68 +80,104 @@ def run_spaces(config: RunConfig) -> tuple[Spaces, Policy, Any, Any]:
     return spaces_from_gym(obs_space, act_space, state), policy, obs_space, act_space
 
 
+def pick_device(name: str) -> torch.device:
+    if name == "auto":
+        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
+    return torch.device(name)
+
+
+def make_pool(config: RunConfig, spaces: Spaces, seed: int, backend: str | None = None) -> EnvPool | InProcessEnvPool:
+    wc = config.rollout_config.worker_config
+    backend = backend or getattr(wc, "env_backend", "") or os.environ.get("OVERWORLD_ENV_BACKEND", "") or "subprocess"
+    n = wc.num_envs
+    groups = num_groups_for(n, wc.batch_size)
+    if backend == "inprocess":
+        return InProcessEnvPool(config.env_generator, dict(config.env_kwargs), spaces, n, groups, seed,
+                                wc.restart_interval)
+    if backend != "subprocess":
+        raise ValueError(f"worker_config.env_backend: {backend!r} is neither 'subprocess' nor 'inprocess'")
+    processes = wc.num_env_processes or min(n, os.cpu_count() or 1)
+    return EnvPool(config.env_generator, dict(config.env_kwargs), spaces, n, processes, groups, seed,
+                   wc.step_timeout, wc.restart_interval)
+
+
 class RolloutWorker:
-    def __init__(self, rollout_manager: str, replay_buffer: str, model_registry: str, address: str = "") -> None:
+    def __init__(self, rollout_manager: str, replay_buffer: str, model_registry: str, address: str = "",
+                 env_backend: str | None = None) -> None:
         self.manager = RolloutManagerClient(rollout_manager)
         self.config = self.manager.run_config()
         rc = self.config.rollout_config
-        self.T = rc.fragment_length
-        self.N = rc.worker_config.num_envs
+        wc = rc.worker_config
+        self.T, self.N = rc.fragment_length, wc.num_envs
         self.spaces, self.policy, _, _ = run_spaces(self.config)
-        device = rc.worker_config.device
-        self.device = torch.device("cuda" if device == "auto" and torch.cuda.is_available() else
-                                   ("cpu" if device == "auto" else device))
+        self.device = pick_device(wc.device)
         self.policy.to(self.device).eval()
-        reply = retry(lambda: self.manager.stub.Register(mpb.RegisterRequest(
-            hostname=socket.gethostname(), num_envs=self.N, spaces=self.spaces.to_proto(), address=address),
-            timeout=10), "Register", 120)
+        self.address = address
+        reply = retry(lambda: self.manager.stub.Register(self._register_request(), timeout=10), "Register", 120)
         self.worker_id, self.run_id, self.index = reply.worker_id, reply.run_id, reply.worker_index
         self.lease_seconds = reply.lease_seconds
-        log.info("registered as %s (index %d) in run %s on %s", self.worker_id, self.index, self.run_id, self.device)
+        log.info("registered as %s (index %d) in run %s; inference on %s", self.worker_id, self.index, self.run_id,
+                 self.device)
         self.stop_event = threading.Event()
         self.env_steps = 0
+        self.fragments_completed = 0
         self.fragments_dropped = 0
         self.model_version = 0
-        self.latest_seen_version = 0
         self.steps_per_second = 0.0
-        self._episodes: list[mpb.EpisodeStats] = []
-        self._episodes_lock = threading.Lock()
+        self._leftover: list[common_pb2.Fragment] = []
         self.sender = FragmentSender(replay_buffer, rc.to_send_queue_size)
         self.watcher = WeightsWatcher(model_registry, self.worker_id, self.policy.state_dict())
         seed = self.config.seed * 1_000_003 + self.index * 10_007
-        self.pool = EnvPool(self.config.env_generator, dict(self.config.env_kwargs), self.spaces, self.N,
-                            rc.worker_config.num_env_processes or min(self.N, os.cpu_count() or 1), seed)
+        self.pool = make_pool(self.config, self.spaces, seed, env_backend)
+        self.cutter = FragmentCutter(self.spaces, self.N, self.T)
+        task = self.config.task_name or self.config.env_generator.rsplit(":", 1)[-1]
+        self.episodes = EpisodeTracker(self.N, self.config.train_config.discount, task)
+        self.video = VideoRecorder(image_key(self.spaces), wc.video_fps, self._upload_video)
+        self.first = np.ones(self.N, np.bool_)
+        self.state: dict[str, torch.Tensor] = {}
         self._heartbeat = threading.Thread(target=self._heartbeat_loop, name="heartbeat", daemon=True)
         self._done = threading.Event()
 
-    # -- fleet -----------------------------------------------------------------------------
+    def _register_request(self) -> mpb.RegisterRequest:
+        return mpb.RegisterRequest(hostname=socket.gethostname(), num_envs=self.N, spaces=self.spaces.to_proto(),
+                                   address=self.address)
+
+    # -- fleet -----------------------------------------------------------------------------------
     def _heartbeat_loop(self) -> None:
         interval = max(0.5, min(2.0, self.lease_seconds / 4))
         while not self._done.wait(interval):
             self._report()
 
     def _report(self) -> None:
-        with self._episodes_lock:
-            episodes, self._episodes = self._episodes, []
+        episodes = self.episodes.take()
         try:
             if episodes:
                 self.manager.stub.ReportEpisodes(mpb.ReportEpisodesRequest(worker_id=self.worker_id,
                                                                            episodes=episodes), timeout=5)
+                episodes = []
             reply = self.manager.stub.Heartbeat(mpb.HeartbeatRequest(
                 worker_id=self.worker_id, env_steps=self.env_steps, fragments_sent=self.sender.sent,
-                model_version=self.model_version), timeout=5)
+                model_version=self.model_version, env_steps_per_second=self.steps_per_second,
+                env_restarts=dict(self.pool.restarts), fragments_dropped=self.fragments_dropped,
+                send_queue_depth=self.sender.depth(), fragments_completed=self.fragments_completed,
+                envs_ready=int(self.pool.active.sum())), timeout=5)
             if not reply.lease_valid:
                 log.warning("lease expired (manager restarted or we were too slow); registering again")
-                reply = self.manager.stub.Register(mpb.RegisterRequest(
-                    hostname=socket.gethostname(), num_envs=self.N, spaces=self.spaces.to_proto()), timeout=10)
-                self.worker_id = reply.worker_id
+                again = self.manager.stub.Register(self._register_request(), timeout=10)
+                self.worker_id = again.worker_id
+            elif reply.video_request_id:
+                self.video.requested(reply.video_request_id)
         except grpc.RpcError as err:
-            with self._episodes_lock:
-                self._episodes = episodes + self._episodes  # keep them for the next report
+            self.episodes.give_back(episodes)
             log.warning("rollout manager unreachable (%s)", err.code().name)
         QUEUE_DEPTH.set(self.sender.depth())
 
-    # -- weights -----------------------------------------------------------------------------
+    def _upload_video(self, chunks: list[mpb.VideoChunk]) -> mpb.VideoInfo:
+        for c in chunks[:1]:
+            c.info.worker_id = self.worker_id
+        return self.manager.stub.UploadVideo(iter(chunks), timeout=120)
+
+    # -- weights -----------------------------------------------------------------------------------
     def _swap_weights(self, pending: tuple[int, dict[str, torch.Tensor]] | None) -> None:
         if pending is None:
             return
@@ -142,133 +187,135 @@ class RolloutWorker:
         MODEL_VERSION.labels(self.worker_id).set(version)
         self.watcher.ack(version)
 
-    # -- the loop ----------------------------------------------------------------------------
-    def _buffers(self) -> dict[str, np.ndarray]:
-        N, T = self.N, self.T
-        b: dict[str, np.ndarray] = {}
-        for k, s in self.spaces.obs.items():
-            b[f"obs.{k}"] = np.zeros((N, T, *s.shape), s.dtype)
-        for k, s in self.spaces.action.items():
-            b[f"action.{k}"] = np.zeros((N, T, *s.shape), s.dtype)
-        for k, dtype in (("reward", np.float32), ("terminated", np.bool_), ("truncated", np.bool_),
-                         ("first", np.bool_), ("logp", np.float32), ("value", np.float32),
-                         ("bootstrap_value", np.float32), ("model_version", np.int64)):
-            b[k] = np.zeros((N, T), dtype)
-        return b
-
+    # -- inference ---------------------------------------------------------------------------------
     @torch.no_grad()
-    def _act(self, obs: dict[str, np.ndarray], state: dict[str, torch.Tensor], first: np.ndarray):  # type: ignore[no-untyped-def]
+    def _act(self, g: int, slots: np.ndarray) -> None:
+        obs = {k: v[slots] for k, v in self.pool.obs.items()}  # a copy: the rows change while we wait
+        first = self.first[slots]
         started = time.monotonic()
-        obs_t = {k: torch.as_tensor(v, device=self.device).unsqueeze(1) for k, v in obs.items()}
-        first_t = torch.as_tensor(first, device=self.device).unsqueeze(1)
-        out, new_state = self.policy(obs_t, state, first_t)
-        action = sample(out.logits)
-        logp = log_prob(out.logits, action)
-        value = self.policy.value(out)
-        INFER_BATCH.observe(len(first))
+        idx = torch.as_tensor(slots, device=self.device)
+        before = {k: v[idx] for k, v in self.state.items()}
+        obs_t = {k: torch.as_tensor(v).to(self.device, non_blocking=True).unsqueeze(1) for k, v in obs.items()}
+        first_t = torch.as_tensor(first).to(self.device).unsqueeze(1)
+        out, after = self.policy(obs_t, before, first_t)
+        action_t = sample(out.logits)
+        logp = log_prob(out.logits, action_t)[:, 0].cpu().numpy()
+        value = self.policy.value(out)[:, 0].float().cpu().numpy()
+        action = {k: v[:, 0].cpu().numpy() for k, v in action_t.items()}
+        INFER_BATCH.observe(len(slots))
         INFER_LATENCY.observe(time.monotonic() - started)
-        return ({k: v[:, 0].cpu().numpy() for k, v in action.items()}, logp[:, 0].cpu().numpy(),
-                value[:, 0].cpu().numpy(), new_state)
+        for k, v in after.items():
+            self.state[k][idx] = v
+        starting = self.cutter.t[slots] == 0
+        state_before = {k: v.cpu().numpy() for k, v in before.items()} if before and starting.any() else None
+        self.cutter.record_action(slots, obs, action, first, logp, value, self.model_version, state_before)
+        if self.video.slot is not None and self.video.key is not None:
+            where = np.flatnonzero(slots == self.video.slot)
+            if where.size:
+                self.video.frame({self.video.slot: obs[self.video.key][where[0]]})
+        self.pool.send(g, slots, action)
+        self.first[slots] = False
 
     @torch.no_grad()
-    def _bootstrap_values(self, final_obs: dict[str, np.ndarray], state: dict[str, torch.Tensor],
-                          mask: np.ndarray) -> np.ndarray:
-        idx = np.flatnonzero(mask)
-        obs_t = {k: torch.as_tensor(v[idx], device=self.device).unsqueeze(1) for k, v in final_obs.items()}
-        st = {k: v[torch.as_tensor(idx, device=self.device)] for k, v in state.items()}
-        first = torch.zeros(len(idx), 1, dtype=torch.bool, device=self.device)
-        out, _ = self.policy(obs_t, st, first)
-        values = np.zeros(self.N, np.float32)
-        values[idx] = self.policy.value(out)[:, 0].cpu().numpy()
-        return values
+    def _bootstrap_values(self, slots: np.ndarray) -> np.ndarray:
+        """Value of the final observation of truncated episodes (with the state after the step)."""
+        final = self.pool.final_obs
+        idx = torch.as_tensor(slots, device=self.device)
+        obs_t = {k: torch.as_tensor(v[slots]).to(self.device).unsqueeze(1) for k, v in final.items()}
+        state = {k: v[idx] for k, v in self.state.items()}
+        first = torch.zeros(len(slots), 1, dtype=torch.bool, device=self.device)
+        out, _ = self.policy(obs_t, state, first)
+        return self.policy.value(out)[:, 0].float().cpu().numpy()
 
+    # -- results -----------------------------------------------------------------------------------
+    def _consume(self, res: GroupResult) -> None:
+        a = self.pool.arrays
+        if res.stepped:
+            slots = np.asarray(res.stepped, np.int64)
+            reward = a["reward"][slots].copy()
+            terminated = a["terminated"][slots].copy()
+            truncated = a["truncated"][slots].copy()
+            boot = np.zeros(len(slots), np.float32)
+            if truncated.any():
+                boot[truncated] = self._bootstrap_values(slots[truncated])
+            self.episodes.stepped(slots, reward)
+            complete = self.cutter.record_outcome(slots, reward, terminated, truncated, boot)
+            for slot in complete:
+                source = self.pool.final_obs if int(slot) in res.ended else self.pool.obs
+                self._emit(int(slot), {k: v[slot] for k, v in source.items()})
+            for slot, extras in res.ended.items():
+                stats = self.episodes.ended(slot, self.model_version, extras)
+                if slot == self.video.slot and self.video.key is not None:
+                    self.video.finish(slot, self.pool.final_obs[self.video.key][slot], mpb.VideoInfo(
+                        env_slot=slot, task=stats.task, sum_reward=stats.sum_reward, length=stats.length,
+                        model_version=self.model_version))
+            self.env_steps += len(slots)
+            ENV_STEPS.labels(self.worker_id).inc(len(slots))
+        for slot, reason in res.failed.items():
+            if self.cutter.drop(slot):
+                self.fragments_dropped += 1
+                FRAGMENTS_DROPPED.labels(reason).inc()
+            self.episodes.forget(slot)
+            self.video.abort(slot)
+        for slot in res.joined:
+            self.first[slot] = True
+            self.video.maybe_start(slot)
+
+    def _emit(self, slot: int, next_obs: dict[str, np.ndarray]) -> None:
+        sequence, data = self.cutter.take(slot, next_obs)
+        msg = Fragment(self.run_id, self.worker_id, slot, sequence, data).to_proto()
+        self.fragments_completed += 1
+        if not self.sender.put(msg, self.stop_event):
+            self._leftover.append(msg)  # stopping with a full queue: flushed by shutdown()
+            return
+        FRAGMENTS_SENT.labels(self.worker_id).inc()
+        POLICY_LAG.observe(max(0, self.watcher.version - int(data["model_version"][0])))
+
+    # -- the loop ----------------------------------------------------------------------------------
     def run(self) -> None:
-        torch.set_num_threads(1)
+        if self.device.type == "cpu":
+            torch.set_num_threads(1)  # the env processes need the cores
         self._heartbeat.start()
         self._swap_weights(self.watcher.wait_first(self.stop_event))
         if self.stop_event.is_set():
             return
-        discount = self.config.train_config.discount
-        task = self.config.task_name or self.config.env_generator.rsplit(":", 1)[-1]
-        obs = {k: v.copy() for k, v in self.pool.reset().items()}
-        state = self.policy.initial_state(self.N)
-        first = np.ones(self.N, np.bool_)
-        ep_return = np.zeros(self.N)
-        ep_discounted = np.zeros(self.N)
-        ep_length = np.zeros(self.N, np.int64)
-        sequence = 0
-        buf = self._buffers()
-        in_state = {k: v.clone() for k, v in state.items()}
-        t = 0
-        rate_started, rate_steps = time.monotonic(), 0
+        self.state = {k: v.to(self.device) for k, v in self.policy.initial_state(self.N).items()}
+        groups = range(len(self.pool.groups))
+        sent_at = [0.0] * len(self.pool.groups)
+        rate_started, rate_steps = time.monotonic(), self.env_steps
         while not self.stop_event.is_set():
-            self._swap_weights(self.watcher.take())
-            action, logp, value, new_state = self._act(obs, state, first)
-            for k, v in obs.items():
-                buf[f"obs.{k}"][:, t] = v
-            for k, v in action.items():
-                buf[f"action.{k}"][:, t] = v
-            buf["first"][:, t] = first
-            buf["logp"][:, t] = logp
-            buf["value"][:, t] = value
-            buf["model_version"][:, t] = self.model_version
-            started = time.monotonic()
-            result = self.pool.step(action)
-            STEP_LATENCY.observe(time.monotonic() - started)
-            buf["reward"][:, t] = result.reward
-            buf["terminated"][:, t] = result.terminated
-            buf["truncated"][:, t] = result.truncated
-            buf["bootstrap_value"][:, t] = (self._bootstrap_values(result.final_obs, new_state, result.truncated)
-                                            if result.truncated.any() else 0.0)
-            ep_discounted += result.reward * discount ** ep_length
-            ep_return += result.reward
-            ep_length += 1
-            done = result.terminated | result.truncated
-            for slot in np.flatnonzero(done):
-                with self._episodes_lock:
-                    self._episodes.append(mpb.EpisodeStats(
-                        task=task, sum_reward=float(ep_return[slot]), discounted_reward=float(ep_discounted[slot]),
-                        length=int(ep_length[slot]), model_version=self.model_version,
-                        extras=result.episode_infos.get(int(slot), {})))
-            ep_return[done] = 0.0
-            ep_discounted[done] = 0.0
-            ep_length[done] = 0
-            obs = {k: v.copy() for k, v in result.obs.items()}
-            state, first = new_state, done
-            t += 1
-            self.env_steps += self.N
-            rate_steps += self.N
-            ENV_STEPS.labels(self.worker_id).inc(self.N)
-            if t == self.T:
-                self._emit(buf, obs, in_state, sequence)
-                sequence += 1
-                in_state = {k: v.clone() for k, v in state.items()}
-                t = 0
-                now = time.monotonic()
-                if now - rate_started > 5:
-                    self.steps_per_second = rate_steps / (now - rate_started)
-                    rate_started, rate_steps = now, 0
-
-    def _emit(self, buf: dict[str, np.ndarray], next_obs: dict[str, np.ndarray],
-              in_state: dict[str, torch.Tensor], sequence: int) -> None:
-        for slot in range(self.N):
-            data = {k: v[slot].copy() for k, v in buf.items()}
-            for k, v in next_obs.items():
-                data[f"next_obs.{k}"] = v[slot:slot + 1].copy()
-            for k, v in in_state.items():
-                data[f"state.{k}"] = v[slot].cpu().numpy()
-            fragment = Fragment(self.run_id, self.worker_id, slot, sequence, data)
-            if not self.sender.put(fragment.to_proto(), self.stop_event):
-                self.fragments_dropped += self.N - slot
-                return
-            FRAGMENTS_SENT.labels(self.worker_id).inc()
-            POLICY_LAG.observe(max(0, self.watcher.version - int(data["model_version"][0])))
+            progressed = False
+            for g in groups:
+                self._swap_weights(self.watcher.take())
+                res = self.pool.wait(g, self.stop_event)
+                if sent_at[g]:
+                    STEP_LATENCY.observe(time.monotonic() - sent_at[g])
+                    sent_at[g] = 0.0
+                if self.stop_event.is_set():
+                    break
+                progressed |= not res.empty()
+                self._consume(res)
+                ready = self.pool.ready(g)
+                if ready.size:
+                    self._act(g, ready)
+                    sent_at[g] = time.monotonic()
+                    progressed = True
+            if not progressed:
+                self.pool.idle_wait(0.05)
+            now = time.monotonic()
+            if now - rate_started > 5:
+                self.steps_per_second = (self.env_steps - rate_steps) / (now - rate_started)
+                rate_started, rate_steps = now, self.env_steps
 
     def shutdown(self, timeout: float = 30.0) -> None:
-        """Flush complete fragments, deregister, release the environments."""
+        """Flush every complete fragment, deregister, release the environments."""
         self.stop_event.set()
+        for msg in self._leftover:
+            self.sender.put(msg, self.stop_event, force=True)
+        self._leftover.clear()
         flushed = self.sender.close(timeout)
-        log.info("sender flushed: %s (%d sent, %d rejected)", flushed, self.sender.sent, self.sender.rejected)
+        log.info("sender flushed: %s (%d complete fragments, %d acknowledged, %d rejected, %d partial dropped)",
+                 flushed, self.fragments_completed, self.sender.sent, self.sender.rejected, self.fragments_dropped)
         self._done.set()
         self._report()
         try:

@@ -25,15 +25,19 @@ _sym_db = _symbol_database.Default()
 from overworld.v1 import common_pb2 as overworld_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"overworld/v1/rollout_manager.proto\x12\x0coverworld.v1\x1a\x19overworld/v1/common.proto\"\x15\n\x13GetRunConfigRequest\"E\n\tRunConfig\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_yaml\x18\x02 \x01(\t\x12\x13\n\x0b\x63onfig_hash\x18\x03 \x01(\t\"l\n\x0fRegisterRequest\x12\x10\n\x08hostname\x18\x01 \x01(\t\x12\x10\n\x08num_envs\x18\x02 \x01(\r\x12$\n\x06spaces\x18\x03 \x01(\x0b\x32\x14.overworld.v1.Spaces\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\"b\n\x10RegisterResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rlease_seconds\x18\x02 \x01(\x01\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x14\n\x0cworker_index\x18\x04 \x01(\r\"g\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\tenv_steps\x18\x02 \x01(\x04\x12\x16\n\x0e\x66ragments_sent\x18\x03 \x01(\x04\x12\x15\n\rmodel_version\x18\x04 \x01(\x04\">\n\x11HeartbeatResponse\x12\x13\n\x0blease_valid\x18\x01 \x01(\x08\x12\x14\n\x0crecord_video\x18\x02 \x01(\x08\"&\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x14\n\x12\x44\x65registerResponse\"\xd9\x01\n\x0c\x45pisodeStats\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x12\n\nsum_reward\x18\x02 \x01(\x01\x12\x19\n\x11\x64iscounted_reward\x18\x03 \x01(\x01\x12\x0e\n\x06length\x18\x04 \x01(\r\x12\x15\n\rmodel_version\x18\x05 \x01(\x04\x12\x36\n\x06\x65xtras\x18\x06 \x03(\x0b\x32&.overworld.v1.EpisodeStats.ExtrasEntry\x1a-\n\x0b\x45xtrasEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"X\n\x15ReportEpisodesRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12,\n\x08\x65pisodes\x18\x02 \x03(\x0b\x32\x1a.overworld.v1.EpisodeStats\"\x18\n\x16ReportEpisodesResponse\"\x12\n\x10GetSpacesRequest\"\x17\n\x15GetFleetStatusRequest\"\xb7\x01\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x10\n\x08num_envs\x18\x04 \x01(\r\x12\x11\n\tenv_steps\x18\x05 \x01(\x04\x12\x16\n\x0e\x66ragments_sent\x18\x06 \x01(\x04\x12\x15\n\rmodel_version\x18\x07 \x01(\x04\x12\x1f\n\x17seconds_since_heartbeat\x18\x08 \x01(\x01\"\x98\x02\n\tTaskStats\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x10\n\x08\x65pisodes\x18\x02 \x01(\x04\x12\x1c\n\x14mean_return_last_100\x18\x03 \x01(\x01\x12\x1c\n\x14mean_length_last_100\x18\x04 \x01(\x01\x12\'\n\x1fmean_discounted_return_last_100\x18\x05 \x01(\x01\x12L\n\x14mean_extras_last_100\x18\x06 \x03(\x0b\x32..overworld.v1.TaskStats.MeanExtrasLast100Entry\x1a\x38\n\x16MeanExtrasLast100Entry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xb3\x01\n\x0b\x46leetStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12)\n\x07workers\x18\x02 \x03(\x0b\x32\x18.overworld.v1.WorkerInfo\x12\x11\n\tenv_steps\x18\x03 \x01(\x04\x12\x10\n\x08\x65pisodes\x18\x04 \x01(\x04\x12\x1c\n\x14mean_return_last_100\x18\x05 \x01(\x01\x12&\n\x05tasks\x18\x06 \x03(\x0b\x32\x17.overworld.v1.TaskStats2\xb8\x04\n\x0eRolloutManager\x12J\n\x0cGetRunConfig\x12!.overworld.v1.GetRunConfigRequest\x1a\x17.overworld.v1.RunConfig\x12I\n\x08Register\x12\x1d.overworld.v1.RegisterRequest\x1a\x1e.overworld.v1.RegisterResponse\x12L\n\tHeartbeat\x12\x1e.overworld.v1.HeartbeatRequest\x1a\x1f.overworld.v1.HeartbeatResponse\x12O\n\nDeregister\x12\x1f.overworld.v1.DeregisterRequest\x1a .overworld.v1.DeregisterResponse\x12[\n\x0eReportEpisodes\x12#.overworld.v1.ReportEpisodesRequest\x1a$.overworld.v1.ReportEpisodesResponse\x12\x41\n\tGetSpaces\x12\x1e.overworld.v1.GetSpacesRequest\x1a\x14.overworld.v1.Spaces\x12P\n\x0eGetFleetStatus\x12#.overworld.v1.GetFleetStatusRequest\x1a\x19.overworld.v1.FleetStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\"overworld/v1/rollout_manager.proto\x12\x0coverworld.v1\x1a\x19overworld/v1/common.proto\"\x15\n\x13GetRunConfigRequest\"E\n\tRunConfig\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12\x13\n\x0b\x63onfig_yaml\x18\x02 \x01(\t\x12\x13\n\x0b\x63onfig_hash\x18\x03 \x01(\t\"l\n\x0fRegisterRequest\x12\x10\n\x08hostname\x18\x01 \x01(\t\x12\x10\n\x08num_envs\x18\x02 \x01(\r\x12$\n\x06spaces\x18\x03 \x01(\x0b\x32\x14.overworld.v1.Spaces\x12\x0f\n\x07\x61\x64\x64ress\x18\x04 \x01(\t\"b\n\x10RegisterResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x15\n\rlease_seconds\x18\x02 \x01(\x01\x12\x0e\n\x06run_id\x18\x03 \x01(\t\x12\x14\n\x0cworker_index\x18\x04 \x01(\r\"\xe6\x02\n\x10HeartbeatRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\tenv_steps\x18\x02 \x01(\x04\x12\x16\n\x0e\x66ragments_sent\x18\x03 \x01(\x04\x12\x15\n\rmodel_version\x18\x04 \x01(\x04\x12\x1c\n\x14\x65nv_steps_per_second\x18\x05 \x01(\x01\x12\x45\n\x0c\x65nv_restarts\x18\x06 \x03(\x0b\x32/.overworld.v1.HeartbeatRequest.EnvRestartsEntry\x12\x19\n\x11\x66ragments_dropped\x18\x07 \x01(\x04\x12\x18\n\x10send_queue_depth\x18\x08 \x01(\r\x12\x1b\n\x13\x66ragments_completed\x18\t \x01(\x04\x12\x12\n\nenvs_ready\x18\n \x01(\r\x1a\x32\n\x10\x45nvRestartsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"X\n\x11HeartbeatResponse\x12\x13\n\x0blease_valid\x18\x01 \x01(\x08\x12\x14\n\x0crecord_video\x18\x02 \x01(\x08\x12\x18\n\x10video_request_id\x18\x03 \x01(\t\"&\n\x11\x44\x65registerRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\"\x14\n\x12\x44\x65registerResponse\"\xd9\x01\n\x0c\x45pisodeStats\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x12\n\nsum_reward\x18\x02 \x01(\x01\x12\x19\n\x11\x64iscounted_reward\x18\x03 \x01(\x01\x12\x0e\n\x06length\x18\x04 \x01(\r\x12\x15\n\rmodel_version\x18\x05 \x01(\x04\x12\x36\n\x06\x65xtras\x18\x06 \x03(\x0b\x32&.overworld.v1.EpisodeStats.ExtrasEntry\x1a-\n\x0b\x45xtrasEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"X\n\x15ReportEpisodesRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12,\n\x08\x65pisodes\x18\x02 \x03(\x0b\x32\x1a.overworld.v1.EpisodeStats\"\x18\n\x16ReportEpisodesResponse\"\x12\n\x10GetSpacesRequest\"\x17\n\x15GetFleetStatusRequest\"\xb0\x03\n\nWorkerInfo\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08hostname\x18\x02 \x01(\t\x12\x0f\n\x07\x61\x64\x64ress\x18\x03 \x01(\t\x12\x10\n\x08num_envs\x18\x04 \x01(\r\x12\x11\n\tenv_steps\x18\x05 \x01(\x04\x12\x16\n\x0e\x66ragments_sent\x18\x06 \x01(\x04\x12\x15\n\rmodel_version\x18\x07 \x01(\x04\x12\x1f\n\x17seconds_since_heartbeat\x18\x08 \x01(\x01\x12\x1c\n\x14\x65nv_steps_per_second\x18\t \x01(\x01\x12?\n\x0c\x65nv_restarts\x18\n \x03(\x0b\x32).overworld.v1.WorkerInfo.EnvRestartsEntry\x12\x19\n\x11\x66ragments_dropped\x18\x0b \x01(\x04\x12\x18\n\x10send_queue_depth\x18\x0c \x01(\r\x12\x1b\n\x13\x66ragments_completed\x18\r \x01(\x04\x12\x12\n\nenvs_ready\x18\x0e \x01(\r\x1a\x32\n\x10\x45nvRestartsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x98\x02\n\tTaskStats\x12\x0c\n\x04task\x18\x01 \x01(\t\x12\x10\n\x08\x65pisodes\x18\x02 \x01(\x04\x12\x1c\n\x14mean_return_last_100\x18\x03 \x01(\x01\x12\x1c\n\x14mean_length_last_100\x18\x04 \x01(\x01\x12\'\n\x1fmean_discounted_return_last_100\x18\x05 \x01(\x01\x12L\n\x14mean_extras_last_100\x18\x06 \x03(\x0b\x32..overworld.v1.TaskStats.MeanExtrasLast100Entry\x1a\x38\n\x16MeanExtrasLast100Entry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"\xe3\x01\n\x0b\x46leetStatus\x12\x0e\n\x06run_id\x18\x01 \x01(\t\x12)\n\x07workers\x18\x02 \x03(\x0b\x32\x18.overworld.v1.WorkerInfo\x12\x11\n\tenv_steps\x18\x03 \x01(\x04\x12\x10\n\x08\x65pisodes\x18\x04 \x01(\x04\x12\x1c\n\x14mean_return_last_100\x18\x05 \x01(\x01\x12&\n\x05tasks\x18\x06 \x03(\x0b\x32\x17.overworld.v1.TaskStats\x12\x0e\n\x06videos\x18\x07 \x01(\r\x12\x1e\n\x16pending_video_requests\x18\x08 \x01(\r\"(\n\x13RequestVideoRequest\x12\x11\n\titeration\x18\x01 \x01(\x04\"*\n\x14RequestVideoResponse\x12\x12\n\nrequest_id\x18\x01 \x01(\t\"\xe4\x01\n\tVideoInfo\x12\x12\n\nrequest_id\x18\x01 \x01(\t\x12\x0b\n\x03key\x18\x02 \x01(\t\x12\x11\n\tworker_id\x18\x03 \x01(\t\x12\x10\n\x08\x65nv_slot\x18\x04 \x01(\r\x12\x0c\n\x04task\x18\x05 \x01(\t\x12\x12\n\nsum_reward\x18\x06 \x01(\x01\x12\x0e\n\x06length\x18\x07 \x01(\r\x12\x15\n\rmodel_version\x18\x08 \x01(\x04\x12\x11\n\titeration\x18\t \x01(\x04\x12\x14\n\x0c\x63reated_unix\x18\n \x01(\x01\x12\x12\n\nsize_bytes\x18\x0b \x01(\x04\x12\x0b\n\x03\x66ps\x18\x0c \x01(\r\"A\n\nVideoChunk\x12%\n\x04info\x18\x01 \x01(\x0b\x32\x17.overworld.v1.VideoInfo\x12\x0c\n\x04\x64\x61ta\x18\x02 \x01(\x0c\"\x13\n\x11ListVideosRequest\"=\n\x12ListVideosResponse\x12\'\n\x06videos\x18\x01 \x03(\x0b\x32\x17.overworld.v1.VideoInfo2\xa4\x06\n\x0eRolloutManager\x12J\n\x0cGetRunConfig\x12!.overworld.v1.GetRunConfigRequest\x1a\x17.overworld.v1.RunConfig\x12I\n\x08Register\x12\x1d.overworld.v1.RegisterRequest\x1a\x1e.overworld.v1.RegisterResponse\x12L\n\tHeartbeat\x12\x1e.overworld.v1.HeartbeatRequest\x1a\x1f.overworld.v1.HeartbeatResponse\x12O\n\nDeregister\x12\x1f.overworld.v1.DeregisterRequest\x1a .overworld.v1.DeregisterResponse\x12[\n\x0eReportEpisodes\x12#.overworld.v1.ReportEpisodesRequest\x1a$.overworld.v1.ReportEpisodesResponse\x12\x41\n\tGetSpaces\x12\x1e.overworld.v1.GetSpacesRequest\x1a\x14.overworld.v1.Spaces\x12P\n\x0eGetFleetStatus\x12#.overworld.v1.GetFleetStatusRequest\x1a\x19.overworld.v1.FleetStatus\x12U\n\x0cRequestVideo\x12!.overworld.v1.RequestVideoRequest\x1a\".overworld.v1.RequestVideoResponse\x12\x42\n\x0bUploadVideo\x12\x18.overworld.v1.VideoChunk\x1a\x17.overworld.v1.VideoInfo(\x01\x12O\n\nListVideos\x12\x1f.overworld.v1.ListVideosRequest\x1a .overworld.v1.ListVideosResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
 _builder.BuildTopDescriptorsAndMessages(DESCRIPTOR, 'overworld.v1.rollout_manager_pb2', _globals)
 if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
+  _globals['_HEARTBEATREQUEST_ENVRESTARTSENTRY']._loaded_options = None
+  _globals['_HEARTBEATREQUEST_ENVRESTARTSENTRY']._serialized_options = b'8\001'
   _globals['_EPISODESTATS_EXTRASENTRY']._loaded_options = None
   _globals['_EPISODESTATS_EXTRASENTRY']._serialized_options = b'8\001'
+  _globals['_WORKERINFO_ENVRESTARTSENTRY']._loaded_options = None
+  _globals['_WORKERINFO_ENVRESTARTSENTRY']._serialized_options = b'8\001'
   _globals['_TASKSTATS_MEANEXTRASLAST100ENTRY']._loaded_options = None
   _globals['_TASKSTATS_MEANEXTRASLAST100ENTRY']._serialized_options = b'8\001'
   _globals['_GETRUNCONFIGREQUEST']._serialized_start=79
@@ -44,34 +48,50 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_REGISTERREQUEST']._serialized_end=281
   _globals['_REGISTERRESPONSE']._serialized_start=283
   _globals['_REGISTERRESPONSE']._serialized_end=381
-  _globals['_HEARTBEATREQUEST']._serialized_start=383
-  _globals['_HEARTBEATREQUEST']._serialized_end=486
-  _globals['_HEARTBEATRESPONSE']._serialized_start=488
-  _globals['_HEARTBEATRESPONSE']._serialized_end=550
-  _globals['_DEREGISTERREQUEST']._serialized_start=552
-  _globals['_DEREGISTERREQUEST']._serialized_end=590
-  _globals['_DEREGISTERRESPONSE']._serialized_start=592
-  _globals['_DEREGISTERRESPONSE']._serialized_end=612
-  _globals['_EPISODESTATS']._serialized_start=615
-  _globals['_EPISODESTATS']._serialized_end=832
-  _globals['_EPISODESTATS_EXTRASENTRY']._serialized_start=787
-  _globals['_EPISODESTATS_EXTRASENTRY']._serialized_end=832
-  _globals['_REPORTEPISODESREQUEST']._serialized_start=834
-  _globals['_REPORTEPISODESREQUEST']._serialized_end=922
-  _globals['_REPORTEPISODESRESPONSE']._serialized_start=924
-  _globals['_REPORTEPISODESRESPONSE']._serialized_end=948
-  _globals['_GETSPACESREQUEST']._serialized_start=950
-  _globals['_GETSPACESREQUEST']._serialized_end=968
-  _globals['_GETFLEETSTATUSREQUEST']._serialized_start=970
-  _globals['_GETFLEETSTATUSREQUEST']._serialized_end=993
-  _globals['_WORKERINFO']._serialized_start=996
-  _globals['_WORKERINFO']._serialized_end=1179
-  _globals['_TASKSTATS']._serialized_start=1182
-  _globals['_TASKSTATS']._serialized_end=1462
-  _globals['_TASKSTATS_MEANEXTRASLAST100ENTRY']._serialized_start=1406
-  _globals['_TASKSTATS_MEANEXTRASLAST100ENTRY']._serialized_end=1462
-  _globals['_FLEETSTATUS']._serialized_start=1465
-  _globals['_FLEETSTATUS']._serialized_end=1644
-  _globals['_ROLLOUTMANAGER']._serialized_start=1647
-  _globals['_ROLLOUTMANAGER']._serialized_end=2215
+  _globals['_HEARTBEATREQUEST']._serialized_start=384
+  _globals['_HEARTBEATREQUEST']._serialized_end=742
+  _globals['_HEARTBEATREQUEST_ENVRESTARTSENTRY']._serialized_start=692
+  _globals['_HEARTBEATREQUEST_ENVRESTARTSENTRY']._serialized_end=742
+  _globals['_HEARTBEATRESPONSE']._serialized_start=744
+  _globals['_HEARTBEATRESPONSE']._serialized_end=832
+  _globals['_DEREGISTERREQUEST']._serialized_start=834
+  _globals['_DEREGISTERREQUEST']._serialized_end=872
+  _globals['_DEREGISTERRESPONSE']._serialized_start=874
+  _globals['_DEREGISTERRESPONSE']._serialized_end=894
+  _globals['_EPISODESTATS']._serialized_start=897
+  _globals['_EPISODESTATS']._serialized_end=1114
+  _globals['_EPISODESTATS_EXTRASENTRY']._serialized_start=1069
+  _globals['_EPISODESTATS_EXTRASENTRY']._serialized_end=1114
+  _globals['_REPORTEPISODESREQUEST']._serialized_start=1116
+  _globals['_REPORTEPISODESREQUEST']._serialized_end=1204
+  _globals['_REPORTEPISODESRESPONSE']._serialized_start=1206
+  _globals['_REPORTEPISODESRESPONSE']._serialized_end=1230
+  _globals['_GETSPACESREQUEST']._serialized_start=1232
+  _globals['_GETSPACESREQUEST']._serialized_end=1250
+  _globals['_GETFLEETSTATUSREQUEST']._serialized_start=1252
+  _globals['_GETFLEETSTATUSREQUEST']._serialized_end=1275
+  _globals['_WORKERINFO']._serialized_start=1278
+  _globals['_WORKERINFO']._serialized_end=1710
+  _globals['_WORKERINFO_ENVRESTARTSENTRY']._serialized_start=692
+  _globals['_WORKERINFO_ENVRESTARTSENTRY']._serialized_end=742
+  _globals['_TASKSTATS']._serialized_start=1713
+  _globals['_TASKSTATS']._serialized_end=1993
+  _globals['_TASKSTATS_MEANEXTRASLAST100ENTRY']._serialized_start=1937
+  _globals['_TASKSTATS_MEANEXTRASLAST100ENTRY']._serialized_end=1993
+  _globals['_FLEETSTATUS']._serialized_start=1996
+  _globals['_FLEETSTATUS']._serialized_end=2223
+  _globals['_REQUESTVIDEOREQUEST']._serialized_start=2225
+  _globals['_REQUESTVIDEOREQUEST']._serialized_end=2265
+  _globals['_REQUESTVIDEORESPONSE']._serialized_start=2267
+  _globals['_REQUESTVIDEORESPONSE']._serialized_end=2309
+  _globals['_VIDEOINFO']._serialized_start=2312
+  _globals['_VIDEOINFO']._serialized_end=2540
+  _globals['_VIDEOCHUNK']._serialized_start=2542
+  _globals['_VIDEOCHUNK']._serialized_end=2607
+  _globals['_LISTVIDEOSREQUEST']._serialized_start=2609
+  _globals['_LISTVIDEOSREQUEST']._serialized_end=2628
+  _globals['_LISTVIDEOSRESPONSE']._serialized_start=2630
+  _globals['_LISTVIDEOSRESPONSE']._serialized_end=2691
+  _globals['_ROLLOUTMANAGER']._serialized_start=2694
+  _globals['_ROLLOUTMANAGER']._serialized_end=3498
 # @@protoc_insertion_point(module_scope)

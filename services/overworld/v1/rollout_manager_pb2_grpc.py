@@ -70,6 +70,21 @@ class RolloutManagerStub:
                 request_serializer=overworld_dot_v1_dot_rollout__manager__pb2.GetFleetStatusRequest.SerializeToString,
                 response_deserializer=overworld_dot_v1_dot_rollout__manager__pb2.FleetStatus.FromString,
                 _registered_method=True)
+        self.RequestVideo = channel.unary_unary(
+                '/overworld.v1.RolloutManager/RequestVideo',
+                request_serializer=overworld_dot_v1_dot_rollout__manager__pb2.RequestVideoRequest.SerializeToString,
+                response_deserializer=overworld_dot_v1_dot_rollout__manager__pb2.RequestVideoResponse.FromString,
+                _registered_method=True)
+        self.UploadVideo = channel.stream_unary(
+                '/overworld.v1.RolloutManager/UploadVideo',
+                request_serializer=overworld_dot_v1_dot_rollout__manager__pb2.VideoChunk.SerializeToString,
+                response_deserializer=overworld_dot_v1_dot_rollout__manager__pb2.VideoInfo.FromString,
+                _registered_method=True)
+        self.ListVideos = channel.unary_unary(
+                '/overworld.v1.RolloutManager/ListVideos',
+                request_serializer=overworld_dot_v1_dot_rollout__manager__pb2.ListVideosRequest.SerializeToString,
+                response_deserializer=overworld_dot_v1_dot_rollout__manager__pb2.ListVideosResponse.FromString,
+                _registered_method=True)
 
 
 class RolloutManagerServicer:
@@ -120,6 +135,29 @@ class RolloutManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RequestVideo(self, request, context):
+        """Episode videos. RequestVideo queues a request (the trainer may call it every
+        record_video_interval iterations; without such calls the manager requests one whenever the
+        fleet's model version crosses a multiple of record_video_interval). The manager hands each
+        request to one worker in a heartbeat reply; the worker records the next episode that starts
+        on one of its slots, encodes it as MP4 and uploads it; the manager stores it in its blob store.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def UploadVideo(self, request_iterator, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def ListVideos(self, request, context):
+        """Missing associated documentation comment in .proto file."""
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_RolloutManagerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -157,6 +195,21 @@ def add_RolloutManagerServicer_to_server(servicer, server):
                     servicer.GetFleetStatus,
                     request_deserializer=overworld_dot_v1_dot_rollout__manager__pb2.GetFleetStatusRequest.FromString,
                     response_serializer=overworld_dot_v1_dot_rollout__manager__pb2.FleetStatus.SerializeToString,
+            ),
+            'RequestVideo': grpc.unary_unary_rpc_method_handler(
+                    servicer.RequestVideo,
+                    request_deserializer=overworld_dot_v1_dot_rollout__manager__pb2.RequestVideoRequest.FromString,
+                    response_serializer=overworld_dot_v1_dot_rollout__manager__pb2.RequestVideoResponse.SerializeToString,
+            ),
+            'UploadVideo': grpc.stream_unary_rpc_method_handler(
+                    servicer.UploadVideo,
+                    request_deserializer=overworld_dot_v1_dot_rollout__manager__pb2.VideoChunk.FromString,
+                    response_serializer=overworld_dot_v1_dot_rollout__manager__pb2.VideoInfo.SerializeToString,
+            ),
+            'ListVideos': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListVideos,
+                    request_deserializer=overworld_dot_v1_dot_rollout__manager__pb2.ListVideosRequest.FromString,
+                    response_serializer=overworld_dot_v1_dot_rollout__manager__pb2.ListVideosResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -348,6 +401,87 @@ class RolloutManager:
             '/overworld.v1.RolloutManager/GetFleetStatus',
             overworld_dot_v1_dot_rollout__manager__pb2.GetFleetStatusRequest.SerializeToString,
             overworld_dot_v1_dot_rollout__manager__pb2.FleetStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RequestVideo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/overworld.v1.RolloutManager/RequestVideo',
+            overworld_dot_v1_dot_rollout__manager__pb2.RequestVideoRequest.SerializeToString,
+            overworld_dot_v1_dot_rollout__manager__pb2.RequestVideoResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def UploadVideo(request_iterator,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.stream_unary(
+            request_iterator,
+            target,
+            '/overworld.v1.RolloutManager/UploadVideo',
+            overworld_dot_v1_dot_rollout__manager__pb2.VideoChunk.SerializeToString,
+            overworld_dot_v1_dot_rollout__manager__pb2.VideoInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListVideos(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/overworld.v1.RolloutManager/ListVideos',
+            overworld_dot_v1_dot_rollout__manager__pb2.ListVideosRequest.SerializeToString,
+            overworld_dot_v1_dot_rollout__manager__pb2.ListVideosResponse.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,91 @@
+"""A real rollout-manager, replay buffer and model registry on loopback sockets, for workers to join."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Callable, Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from overworld.core.blobs import LocalBlobStore
+from overworld.core.config import load_config
+from overworld.core.grpc_util import channel, serve
+from overworld.core.weights import to_bytes
+from overworld.model_registry.client import ModelRegistryClient
+from overworld.model_registry.server import ModelRegistryService
+from overworld.replay_buffer.index import MemoryIndex
+from overworld.replay_buffer.server import ReplayBufferService
+from overworld.rollout_manager.server import RolloutManagerService
+from overworld.rollout_worker.worker import run_spaces
+from overworld.v1 import (
+    model_registry_pb2_grpc,
+    replay_buffer_pb2,
+    replay_buffer_pb2_grpc,
+    rollout_manager_pb2_grpc,
+)
+
+T = 16
+BASE: dict[str, Any] = {
+    "run_id": "wtest", "env_kwargs": {"id": "CartPole-v1"},
+    "rollout_config": {"fragment_length": T, "to_send_queue_size": 8,
+                       "worker_config": {"num_envs": 4, "num_env_processes": 2, "device": "cpu"},
+                       "replay_buffer_config": {"max_chunks": 100000, "max_reuse": 1, "max_staleness": 100}},
+    "train_config": {"batches_per_iteration": 1, "gradient_accumulation": 1, "context_length": T}}
+
+
+def merge(base: dict, extra: dict) -> dict:
+    out = copy.deepcopy(base)
+    for k, v in extra.items():
+        nested = isinstance(v, dict) and isinstance(out.get(k), dict) and k != "env_kwargs"
+        out[k] = merge(out[k], v) if nested else v
+    return out
+
+
+class Cluster:
+    def __init__(self, tmp_path: Path, overrides: dict) -> None:
+        self.config = load_config(merge(BASE, overrides))
+        self.manager = RolloutManagerService(self.config, lease_seconds=5.0,
+                                             video_store=LocalBlobStore(tmp_path / "videos"))
+        self.ms = serve([(rollout_manager_pb2_grpc.add_RolloutManagerServicer_to_server, self.manager,
+                          "overworld.v1.RolloutManager")])
+        self.registry = ModelRegistryService(LocalBlobStore(tmp_path / "registry"))
+        self.rs = serve([(model_registry_pb2_grpc.add_ModelRegistryServicer_to_server, self.registry,
+                          "overworld.v1.ModelRegistry")])
+        rb = self.config.rollout_config.replay_buffer_config
+        self.buffer = ReplayBufferService(MemoryIndex(rb.max_chunks, rb.max_reuse, rb.max_staleness, 1),
+                                          LocalBlobStore(tmp_path / "b"), "wtest", self.config.rollout_config.fragment_length,
+                                          1, rb.max_chunks, lambda: self.manager._spaces)
+        self.bs = serve([(replay_buffer_pb2_grpc.add_ReplayBufferServicer_to_server, self.buffer,
+                          "overworld.v1.ReplayBuffer")])
+        self.spaces, self.policy, _, _ = run_spaces(self.config)
+        self.publish(1)
+        self.buffer_stub = replay_buffer_pb2_grpc.ReplayBufferStub(channel(self.bs.address))
+        self.buffer_stub.SetModelVersion(replay_buffer_pb2.SetModelVersionRequest(model_version=1))
+        self.addresses = (self.ms.address, self.bs.address, self.rs.address)
+
+    def publish(self, version: int) -> None:
+        ModelRegistryClient(self.rs.address).publish(version, to_bytes(self.policy.state_dict()))
+
+    def stats(self) -> replay_buffer_pb2.BufferStats:
+        return self.buffer_stub.GetStats(replay_buffer_pb2.GetStatsRequest())
+
+    def stop(self) -> None:
+        for s in (self.bs, self.rs, self.ms):
+            s.stop(0)
+        self.registry.stop()
+        self.buffer.stop()
+
+
+@pytest.fixture
+def make_cluster(tmp_path: Path) -> Iterator[Callable[..., Cluster]]:
+    made: list[Cluster] = []
+
+    def make(**overrides: Any) -> Cluster:
+        made.append(Cluster(tmp_path, overrides))
+        return made[-1]
+
+    yield make
+    for c in made:
+        c.stop()
