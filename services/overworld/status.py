@@ -7,22 +7,43 @@ import sys
 import grpc
 
 from overworld.rollout_manager.client import RolloutManagerClient
+from overworld.v1 import rollout_manager_pb2 as pb
+
+
+def format_status(fleet: pb.FleetStatus, videos: list[pb.VideoInfo] | None = None) -> str:
+    lines = [f"run {fleet.run_id}: {len(fleet.workers)} workers, {fleet.env_steps:,} env steps, "
+             f"{fleet.episodes} episodes, mean return (last 100) {fleet.mean_return_last_100:.2f}"]
+    header = (f"{'worker':<12} {'address':<21} {'host':<16} {'envs':>7} {'steps/s':>8} {'env steps':>12} "
+              f"{'fragments':>9} {'dropped':>7} {'queue':>5} {'model':>6} {'heartbeat':>9}  restarts")
+    lines.append(header)
+    for w in fleet.workers:
+        restarts = ",".join(f"{k}={v}" for k, v in sorted(w.env_restarts.items())) or "-"
+        envs = f"{w.envs_ready}/{w.num_envs}"
+        lines.append(f"{w.worker_id:<12} {w.address[:21]:<21} {w.hostname[:16]:<16} {envs:>7} "
+                     f"{w.env_steps_per_second:>8.0f} {w.env_steps:>12,} {w.fragments_sent:>9} "
+                     f"{w.fragments_dropped:>7} {w.send_queue_depth:>5} {w.model_version:>6} "
+                     f"{w.seconds_since_heartbeat:>8.1f}s  {restarts}")
+    for t in fleet.tasks:
+        extras = "  ".join(f"{k}={v:.2f}" for k, v in sorted(t.mean_extras_last_100.items()))
+        lines.append(f"task {t.task}: {t.episodes} episodes, return {t.mean_return_last_100:.2f}, "
+                     f"discounted {t.mean_discounted_return_last_100:.2f}, length {t.mean_length_last_100:.0f}"
+                     + (f"\n  {extras}" if extras else ""))
+    if fleet.videos or fleet.pending_video_requests:
+        lines.append(f"videos: {fleet.videos} stored, {fleet.pending_video_requests} requested")
+    for v in (videos or [])[-5:]:
+        lines.append(f"  {v.key}  return {v.sum_reward:.2f}  length {v.length}  model v{v.model_version}")
+    return "\n".join(lines)
 
 
 def print_status(address: str) -> int:
+    client = RolloutManagerClient(address)
     try:
-        fleet = RolloutManagerClient(address).fleet_status()
+        fleet = client.fleet_status()
+        videos = list(client.stub.ListVideos(pb.ListVideosRequest(), timeout=5).videos) if fleet.videos else []
     except grpc.RpcError as err:
         print(f"error: rollout-manager at {address} unreachable: {err.code().name}", file=sys.stderr)
         return 1
-    print(f"run {fleet.run_id}: {len(fleet.workers)} workers, {fleet.env_steps:,} env steps, "
-          f"{fleet.episodes} episodes, mean return (last 100) {fleet.mean_return_last_100:.2f}")
-    print(f"{'worker':<12} {'host':<20} {'envs':>5} {'env steps':>12} {'fragments':>10} {'model':>6} {'heartbeat':>10}")
-    for w in fleet.workers:
-        print(f"{w.worker_id:<12} {w.hostname[:20]:<20} {w.num_envs:>5} {w.env_steps:>12,} {w.fragments_sent:>10} "
-              f"{w.model_version:>6} {w.seconds_since_heartbeat:>9.1f}s")
-    for t in fleet.tasks:
-        extras = "  ".join(f"{k}={v:.2f}" for k, v in sorted(t.mean_extras_last_100.items())[:6])
-        print(f"task {t.task}: {t.episodes} episodes, return {t.mean_return_last_100:.2f}, "
-              f"length {t.mean_length_last_100:.0f} {extras}")
+    finally:
+        client.close()
+    print(format_status(fleet, videos))
     return 0

@@ -1,0 +1,75 @@
+"""`overworld serve rollout-worker` as its own process: SIGTERM mid-run flushes every complete
+fragment to the replay buffer, deregisters, and leaves no env process behind."""
+
+from __future__ import annotations
+
+import os
+import re
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+from overworld.rollout_manager.client import RolloutManagerClient
+from tests.rollout_worker.test_worker import wait_for
+from tests.support import free_port, wait_port
+
+ROOT = Path(__file__).resolve().parents[2]
+
+
+def children(pid: int) -> set[int]:
+    out = set()
+    for proc in Path("/proc").iterdir():
+        if proc.name.isdigit():
+            try:
+                fields = (proc / "stat").read_text().rsplit(")", 1)[1].split()
+            except OSError:
+                continue
+            if int(fields[1]) == pid:
+                out.add(int(proc.name))
+    return out
+
+
+def alive(pid: int) -> bool:
+    try:
+        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return False
+    return state != "Z"
+
+
+def test_sigterm_flushes_complete_fragments_and_deregisters(make_cluster, tmp_path: Path) -> None:
+    cluster = make_cluster(rollout_config={"to_send_queue_size": 2,
+                                           "worker_config": {"num_envs": 6, "num_env_processes": 2}})
+    manager_addr, buffer_addr, registry_addr = cluster.addresses
+    port = free_port()
+    env = {**os.environ, "OVERWORLD_LOG_FORMAT": "text", "PYTHONPATH": str(ROOT / "services")}
+    log_path = tmp_path / "worker.log"
+    with open(log_path, "wb") as log_file:
+        proc = subprocess.Popen(
+            [sys.executable, "-m", "overworld.cli", "serve", "rollout-worker", "--host", "127.0.0.1", "--port",
+             str(port), "--metrics-port", "0", "--rollout-manager", manager_addr, "--replay-buffer", buffer_addr,
+             "--model-registry", registry_addr], stdout=log_file, stderr=subprocess.STDOUT, env=env)
+        try:
+            wait_port(port, 60)
+            client = RolloutManagerClient(manager_addr)
+            wait_for(lambda: any(w.fragments_sent >= 20 for w in client.fleet_status().workers), 90,
+                     "the worker to send 20 fragments")
+            (info,) = client.fleet_status().workers
+            assert info.address == f"127.0.0.1:{port}" and info.num_envs == 6
+            envs = children(proc.pid) - {proc.pid}
+            assert len([p for p in envs if alive(p)]) >= 2  # the env processes (and the resource tracker)
+            proc.send_signal(signal.SIGTERM)
+            assert proc.wait(60) == 0
+        finally:
+            if proc.poll() is None:
+                proc.kill()
+    text = log_path.read_text()
+    m = re.search(r"sender flushed: True \((\d+) complete fragments, (\d+) acknowledged, 0 rejected", text)
+    assert m, text[-3000:]
+    complete, acked = int(m.group(1)), int(m.group(2))
+    assert complete == acked == cluster.stats().inserted_fragments >= 20
+    assert not client.fleet_status().workers  # deregistered
+    time.sleep(0.5)
+    assert not [p for p in envs if alive(p)], "env processes outlived the worker"
