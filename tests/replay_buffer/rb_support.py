@@ -24,7 +24,7 @@ from overworld.core.grpc_util import Server, channel, serve
 from overworld.core.specs import Spaces, TensorSpec
 from overworld.replay_buffer.index import MemoryIndex, ReplayIndex
 from overworld.replay_buffer.rate_limiter import RateLimiter
-from overworld.replay_buffer.server import ReplayBufferService
+from overworld.replay_buffer.server import ReplayBufferService, add_to_server
 from overworld.v1 import common_pb2, replay_buffer_pb2, replay_buffer_pb2_grpc
 
 SPACES = Spaces(obs={"rgb": TensorSpec((4, 4, 3), "uint8")}, action={"action": TensorSpec((), "int64")})
@@ -183,14 +183,16 @@ class Buffer:
     service_kwargs: dict[str, Any]
     fronts: list[Front] = field(default_factory=list)
 
-    def add_front(self, **overrides: Any) -> Front:
+    def add_front(self, generated: bool = False, **overrides: Any) -> Front:
+        """A front on a real gRPC port; registered with `server.add_to_server` (the bytes fast path), or
+        with the generated `add_ReplayBufferServicer_to_server` when `generated`."""
         index = self.backend.index(self.run_id, self.rb)
         blobs = self.backend.blobs(self.run_id)
         kwargs = {**self.service_kwargs, **overrides}
         service = ReplayBufferService(index, blobs, self.run_id, self.fragment_length, self.rb.fragments_per_chunk,
                                       self.rb.max_chunks, lambda: self.spaces, self.rb.max_fragment_bytes, **kwargs)
-        server = serve([(replay_buffer_pb2_grpc.add_ReplayBufferServicer_to_server, service,
-                         "overworld.v1.ReplayBuffer")], "127.0.0.1", 0)
+        add = replay_buffer_pb2_grpc.add_ReplayBufferServicer_to_server if generated else add_to_server
+        server = serve([(add, service, "overworld.v1.ReplayBuffer")], "127.0.0.1", 0)
         ch = channel(server.address)
         front = Front(service, server, index, blobs, ch, replay_buffer_pb2_grpc.ReplayBufferStub(ch))
         self.fronts.append(front)

@@ -284,3 +284,31 @@ def test_insert_stream_with_many_fragments_keeps_order(make_buffer):
     assert [(a.env_slot, a.sequence) for a in acks] == [(f.header.env_slot, f.header.sequence) for f in frags]
     st = stats(buf.stub)
     assert (st.chunks, st.fragments) == (6, 24) and "incomplete" not in st.dropped_chunks
+
+
+def test_generated_registration_behaves_the_same(make_buffer):
+    """`overworld serve` may register the service with the generated code (parsed messages)."""
+    buf = make_buffer(fronts=0, fragments_per_chunk=2)
+    generated = buf.add_front(generated=True)
+    fast = buf.add_front()
+    frags = [buf.fragment(seq=q) for q in range(4)]
+    assert [a.stored for a in insert(generated.stub, frags[:2])] == [True, True]
+    assert [a.stored for a in insert(fast.stub, frags[2:])] == [True, True]
+    for front in (generated, fast):
+        (chunk,) = sample(front.stub, 1)
+        assert list(chunk.fragments) == frags[2 * (chunk.fragments[0].header.sequence // 2):][:2]
+    bad = fragment_data(buf.spaces, buf.fragment_length)
+    bad["reward"][0] = np.inf
+    _, err = insert_until_error(generated.stub, [make_fragment(buf.run_id, seq=9, data=bad)])
+    assert err.code() == grpc.StatusCode.INVALID_ARGUMENT and "(nan)" in err.details()
+
+
+def test_compressed_fragments_are_accepted(make_buffer):
+    from overworld.core.fragment import Fragment
+    from overworld.v1 import common_pb2
+
+    buf = make_buffer()
+    frag = Fragment(buf.run_id, "w1", 0, 0, fragment_data(buf.spaces, buf.fragment_length)).to_proto(
+        common_pb2.COMPRESSION_ZLIB)
+    assert [a.stored for a in insert(buf.stub, [frag])] == [True]
+    assert list(sample(buf.stub, 1)[0].fragments) == [frag]

@@ -29,6 +29,7 @@ from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
 
 import grpc
+from google.protobuf.message import DecodeError
 from prometheus_client import Counter, Gauge, Histogram
 
 from overworld.core import tensors
@@ -37,6 +38,7 @@ from overworld.core.fragment import Fragment, FragmentError, validate
 from overworld.core.grpc_util import abort
 from overworld.core.specs import Spaces
 from overworld.core.tensors import TensorDecodeError
+from overworld.replay_buffer import wire
 from overworld.replay_buffer.index import (
     BLOCKED,
     DUPLICATE,
@@ -72,6 +74,7 @@ DUPLICATES = Counter("overworld_replay_buffer_duplicates_total",
                      "Fragments at or below their slot's last sequence number (resends), acknowledged, not re-added")
 ORPHANS = Counter("overworld_replay_buffer_orphans_swept_total", "Unreferenced blobs deleted by the sweeper")
 
+SERVICE_NAME = "overworld.v1.ReplayBuffer"
 POLL_SECONDS = 0.05  # other fronts' changes are seen by polling the shared index
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -89,9 +92,16 @@ def fragments_prefix(run_id: str) -> str:
 class _Pending:
     header: common_pb2.FragmentHeader
     meta: FragmentMeta
-    blob: bytes
+    blob: bytes | memoryview
     put: Future
     started: float
+
+
+@dataclass
+class _Received:
+    header: common_pb2.FragmentHeader
+    blob: bytes | memoryview  # the serialized Fragment, as the worker sent it
+    tensors: bytes | memoryview
 
 
 class _Rejected(Exception):
@@ -207,20 +217,40 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
 
     # ----------------------------------------------------------------- ingest
 
-    def _check(self, msg: common_pb2.Fragment) -> Fragment:
-        """The fragment, or _Rejected(reason, message)."""
-        h = msg.header
-        data = msg.tensors  # one copy out of the message, reused below
-        if len(data) > self.max_fragment_bytes:
-            raise _Rejected("oversized", f"{len(data)} bytes exceeds max_fragment_bytes {self.max_fragment_bytes}")
+    @staticmethod
+    def _split(raw: bytes) -> _Received:
+        """A serialized InsertRequest -> header, fragment bytes and tensor bytes, without copying the
+        tensors (protobuf parsing as the fallback for unusual encodings)."""
+        try:
+            fragment = wire.length_delimited_fields(memoryview(raw)).get(1, memoryview(b""))
+            fields = wire.length_delimited_fields(fragment)
+            header = common_pb2.FragmentHeader.FromString(fields.get(1, memoryview(b"")))
+            return _Received(header, fragment, fields.get(2, memoryview(b"")))
+        except (wire.WireError, DecodeError):
+            try:
+                msg = replay_buffer_pb2.InsertRequest.FromString(raw).fragment
+            except DecodeError as err:
+                raise _Rejected("decode", f"not an InsertRequest: {err}") from None
+            return _Received(msg.header, msg.SerializeToString(), msg.tensors)
+
+    def _check(self, r: _Received) -> Fragment:
+        """The fragment (numpy views on the received bytes where possible), or _Rejected(reason, message)."""
+        h = r.header
+        if len(r.tensors) > self.max_fragment_bytes:
+            raise _Rejected("oversized", f"{len(r.tensors)} bytes exceeds max_fragment_bytes {self.max_fragment_bytes}")
         if h.length != self.fragment_length:
             raise _Rejected("length", f"length {h.length}, this run's fragment_length is {self.fragment_length}")
         spaces = self.spaces()
         if spaces is None:
             raise _Rejected("", "the run's spaces are not known yet (no rollout worker has registered); retry")
         try:
-            fragment = Fragment(h.run_id, h.worker_id, h.env_slot, h.sequence,
-                                tensors.decode(data, h.compression, self.max_fragment_bytes))
+            try:
+                if h.compression != common_pb2.COMPRESSION_NONE:
+                    raise wire.WireError("compressed")
+                data = wire.decode_views(memoryview(r.tensors))
+            except wire.WireError:  # compressed, or something only the full decoder can judge
+                data = tensors.decode(bytes(r.tensors), h.compression, self.max_fragment_bytes)
+            fragment = Fragment(h.run_id, h.worker_id, h.env_slot, h.sequence, data)
             validate(fragment, spaces, self.fragment_length, self.run_id)
         except TensorDecodeError as err:
             raise _Rejected("decode", str(err)) from None
@@ -234,12 +264,11 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
     def _blob_key(self, h: common_pb2.FragmentHeader) -> str:
         return f"{self.prefix}{_safe(h.worker_id)}/{h.env_slot}/{h.sequence:012d}-{uuid.uuid4().hex[:12]}"
 
-    def _start(self, msg: common_pb2.Fragment, fragment: Fragment, started: float) -> _Pending:
-        h = msg.header
+    def _start(self, r: _Received, fragment: Fragment, started: float) -> _Pending:
+        h = r.header
         key = self._blob_key(h)
-        blob = msg.SerializeToString()
-        meta = FragmentMeta(fragment.slot_key, h.sequence, h.first_model_version, len(blob), key)
-        return _Pending(h, meta, blob, self._io.submit(self.blobs.put, key, blob), started)
+        meta = FragmentMeta(fragment.slot_key, h.sequence, h.first_model_version, len(r.blob), key)
+        return _Pending(h, meta, r.blob, self._io.submit(self.blobs.put, key, r.blob), started)
 
     def _commit(self, p: _Pending, context: grpc.ServicerContext) -> replay_buffer_pb2.InsertResponse:
         """Index a fragment whose blob write was started; returns its ack (or aborts the stream)."""
@@ -283,8 +312,13 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
 
     def Insert(self, request_iterator: Iterator[replay_buffer_pb2.InsertRequest],
                context: grpc.ServicerContext) -> Iterator[replay_buffer_pb2.InsertResponse]:
+        """Insert as registered by the generated code (parsed messages); `add_to_server` skips the parse."""
+        return self.insert_raw((r.SerializeToString() for r in request_iterator), context)
+
+    def insert_raw(self, request_iterator: Iterator[bytes],
+                   context: grpc.ServicerContext) -> Iterator[replay_buffer_pb2.InsertResponse]:
         wake = threading.Condition()
-        inbox: deque[tuple[float, replay_buffer_pb2.InsertRequest]] = deque()
+        inbox: deque[tuple[float, bytes]] = deque()
         state = {"ended": False, "error": None, "done": False}
 
         def read() -> None:
@@ -332,21 +366,23 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
                         continue
                 if item is None:
                     continue
-                started, request = item
+                started, raw = item
+                received: _Received | None = None
                 try:
-                    fragment = self._check(request.fragment)
+                    received = self._split(raw)
+                    fragment = self._check(received)
                 except _Rejected as err:
                     # Earlier fragments are acknowledged first, so the worker knows which one was refused.
                     while inflight:
                         yield self._commit(inflight.popleft(), context)
-                    h = request.fragment.header
+                    h = received.header if received else common_pb2.FragmentHeader()
                     if not err.reason:
                         abort(context, grpc.StatusCode.UNAVAILABLE, str(err))
                     REJECTS.labels(err.reason).inc()
                     log.warning("rejected fragment from %s/%s#%s (%s): %s", h.worker_id, h.env_slot, h.sequence,
                                 err.reason, err)
                     abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"fragment rejected ({err.reason}): {err}")
-                pending = self._start(request.fragment, fragment, started)
+                pending = self._start(received, fragment, started)
                 pending.put.add_done_callback(wake_up)
                 inflight.append(pending)
         finally:
@@ -361,6 +397,11 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
 
     def Sample(self, request: replay_buffer_pb2.SampleRequest,
                context: grpc.ServicerContext) -> Iterator[replay_buffer_pb2.SampledChunk]:
+        """Sample as registered by the generated code (messages); `add_to_server` sends the bytes as they are."""
+        for raw in self.sample_raw(request, context):
+            yield replay_buffer_pb2.SampledChunk.FromString(raw)
+
+    def sample_raw(self, request: replay_buffer_pb2.SampleRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         if request.num_chunks == 0 or request.num_chunks > self.max_chunks:
             abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                   f"num_chunks must be in [1, max_chunks={self.max_chunks}], got {request.num_chunks}")
@@ -391,7 +432,7 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
                     abort(context, grpc.StatusCode.UNAVAILABLE, f"blob store read failed: {err}; retry")
                 if sent == 0:
                     SAMPLE_WAIT.observe(time.monotonic() - started)
-                yield _sampled_chunk(claim.chunk.chunk_id, blobs, claim.chunk.times_sampled)
+                yield wire.sampled_chunk(claim.chunk.chunk_id, blobs, claim.chunk.times_sampled)
                 SAMPLES.inc(len(blobs))
                 if claim.final:
                     DROPS.labels("reused").inc()
@@ -451,29 +492,6 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
         return s
 
 
-def _varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
-
-
-def _sampled_chunk(chunk_id: int, blobs: list[bytes], times_sampled: int) -> replay_buffer_pb2.SampledChunk:
-    """A SampledChunk from the stored fragment bytes as they are: the blobs are serialized Fragments, so
-    the message is assembled on the wire format and parsed once (cheaper than parsing each fragment
-    and copying it into the chunk)."""
-    parts = [b"\x08", _varint(chunk_id)]  # field 1, varint
-    for blob in blobs:
-        parts += [b"\x12", _varint(len(blob)), blob]  # field 2, length-delimited
-    parts += [b"\x18", _varint(times_sampled)]  # field 3, varint
-    return replay_buffer_pb2.SampledChunk.FromString(b"".join(parts))
-
-
 def _rejects() -> dict[str, int]:
     out = {}
     for metric in REJECTS.collect():
@@ -482,3 +500,24 @@ def _rejects() -> dict[str, int]:
                 out[sample.labels["reason"]] = int(sample.value)
     return out
 
+
+def add_to_server(service: ReplayBufferService, server: grpc.Server) -> None:
+    """Register the ReplayBuffer service like the generated `add_ReplayBufferServicer_to_server`, but with
+    the fragment payloads passed through as bytes: an inserted fragment is stored exactly as received
+    and a sampled chunk is sent exactly as stored, never parsed into protobuf objects and serialized
+    again. Same wire protocol; use it wherever the service is served."""
+    pb = replay_buffer_pb2
+    handlers = {
+        "Insert": grpc.stream_stream_rpc_method_handler(
+            service.insert_raw, request_deserializer=None, response_serializer=pb.InsertResponse.SerializeToString),
+        "Sample": grpc.unary_stream_rpc_method_handler(
+            service.sample_raw, request_deserializer=pb.SampleRequest.FromString, response_serializer=None),
+        "SetModelVersion": grpc.unary_unary_rpc_method_handler(
+            service.SetModelVersion, request_deserializer=pb.SetModelVersionRequest.FromString,
+            response_serializer=pb.SetModelVersionResponse.SerializeToString),
+        "GetStats": grpc.unary_unary_rpc_method_handler(
+            service.GetStats, request_deserializer=pb.GetStatsRequest.FromString,
+            response_serializer=pb.BufferStats.SerializeToString),
+    }
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
+    server.add_registered_method_handlers(SERVICE_NAME, handlers)
