@@ -44,8 +44,8 @@ def merge(base: dict, extra: dict) -> dict:
 
 
 class Cluster:
-    def __init__(self, tmp_path: Path, overrides: dict) -> None:
-        self.config = load_config(merge(BASE, overrides))
+    def __init__(self, tmp_path: Path, overrides: dict, source: Path | None = None) -> None:
+        self.config = load_config(source if source is not None else merge(BASE, overrides))
         self.manager = RolloutManagerService(self.config, lease_seconds=5.0,
                                              video_store=LocalBlobStore(tmp_path / "videos"))
         self.ms = serve([(rollout_manager_pb2_grpc.add_RolloutManagerServicer_to_server, self.manager,

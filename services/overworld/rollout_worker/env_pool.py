@@ -36,6 +36,7 @@ import numpy as np
 
 from overworld.core.imports import call_generator, import_object
 from overworld.core.specs import Spaces
+from overworld.envs.minestudio import adapt_env
 from overworld.rollout_worker import env_process
 from overworld.rollout_worker.env_runner import EnvRunner
 from overworld.rollout_worker.metrics import ENV_RESTARTS
@@ -141,7 +142,7 @@ class InProcessEnvPool(_PoolBase):
         super().__init__(spaces, num_envs, num_groups)
         self.arrays = local_arrays(layout(spaces), num_envs)
         generator = import_object(env_ref)
-        self.runner = EnvRunner(lambda: call_generator(generator, dict(env_kwargs)), list(range(num_envs)),
+        self.runner = EnvRunner(lambda: adapt_env(call_generator(generator, dict(env_kwargs))), list(range(num_envs)),
                                 {s: seed + s for s in range(num_envs)}, self.arrays, restart_interval,
                                 background=False)
         self.runner.start()

@@ -38,6 +38,7 @@ def main(conn: Connection, env_ref: str, env_kwargs: dict[str, Any], slots: list
     logging.basicConfig(level=os.environ.get("OVERWORLD_LOG_LEVEL", "INFO").upper(), stream=sys.stderr,
                         format=f"%(asctime)s env-process[{os.getpid()}] %(levelname)s %(message)s")
     from overworld.core.imports import call_generator, import_object
+    from overworld.envs.minestudio import adapt_env
 
     shared = SharedArrays(spec, num_envs, shm_names)
     lock = threading.Lock()
@@ -58,7 +59,7 @@ def main(conn: Connection, env_ref: str, env_kwargs: dict[str, Any], slots: list
                 message["fatal"] = runner.fatal
             conn.send_bytes(json.dumps(message).encode())
 
-    runner = EnvRunner(lambda: call_generator(generator, dict(env_kwargs)), slots, seeds, shared.arrays,
+    runner = EnvRunner(lambda: adapt_env(call_generator(generator, dict(env_kwargs))), slots, seeds, shared.arrays,
                        restart_interval, background=True, announce=announce)
     _send(conn, lock, {"hello": os.getpid()})
     runner.start()

@@ -20,6 +20,7 @@ from overworld.core.fragment import Fragment
 from overworld.core.grpc_util import retry
 from overworld.core.imports import call_generator, import_object
 from overworld.core.specs import Spaces, TensorSpec, spaces_from_gym
+from overworld.envs.minestudio import adapt_env, adapt_spaces
 from overworld.policies.base import Policy, log_prob, sample
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.rollout_worker.env_pool import EnvPool, GroupResult, InProcessEnvPool, num_groups_for
@@ -49,12 +50,12 @@ def build_policy(config: RunConfig, observation_space: Any, action_space: Any) -
     policy = call_generator(import_object(config.policy_generator), dict(config.policy_kwargs),
                             observation_space=observation_space, action_space=action_space)
     if not isinstance(policy, Policy):
-        from overworld.policies.minestudio import is_mine_policy, wrap_mine_policy
+        from overworld.policies.minestudio import as_policy
 
-        if not is_mine_policy(policy):
-            raise TypeError(f"{config.policy_generator} returned {type(policy).__name__}, neither an overworld "
-                            "Policy nor a MineStudio MinePolicy")
-        policy = wrap_mine_policy(policy, action_space)
+        try:
+            policy = as_policy(policy, action_space)
+        except TypeError as err:
+            raise TypeError(f"{config.policy_generator}: {err}") from None
     policy.value_normalizer.enabled = config.train_config.use_normalized_vf
     return policy
 
@@ -64,8 +65,8 @@ def describe_env(config: RunConfig) -> tuple[Any, Any]:
     them (building a Minecraft just to read its spaces takes minutes), else from one env built and closed."""
     generator = import_object(config.env_generator)
     if hasattr(generator, "observation_space") and hasattr(generator, "action_space"):
-        return generator.observation_space, generator.action_space
-    env = call_generator(generator, dict(config.env_kwargs))
+        return adapt_spaces(generator.observation_space, generator.action_space)
+    env = adapt_env(call_generator(generator, dict(config.env_kwargs)))
     try:
         return env.observation_space, env.action_space
     finally:

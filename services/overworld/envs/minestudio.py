@@ -1,0 +1,100 @@
+"""MineStudio environments (MinecraftSim with its callbacks) as overworld envs, unchanged.
+
+`adapt_env(env)` is applied to every env the rollout worker builds; it returns the env itself
+unless the env speaks MineStudio's dialect:
+
+- actions: a Dict of `MultiDiscrete([n])` (VPT's `buttons` 8641, `camera` 121) becomes a Dict of
+  `Discrete(n)`; each step's integers go back to the env as `np.array([a])`;
+- observations: only the array entries (`image` (H, W, 3) uint8) are kept;
+- `reset()` takes no seed (MinecraftSim), `reset(seed=...)` is accepted and the seed dropped.
+
+Nothing here imports minestudio.
+"""
+
+from __future__ import annotations
+
+import inspect
+from typing import Any
+
+import gymnasium as gym
+import numpy as np
+
+
+def _one_slot_multidiscrete(space: gym.Space) -> bool:
+    return isinstance(space, gym.spaces.MultiDiscrete) and space.shape == (1,)
+
+
+def adapt_action_space(space: gym.Space) -> gym.Space:
+    if isinstance(space, gym.spaces.Dict) and any(_one_slot_multidiscrete(s) for s in space.spaces.values()):
+        return gym.spaces.Dict({k: gym.spaces.Discrete(int(s.nvec[0])) if _one_slot_multidiscrete(s) else s
+                                for k, s in space.spaces.items()})
+    return space
+
+
+def adapt_observation_space(space: gym.Space) -> gym.Space:
+    if isinstance(space, gym.spaces.Dict):
+        kept = {k: s for k, s in space.spaces.items() if isinstance(s, gym.spaces.Box | gym.spaces.Discrete)}
+        if len(kept) != len(space.spaces):
+            return gym.spaces.Dict(kept)
+    return space
+
+
+def adapt_spaces(observation_space: gym.Space, action_space: gym.Space) -> tuple[gym.Space, gym.Space]:
+    return adapt_observation_space(observation_space), adapt_action_space(action_space)
+
+
+def needs_adapter(env: Any) -> bool:
+    obs, act = env.observation_space, env.action_space
+    return adapt_spaces(obs, act) != (obs, act)
+
+
+def _takes_seed(env: Any) -> bool:
+    try:
+        return "seed" in inspect.signature(env.reset).parameters
+    except (TypeError, ValueError):
+        return False
+
+
+class MineStudioEnv(gym.Env):
+    """A MinecraftSim-like env seen through overworld's spaces."""
+
+    metadata = {"render_modes": ["rgb_array"]}
+
+    def __init__(self, env: Any) -> None:
+        self.env = env
+        self.observation_space, self.action_space = adapt_spaces(env.observation_space, env.action_space)
+        self._raw_action_space = env.action_space
+        self._takes_seed = _takes_seed(env)
+
+    def _obs(self, obs: Any) -> Any:
+        if isinstance(self.observation_space, gym.spaces.Dict) and isinstance(obs, dict):
+            return {k: obs[k] for k in self.observation_space.spaces}
+        return obs
+
+    def _action(self, action: Any) -> Any:
+        raw = self._raw_action_space
+        if not isinstance(raw, gym.spaces.Dict) or not isinstance(action, dict):
+            return action
+        return {k: np.asarray([int(np.asarray(v).reshape(-1)[0])], np.int64) if _one_slot_multidiscrete(raw[k])
+                else v for k, v in action.items()}
+
+    def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Any, dict]:
+        out = self.env.reset(seed=seed) if self._takes_seed and seed is not None else self.env.reset()
+        obs, info = out if isinstance(out, tuple) else (out, {})
+        return self._obs(obs), info
+
+    def step(self, action: Any) -> tuple[Any, float, bool, bool, dict]:
+        obs, reward, terminated, truncated, info = self.env.step(self._action(action))
+        terminated, truncated = bool(terminated), bool(truncated)
+        # MinecraftSim reports a finished episode as terminated *and* truncated: that is a termination.
+        return self._obs(obs), float(reward), terminated, truncated and not terminated, info
+
+    def render(self) -> Any:
+        return self.env.render()
+
+    def close(self) -> None:
+        self.env.close()
+
+
+def adapt_env(env: Any) -> Any:
+    return MineStudioEnv(env) if needs_adapter(env) else env
