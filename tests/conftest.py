@@ -13,6 +13,9 @@ import pytest
 
 from tests.support import free_port, stop_process, wait_port
 
+# Ray started by tests stays on loopback (read by Ray when it is imported).
+os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
 
 def _require(binary: str, how: str) -> str:
     path = shutil.which(binary)

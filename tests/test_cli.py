@@ -7,7 +7,6 @@ import urllib.request
 from pathlib import Path
 
 from overworld.core.grpc_util import wait_healthy
-
 from tests.support import free_port
 
 ROOT = Path(__file__).resolve().parents[1]

@@ -49,6 +49,7 @@ class Launcher:
         self.addresses: dict[str, str] = {}
         self.flags: dict[str, tuple[str, ...]] = {}
         self.restarts: dict[str, int] = {}
+        self.family: dict[int, list[tuple[int, str]]] = {}
 
     def start(self, name: str, *flags: str, port: int | None = None) -> Child:
         port = port or free_port()
@@ -68,8 +69,17 @@ class Launcher:
         print(f"  {name:<18} {address:<18} pid {proc.pid:<8} log {log_path}", flush=True)
         return child
 
+    def remember_families(self) -> None:
+        """Note every service's descendants: once a service dies, its orphans are found only here."""
+        for c in self.children:
+            if c.proc.poll() is None:
+                self.family[c.proc.pid] = descendants(c.proc.pid)
+
     def restart(self, child: Child) -> Child:
-        """Start a crashed service again on the same port, as a Deployment's restart would."""
+        """Start a crashed service again on the same port, as a Deployment's restart would (its
+        leftover processes, e.g. Ray workers of a killed trainer, are killed first)."""
+        for pid, started in self.family.pop(child.proc.pid, []):
+            kill_if_same(pid, started)
         child.log_file.close()
         self.children.remove(child)
         self.restarts[child.name] = self.restarts.get(child.name, 0) + 1
@@ -115,14 +125,15 @@ class Launcher:
         """Workers first (they flush), then the trainer, then the rest; SIGKILL whatever lingers,
         descendants included (Ray's raylet and workers, env processes). A second Ctrl-C skips the
         graceful part but still leaves no process behind."""
-        family = {c.proc.pid: descendants(c.proc.pid) for c in self.children}
+        self.remember_families()
+        family = {c.proc.pid: self.family.get(c.proc.pid, []) for c in self.children}
         try:
             workers = [c for c in self.children if c.name.startswith("rollout-worker")]
             for group in (workers, [c for c in self.children if c.name == "trainer"], self.children):
                 for c in group:
                     if c.proc.poll() is None:
                         c.proc.send_signal(signal.SIGTERM)
-                deadline = time.monotonic() + 40
+                deadline = time.monotonic() + (150 if group and group[0].name == "trainer" else 40)
                 for c in group:
                     with contextlib.suppress(subprocess.TimeoutExpired):
                         c.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
@@ -130,28 +141,43 @@ class Launcher:
             print("\ninterrupted again: killing every service now", flush=True)
         finally:
             for c in self.children:
-                for pid in [c.proc.pid, *family[c.proc.pid], *descendants(c.proc.pid)]:
-                    with contextlib.suppress(ProcessLookupError, PermissionError):
-                        os.kill(pid, signal.SIGKILL)
+                alive = c.proc.poll() is None
+                for pid, started in [*family[c.proc.pid], *(descendants(c.proc.pid) if alive else [])]:
+                    kill_if_same(pid, started)
+                if alive:
+                    c.proc.kill()
                 c.proc.wait()
                 c.log_file.close()
 
 
-def descendants(pid: int) -> list[int]:
-    """Every process below `pid` (read from /proc; empty where /proc is missing)."""
-    children: dict[int, list[int]] = {}
-    for entry in Path("/proc").glob("[0-9]*/stat"):
-        try:
-            fields = entry.read_text().rsplit(")", 1)[1].split()
-        except OSError:
-            continue
-        children.setdefault(int(fields[1]), []).append(int(entry.parent.name))
+def _stat(pid: int) -> list[str] | None:
+    try:
+        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
+        return None
+
+
+def descendants(pid: int) -> list[tuple[int, str]]:
+    """Every process below `pid` as (pid, start time), read from /proc; the start time tells a
+    reused pid from the process we saw."""
+    children: dict[int, list[tuple[int, str]]] = {}
+    for entry in Path("/proc").glob("[0-9]*"):
+        fields = _stat(int(entry.name)) if entry.name.isdigit() else None
+        if fields:
+            children.setdefault(int(fields[1]), []).append((int(entry.name), fields[19]))
     out, stack = [], [pid]
     while stack:
         for child in children.get(stack.pop(), []):
             out.append(child)
-            stack.append(child)
+            stack.append(child[0])
     return out
+
+
+def kill_if_same(pid: int, started: str) -> None:
+    fields = _stat(pid)
+    if fields is not None and fields[19] == started:
+        with contextlib.suppress(ProcessLookupError, PermissionError):
+            os.kill(pid, signal.SIGKILL)
 
 
 def tail(path: Path, lines: int = 20) -> str:
@@ -224,6 +250,7 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
             now = time.monotonic()
             if now - last_print >= progress_interval or reached:
                 last_print = now
+                launcher.remember_families()
                 line = progress_line(fleet, trainer_status, now - started, max_env_steps, offset(trainer_status))
                 print(("\r" + line) if is_tty else line, end="" if is_tty else "\n", flush=True)
             if reached:

@@ -45,7 +45,7 @@ def train_once(config: dict) -> None:
 def ray_session() -> Iterator[None]:
     import ray
 
-    ray.init(num_cpus=2, include_dashboard=False, _node_ip_address="127.0.0.1",
+    ray.init(num_cpus=2, include_dashboard=False,
              runtime_env={"env_vars": {"RAY_worker_niceness": "0"}})
     yield
     ray.shutdown()

@@ -287,18 +287,31 @@ class BaseTrainer:
                                   t.prefetch_batches, t.sample_timeout, f"rank-{self.rank}")
         self.checkpoints = checkpoint_store(self.config, self.workdir)
 
-    def report(self, state: str, metrics: dict[str, float]) -> None:
-        if self.rank != 0 or self._status is None:
-            return
+    def report(self, state: str, metrics: dict[str, float]) -> bool:
+        """Rank 0 tells the driver where training is; returns True when the driver asks to stop.
+        Every rank gets the same answer."""
+        stop = False
+        if self.rank == 0 and self._status is not None:
+            stop = self._report(state, metrics)
+        if is_distributed():
+            flag = torch.tensor(float(stop), device=self.device)
+            dist.broadcast(flag, src=0)
+            stop = bool(flag.item())
+        return stop
+
+    def _report(self, state: str, metrics: dict[str, float]) -> bool:
         try:
-            self._status.ReportProgress(trainer_pb2.TrainerStatus(
+            assert self._status is not None
+            reply = self._status.ReportProgress(trainer_pb2.TrainerStatus(
                 state=state, iteration=self.iteration, updates=self.updates, model_version=self.model_version,
                 samples_trained=self.samples_trained, metrics=metrics, resumed_from=self.resumed_from or "",
                 start_model_version=self.start["model_version"], start_env_steps=self.start["env_steps"],
                 start_rho=self.start["rho"], latest_checkpoint=self.latest_checkpoint, env_steps=self.env_steps),
                 timeout=10)
+            return bool(reply.stop)
         except Exception as err:  # the driver's status endpoint is advisory; training goes on
             log.warning("could not report progress: %s", err)
+            return False
 
     def _train_func(self) -> None:
         import ray.train

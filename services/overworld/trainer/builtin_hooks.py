@@ -50,7 +50,8 @@ def run_evaluation(trainer: Any, metrics: dict[str, float]) -> None:
 
 
 class LogMetrics:
-    """Console / TensorBoard / W&B, plus the driver's status (and so Prometheus), every log_interval."""
+    """Console / TensorBoard / W&B every log_interval (the driver's status, and so Prometheus, gets
+    every iteration from the loop itself)."""
 
     def __init__(self, trainer: Any) -> None:
         self.loggers = []
@@ -64,7 +65,6 @@ class LogMetrics:
             return
         for logger in self.loggers:
             logger.log(metrics, trainer.iteration)
-        trainer.report("running", metrics)
 
     def close(self) -> None:
         for logger in self.loggers:

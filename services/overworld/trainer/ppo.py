@@ -22,6 +22,7 @@ from overworld.core.imports import import_object
 from overworld.policies.base import Policy
 from overworld.trainer.base import BaseTrainer, all_reduce_sum, is_distributed
 from overworld.trainer.builtin_hooks import register_builtin_hooks
+from overworld.trainer.checkpoint import checkpoint_id
 from overworld.trainer.data import Batch
 from overworld.trainer.loss import LossConfig, LossTerms, ppo_loss
 
@@ -90,10 +91,12 @@ class PPOTrainer(BaseTrainer):
                     "trainer/env_steps_all_workers": float(self.env_steps),
                 })
                 self.hooks.run("post_iteration", self, metrics=metrics)
+                if self.report("running", metrics):
+                    log.info("stop requested: checkpointing iteration %d and finishing", self.iteration)
+                    break
         finally:
             logger.close()
-        if self.rank == 0 and self.config.train_config.save_interval > 0 and self.latest_checkpoint != \
-                f"iter-{self.iteration:08d}":
+        if self.rank == 0 and t.save_interval > 0 and self.latest_checkpoint != checkpoint_id(self.iteration):
             self.save_checkpoint()
         self.report("finished", {})
 

@@ -28,6 +28,7 @@ LOSS = Gauge("overworld_trainer_loss", "Loss terms of the last iteration", ["ter
 APPROX_KL = Gauge("overworld_trainer_approx_kl", "Approximate KL to the behaviour policy")
 LAST_UPDATE = Gauge("overworld_trainer_last_update_timestamp_seconds", "Unix time of the last iteration")
 
+STOP_TIMEOUT_SECONDS = 120
 TRAINERS = {"PPOTrainer": "overworld.trainer.ppo:PPOTrainer"}
 LOSS_TERMS = {"policy": "trainer/policy_loss", "value": "trainer/value_loss", "kl": "trainer/kl_divergence_loss",
               "entropy": "trainer/entropy_bonus", "total": "trainer/total_loss"}
@@ -36,6 +37,7 @@ LOSS_TERMS = {"policy": "trainer/policy_loss", "value": "trainer/value_loss", "k
 class TrainerStatusService(trainer_pb2_grpc.TrainerServicer):
     def __init__(self) -> None:
         self.status = pb.TrainerStatus(state="starting")
+        self.stop_requested = threading.Event()
         self._lock = threading.Lock()
 
     def GetStatus(self, request, context):  # type: ignore[no-untyped-def]
@@ -57,7 +59,7 @@ class TrainerStatusService(trainer_pb2_grpc.TrainerServicer):
         if "trainer/approx_kl" in request.metrics:
             APPROX_KL.set(request.metrics["trainer/approx_kl"])
         LAST_UPDATE.set(time.time())
-        return pb.ReportProgressResponse()
+        return pb.ReportProgressResponse(stop=self.stop_requested.is_set())
 
     def set_state(self, state: str, error: str = "") -> None:
         with self._lock:
@@ -91,6 +93,10 @@ class TrainerDriver:
         self._thread.start()
 
     def _fit(self) -> None:
+        if not self.ray_address:
+            # Ray binds its node to the primary interface unless told it is a single-machine cluster:
+            # a laptop run keeps every Ray socket on loopback. (Read by Ray at import.)
+            os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
         import ray
 
         # Ray nices its workers to 15 by default; the learner must not yield to every other process.
@@ -99,9 +105,7 @@ class TrainerDriver:
             if self.ray_address:
                 ray.init(address=self.ray_address, log_to_driver=True)
             else:
-                # A local Ray stays on loopback: nothing of a laptop run listens on a public interface.
-                ray.init(include_dashboard=False, log_to_driver=True, configure_logging=False,
-                         _node_ip_address="127.0.0.1")
+                ray.init(include_dashboard=False, log_to_driver=True, configure_logging=False)
             name = self.config.trainer_name
             cls = import_object(TRAINERS.get(name, name))
             if not (isinstance(cls, type) and issubclass(cls, BaseTrainer)):
@@ -119,8 +123,14 @@ class TrainerDriver:
             self.done.set()
 
     def stop(self, grace: float = 5.0) -> None:
+        """Ask rank 0 to checkpoint after the current iteration and finish; then shut Ray down."""
         import ray
 
+        self.status.stop_requested.set()
+        self._thread.join(STOP_TIMEOUT_SECONDS)
+        if self._thread.is_alive():
+            log.warning("training did not finish within %ds of the stop request; shutting Ray down",
+                        STOP_TIMEOUT_SECONDS)
         if ray.is_initialized():
             ray.shutdown()
         self.server.stop(grace)

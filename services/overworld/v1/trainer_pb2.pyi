@@ -48,5 +48,7 @@ class TrainerStatus(_message.Message):
     def __init__(self, state: _Optional[str] = ..., iteration: _Optional[int] = ..., updates: _Optional[int] = ..., model_version: _Optional[int] = ..., samples_trained: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., resumed_from: _Optional[str] = ..., start_model_version: _Optional[int] = ..., start_env_steps: _Optional[int] = ..., latest_checkpoint: _Optional[str] = ..., start_rho: _Optional[float] = ..., env_steps: _Optional[int] = ...) -> None: ...
 
 class ReportProgressResponse(_message.Message):
-    __slots__ = ()
-    def __init__(self) -> None: ...
+    __slots__ = ("stop",)
+    STOP_FIELD_NUMBER: _ClassVar[int]
+    stop: bool
+    def __init__(self, stop: _Optional[bool] = ...) -> None: ...
