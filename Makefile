@@ -33,7 +33,7 @@ test-fast: $(STAMP)
 
 bench: $(STAMP)
 	mkdir -p bench/results
-	set -e; for script in bench/bench_*.py; do echo "== $$script"; $(PY) $$script; done
+	set -e; for script in bench/bench_*.py; do echo "== $$script"; $(PY) -m bench.$$(basename $$script .py); done
 	$(PY) bench/report.py
 
 lint: $(STAMP)

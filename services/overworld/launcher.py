@@ -251,6 +251,8 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
             if now - last_print >= progress_interval or reached:
                 last_print = now
                 launcher.remember_families()
+                record_progress(work / "progress.jsonl", now - started, offset(trainer_status) + fleet.env_steps,
+                                fleet, trainer_status)
                 line = progress_line(fleet, trainer_status, now - started, max_env_steps, offset(trainer_status))
                 print(("\r" + line) if is_tty else line, end="" if is_tty else "\n", flush=True)
             if reached:
@@ -292,6 +294,17 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
     print(json.dumps({k: summary[k] for k in ("status", "env_steps", "episodes", "mean_return_last_100",
                                               "model_version", "updates", "wall_seconds")}), flush=True)
     return summary
+
+
+def record_progress(path: Path, elapsed: float, env_steps: int, fleet: Any, trainer: Any) -> None:
+    """One JSON line per progress tick: the learning curve against env steps and wall time."""
+    entry = {"wall_seconds": round(elapsed, 2), "env_steps": env_steps, "episodes": fleet.episodes,
+             "mean_return_last_100": fleet.mean_return_last_100 if fleet.episodes else None,
+             "model_version": trainer.model_version, "updates": trainer.updates,
+             **{f"{t.task}/{k}": v for t in fleet.tasks for k, v in t.mean_extras_last_100.items()
+                if k in ("cows_eaten", "achievement_eat_cow")}}
+    with path.open("a") as f:
+        f.write(json.dumps(entry) + "\n")
 
 
 def progress_line(fleet: Any, trainer: Any, elapsed: float, max_env_steps: int | None, offset: int = 0) -> str:

@@ -1,0 +1,81 @@
+"""Learning curves: return against env steps and wall time for several seeds, on CartPole and on the
+Crafter cow task, with a random policy's return measured in the same run.
+
+    python bench/bench_learning.py                  -> bench/results/learning.json
+    BENCH_TASKS=cartpole BENCH_SEEDS=0 python bench/bench_learning.py
+
+Knobs (environment): BENCH_TASKS (cartpole,crafter_cow), BENCH_SEEDS (0,1,2),
+BENCH_CARTPOLE_STEPS (200000), BENCH_CRAFTER_STEPS (1000000), BENCH_RANDOM_EPISODES (20).
+"""
+
+from __future__ import annotations
+
+import os
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+
+from bench.runs import RESULTS, overworld_run, write
+from overworld.core.config import load_config
+from overworld.core.imports import call_generator, import_object
+
+TASKS = {
+    "cartpole": ("examples/cartpole.yaml", int(os.environ.get("BENCH_CARTPOLE_STEPS", 200_000))),
+    "crafter_cow": ("examples/crafter_cow.yaml", int(os.environ.get("BENCH_CRAFTER_STEPS", 1_000_000))),
+}
+
+
+def random_policy_return(config_path: str, episodes: int, seed: int = 0) -> dict[str, float]:
+    config = load_config(Path(__file__).resolve().parents[1] / config_path)
+    env = call_generator(import_object(config.env_generator), dict(config.env_kwargs))
+    rng = np.random.default_rng(seed)
+    returns, lengths = [], []
+    started = time.monotonic()
+    for episode in range(episodes):
+        env.reset(seed=seed + episode)
+        total, length, done = 0.0, 0, False
+        while not done:
+            _, reward, terminated, truncated, _ = env.step(env.action_space.sample() if rng is None else
+                                                           int(rng.integers(env.action_space.n)))
+            total += float(reward)
+            length += 1
+            done = terminated or truncated
+        returns.append(total)
+        lengths.append(length)
+    env.close()
+    return {"mean_return": float(np.mean(returns)), "std_return": float(np.std(returns)),
+            "mean_length": float(np.mean(lengths)), "episodes": episodes,
+            "seconds": round(time.monotonic() - started, 1)}
+
+
+def main() -> None:
+    tasks = os.environ.get("BENCH_TASKS", "cartpole,crafter_cow").split(",")
+    seeds = [int(s) for s in os.environ.get("BENCH_SEEDS", "0,1,2").split(",")]
+    episodes = int(os.environ.get("BENCH_RANDOM_EPISODES", 20))
+    result: dict[str, Any] = {"tasks": {}}
+    for task in tasks:
+        config, steps = TASKS[task]
+        entry: dict[str, Any] = {"config": config, "max_env_steps": steps,
+                                 "random_policy": random_policy_return(config, episodes), "seeds": {}}
+        print(task, "random policy:", entry["random_policy"], flush=True)
+        for seed in seeds:
+            with tempfile.TemporaryDirectory() as tmp:
+                summary = overworld_run(config, Path(tmp) / "run", "--max-env-steps", str(steps),
+                                        "--set", f"seed={seed}")
+            entry["seeds"][str(seed)] = {k: summary.get(k) for k in (
+                "status", "env_steps", "episodes", "mean_return_last_100", "wall_seconds", "env_steps_per_second",
+                "model_version", "updates", "tasks")} | {"curve": summary.get("curve", [])}
+            print(task, "seed", seed, {k: v for k, v in entry["seeds"][str(seed)].items() if k != "curve"}, flush=True)
+        finals = [s["mean_return_last_100"] for s in entry["seeds"].values() if s["mean_return_last_100"] is not None]
+        entry["final_mean_return_over_seeds"] = float(np.mean(finals)) if finals else None
+        result["tasks"][task] = entry
+    name = "learning" if set(tasks) == set(TASKS) else "learning_" + "_".join(tasks)
+    write(name, result)
+    print("results in", RESULTS)
+
+
+if __name__ == "__main__":
+    main()

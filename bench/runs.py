@@ -1,0 +1,49 @@
+"""Helpers for benchmarks that train through `overworld run` and read its summary and curve."""
+
+from __future__ import annotations
+
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+from typing import Any
+
+ROOT = Path(__file__).resolve().parents[1]
+RESULTS = ROOT / "bench" / "results"
+
+
+def overworld_run(config: str, workdir: Path, *args: str, timeout: float = 7200) -> dict[str, Any]:
+    """Train; return the summary with the learning curve (progress.jsonl) under "curve"."""
+    workdir.mkdir(parents=True, exist_ok=True)
+    summary_path = workdir / "summary.json"
+    cmd = [sys.executable, "-m", "overworld.cli", "run", str(ROOT / config), "--workdir", str(workdir),
+           "--summary", str(summary_path), *args]
+    print("$", " ".join(cmd), flush=True)
+    started = time.monotonic()
+    with open(workdir / "stdout.log", "w") as out:
+        subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, check=False,
+                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    summary = json.loads(summary_path.read_text()) if summary_path.exists() else {"status": "no summary"}
+    summary["bench_wall_seconds"] = round(time.monotonic() - started, 1)
+    curve_path = workdir / "progress.jsonl"
+    summary["curve"] = [json.loads(line) for line in curve_path.read_text().splitlines()] if curve_path.exists() else []
+    return summary
+
+
+def write(name: str, result: dict[str, Any]) -> Path:
+    RESULTS.mkdir(parents=True, exist_ok=True)
+    path = RESULTS / f"{name}.json"
+    result = {"benchmark": name, "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpus": os.cpu_count(), **result}
+    path.write_text(json.dumps(result, indent=2))
+    print(f"wrote {path}")
+    return path
+
+
+def first_reaching(curve: list[dict[str, Any]], target: float) -> dict[str, Any] | None:
+    for point in curve:
+        value = point.get("mean_return_last_100")
+        if value is not None and value >= target and point.get("episodes", 0) >= 100:
+            return point
+    return None
