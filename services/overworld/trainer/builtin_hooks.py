@@ -49,6 +49,19 @@ def run_evaluation(trainer: Any, metrics: dict[str, float]) -> None:
         trainer.hooks.run("on_evaluate", trainer, results=results)
 
 
+def request_video(trainer: Any, metrics: dict[str, float]) -> None:
+    """Every record_video_interval iterations, ask the rollout-manager for an MP4 of an episode."""
+    from overworld.v1 import rollout_manager_pb2
+
+    interval = trainer.config.train_config.record_video_interval
+    if trainer.rank == 0 and interval > 0 and trainer.iteration % interval == 0:
+        try:
+            trainer.manager.stub.RequestVideo(rollout_manager_pb2.RequestVideoRequest(iteration=trainer.iteration),
+                                              timeout=10)
+        except Exception as err:  # a missed video never stops training
+            log.warning("video request failed: %s", err)
+
+
 class LogMetrics:
     """Console / TensorBoard / W&B every log_interval (the driver's status, and so Prometheus, gets
     every iteration from the loop itself)."""
@@ -77,6 +90,7 @@ def register_builtin_hooks(trainer: Any) -> LogMetrics:
     trainer.hooks.register("post_iteration", publish_weights)
     trainer.hooks.register("post_iteration", save_checkpoint)
     trainer.hooks.register("post_iteration", run_evaluation)
+    trainer.hooks.register("post_iteration", request_video)
     logger = LogMetrics(trainer)
     trainer.hooks.register("post_iteration", logger)
     return logger
