@@ -75,6 +75,7 @@ class _PoolBase:
         self.active = np.zeros(num_envs, np.bool_)
         self.inactive_since = np.full(num_envs, time.monotonic())
         self.restarts: Counter[str] = Counter()
+        self._restarts_lock = threading.Lock()  # the heartbeat thread reads them
         self._pending = [GroupResult(g) for g in range(len(self.groups))]
         self.arrays: dict[str, np.ndarray] = {}
 
@@ -99,8 +100,13 @@ class _PoolBase:
 
     def _count_restarts(self, reason: str, n: int) -> None:
         if n:
-            self.restarts[reason] += n
+            with self._restarts_lock:
+                self.restarts[reason] += n
             ENV_RESTARTS.labels(reason).inc(n)
+
+    def restarts_snapshot(self) -> dict[str, int]:
+        with self._restarts_lock:
+            return dict(self.restarts)
 
     def _deactivate(self, slot: int) -> None:
         if self.active[slot]:

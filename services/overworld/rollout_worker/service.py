@@ -23,7 +23,7 @@ class ControlService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
         return pb.WorkerStatus(worker_id=w.worker_id, num_envs=w.N, env_steps=w.env_steps,
                                fragments_sent=w.sender.sent, fragments_dropped=w.fragments_dropped,
                                model_version=w.model_version, send_queue_depth=w.sender.depth(),
-                               env_steps_per_second=w.steps_per_second, env_restarts=dict(w.pool.restarts))
+                               env_steps_per_second=w.steps_per_second, env_restarts=w.pool.restarts_snapshot())
 
     def Drain(self, request, context):  # type: ignore[no-untyped-def]
         self.drain.set()

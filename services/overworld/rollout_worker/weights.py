@@ -1,83 +1,192 @@
 """Keeps a watch stream open on the model-registry and fetches each new version in the background.
 
-The worker's loop calls `take()` between two inference batches; it never waits on the registry
-except for the very first version.
+The worker's loop calls `take()` between two inference batches and loads what it returns; it never
+waits on the registry except for the very first version (`wait_first`). Then it calls `ack(version)`,
+which does not wait either: the registry measures the push latency from these acknowledgements.
+
+Two threads: one reads the Watch stream (announcements), one fetches. A version announced while
+another is being fetched is fetched next; versions announced in between are skipped (the worker
+always catches up to the newest). When the stream breaks (registry restart, network), the watcher
+reconnects with `known_version` and the registry announces its latest version at once.
+
+The bytes land in a buffer that the returned tensors are views of (no copy), and that buffer is
+reused for a later version once the worker has dropped those tensors: a worker holds at most two
+copies of the weights besides its model's own.
+
+Environment (for workers started without code changes): OVERWORLD_WEIGHTS_PRECISION ('' = as
+stored, 'bfloat16' or 'float16': the registry halves the floating tensors for the transfer and they
+are cast back to the model's dtypes here), OVERWORLD_WEIGHTS_VERIFY ('1' = check the sha256 of
+every version received, the default; '0' = trust the transport).
 """
 
 from __future__ import annotations
 
-import contextlib
 import logging
+import os
+import sys
 import threading
 import time
+from typing import Any
 
 import grpc
 import torch
 
 from overworld.core import weights
-from overworld.model_registry.client import ModelRegistryClient
+from overworld.model_registry.client import FetchBroken, ModelRegistryClient
 from overworld.v1 import model_registry_pb2 as pb
 
 log = logging.getLogger("overworld.rollout_worker.weights")
+DROP = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ABORTED,
+        grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.INVALID_ARGUMENT)
 
 
 class WeightsWatcher:
-    def __init__(self, address: str, watcher_id: str, like: dict[str, torch.Tensor]) -> None:
+    def __init__(self, address: str, watcher_id: str, like: dict[str, torch.Tensor],
+                 precision: str | None = None, verify: bool | None = None) -> None:
         self.client = ModelRegistryClient(address)
         self.watcher_id = watcher_id
-        self.like = like
-        self.version = 0
+        self.like = {k: torch.empty(0, dtype=v.dtype) for k, v in like.items()}  # only the dtypes matter
+        self.precision = os.environ.get("OVERWORLD_WEIGHTS_PRECISION", "") if precision is None else precision
+        weights.half_dtype(self.precision)  # ValueError early for an unknown name
+        if verify is None:
+            verify = os.environ.get("OVERWORLD_WEIGHTS_VERIFY", "1").lower() not in ("0", "false", "no")
+        self.verify = verify
+        self.version = 0  # the newest version fetched (pending or taken)
+        self.announced = 0  # the newest version the registry announced
+        self.fetch_seconds = 0.0  # duration of the last fetch
         self._pending: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._announcement: pb.VersionInfo | None = None
+        self._first_of_stream = False
+        self._buffers: list[bytearray] = []  # buffers handed out, reusable once their tensors are gone
         self._cond = threading.Condition()
         self._stop = threading.Event()
-        self._thread = threading.Thread(target=self._run, name="weights-watcher", daemon=True)
-        self._thread.start()
+        self._stream: Any = None  # the open Watch call
+        self._watch_thread = threading.Thread(target=self._watch_loop, name="weights-watch", daemon=True)
+        self._fetch_thread = threading.Thread(target=self._fetch_loop, name="weights-fetch", daemon=True)
+        self._watch_thread.start()
+        self._fetch_thread.start()
 
-    def _run(self) -> None:
+    # -- background --------------------------------------------------------------------------------
+    def _watch_loop(self) -> None:
         delay = 0.1
         while not self._stop.is_set():
             try:
                 stream = self.client.stub.Watch(pb.WatchRequest(watcher_id=self.watcher_id, known_version=self.version))
+                self._stream = stream
+                first = True
                 for info in stream:
-                    if self._stop.is_set():
-                        stream.cancel()
-                        return
-                    if info.version <= self.version:
-                        continue
-                    fetched, data = self.client.fetch(version=info.version)
-                    state = weights.from_bytes(data, self.like)
                     with self._cond:
-                        self._pending = (fetched.version, state)
-                        self.version = fetched.version
-                        self._cond.notify_all()
+                        pending = self._announcement
+                        # keep-alives repeat the last announcement: never let one replace a newer one
+                        if first or pending is None or info.version > pending.version:
+                            self._announcement, self._first_of_stream = info, first
+                            self._cond.notify_all()
+                        if info.version:
+                            self.announced = info.version if first else max(self.announced, info.version)
+                    first = False
                     delay = 0.1
+                if self._stop.is_set():
+                    return
+                log.info("model registry closed the watch stream; reconnecting")
             except grpc.RpcError as err:
                 if self._stop.is_set():
                     return
                 log.warning("model registry watch broke (%s); reconnecting in %.1fs", err.code().name, delay)
-                time.sleep(delay)
-                delay = min(delay * 2, 5.0)
+            self._stop.wait(delay)
+            delay = min(delay * 2, 5.0)
 
+    def _wanted(self) -> pb.VersionInfo | None:
+        info = self._announcement
+        if info is None or info.version == 0:  # nothing published yet (a keep-alive)
+            self._announcement = None
+            return None
+        # the first announcement of a stream is where the registry is (even if behind us: it was reset)
+        if info.version > self.version or (self._first_of_stream and info.version != self.version):
+            return info
+        self._announcement = None
+        return None
+
+    def _fetch_loop(self) -> None:
+        while not self._stop.is_set():
+            with self._cond:
+                while not self._stop.is_set() and self._wanted() is None:
+                    self._cond.wait(1.0)
+                if self._stop.is_set():
+                    return
+                info = self._announcement
+                self._announcement = None
+            assert info is not None
+            started = time.monotonic()
+            try:
+                fetched, buf = self.client.fetch_into(info.version, precision=self.precision, verify=self.verify,
+                                                      buffer=self._buffer, timeout=120.0, stop=self._stop.is_set)
+                state = weights.from_buffer(buf, self.like, size=fetched.size_bytes)
+            except (FetchBroken, grpc.RpcError, ValueError) as err:
+                if self._stop.is_set():
+                    return
+                if not isinstance(err, grpc.RpcError) or err.code() in DROP:
+                    # gone, its publish failed, or what arrived is inconsistent: wait for the next announcement
+                    log.warning("model version %d cannot be fetched: %s", info.version,
+                                f"{err.code().name} {err.details()}" if isinstance(err, grpc.RpcError) else err)
+                    continue
+                log.warning("fetching model version %d failed (%s); trying again", info.version, err.code().name)
+                with self._cond:  # fetch it again if nothing newer is announced meanwhile
+                    if self._announcement is None:
+                        self._announcement = info
+                self._stop.wait(1.0)
+                continue
+            self.fetch_seconds = time.monotonic() - started
+            with self._cond:
+                self._pending = (fetched.version, state)
+                self.version = fetched.version
+                self._cond.notify_all()
+            del state, buf
+            log.debug("model version %d fetched in %.2fs", fetched.version, self.fetch_seconds)
+
+    def _buffer(self, size: int) -> bytearray:
+        """A buffer of `size` bytes: a previous one no tensor refers to any more, or a new one."""
+        with self._cond:
+            for buf in self._buffers:
+                # references: this list, `buf`, and getrefcount's argument; anything more is a tensor
+                if len(buf) == size and sys.getrefcount(buf) <= 3:
+                    return buf
+            buf = bytearray(size)
+            self._buffers = [*self._buffers[-1:], buf]  # an older one is freed with its tensors
+            return buf
+
+    # -- the worker's side -------------------------------------------------------------------------------
     def take(self) -> tuple[int, dict[str, torch.Tensor]] | None:
+        """The newest fetched version not taken yet, or None. Call between two inference batches."""
         with self._cond:
             pending, self._pending = self._pending, None
             return pending
 
     def wait_first(self, stop: threading.Event) -> tuple[int, dict[str, torch.Tensor]] | None:
         """Block until the first version arrives (the trainer publishes its initial weights)."""
-        started = time.monotonic()
+        started = last_log = time.monotonic()
         with self._cond:
-            while self._pending is None and not stop.is_set():
-                self._cond.wait(1.0)
-                if time.monotonic() - started > 30 and int(time.monotonic() - started) % 30 == 0:
-                    log.info("still waiting for the trainer to publish the first model version")
+            while self._pending is None and not stop.is_set() and not self._stop.is_set():
+                self._cond.wait(0.5)
+                if time.monotonic() - last_log > 30:
+                    last_log = time.monotonic()
+                    log.info("still waiting for the trainer to publish the first model version (%.0fs)",
+                             last_log - started)
         return self.take()
 
     def ack(self, version: int) -> None:
-        with contextlib.suppress(grpc.RpcError):
-            self.client.stub.AckVersion(pb.AckVersionRequest(watcher_id=self.watcher_id, version=version), timeout=5)
+        """Tell the registry this version is swapped in. Does not wait for the reply."""
+        try:
+            self.client.ack(self.watcher_id, version)
+        except (grpc.RpcError, ValueError) as err:  # ValueError: the channel is closed
+            log.debug("could not acknowledge version %d: %s", version, err)
 
     def close(self) -> None:
         self._stop.set()
+        with self._cond:
+            self._cond.notify_all()
+        stream = self._stream
+        if stream is not None:
+            stream.cancel()
+        self._watch_thread.join(5)
+        self._fetch_thread.join(5)
         self.client.close()
-        self._thread.join(2)

@@ -159,7 +159,7 @@ class RolloutWorker:
             reply = self.manager.stub.Heartbeat(mpb.HeartbeatRequest(
                 worker_id=self.worker_id, env_steps=self.env_steps, fragments_sent=self.sender.sent,
                 model_version=self.model_version, env_steps_per_second=self.steps_per_second,
-                env_restarts=dict(self.pool.restarts), fragments_dropped=self.fragments_dropped,
+                env_restarts=self.pool.restarts_snapshot(), fragments_dropped=self.fragments_dropped,
                 send_queue_depth=self.sender.depth(), fragments_completed=self.fragments_completed,
                 envs_ready=int(self.pool.active.sum())), timeout=5)
             if not reply.lease_valid:
