@@ -314,8 +314,8 @@ class EnvPool(_PoolBase):
     def send(self, g: int, slots: np.ndarray, action: dict[str, np.ndarray]) -> None:
         self._write_actions(g, slots, action)
         now = time.monotonic()
-        for index in np.unique(self._proc_of[slots]):
-            p = self.procs[int(index)]
+        for index in set(self._proc_of[slots].tolist()):
+            p = self.procs[index]
             if p.state != "running" or p.conn is None:
                 continue
             try:

@@ -21,7 +21,7 @@ from overworld.core.grpc_util import retry
 from overworld.core.imports import call_generator, import_object
 from overworld.core.specs import Spaces, TensorSpec, spaces_from_gym
 from overworld.envs.minestudio import adapt_env, adapt_spaces
-from overworld.policies.base import Policy, log_prob, sample
+from overworld.policies.base import Policy
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.rollout_worker.env_pool import EnvPool, GroupResult, InProcessEnvPool, num_groups_for
 from overworld.rollout_worker.episodes import EpisodeTracker
@@ -100,6 +100,21 @@ def make_pool(config: RunConfig, spaces: Spaces, seed: int, backend: str | None 
     processes = wc.num_env_processes or min(n, os.cpu_count() or 1)
     return EnvPool(config.env_generator, dict(config.env_kwargs), spaces, n, processes, groups, seed,
                    wc.step_timeout, wc.restart_interval)
+
+
+def sample_with_log_prob(logits: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+    """`policies.base.sample` and `log_prob` for one step (logits (B, 1, n)), without building
+    torch.distributions objects (their argument validation costs more than a small policy's forward)."""
+    total: torch.Tensor | None = None
+    actions = {}
+    for k, v in logits.items():
+        logp_all = torch.log_softmax(v[:, 0].float(), -1)
+        a = torch.multinomial(logp_all.exp(), 1)
+        lp = logp_all.gather(-1, a)[:, 0]
+        actions[k] = a[:, 0]
+        total = lp if total is None else total + lp
+    assert total is not None, "the policy returned no action logits"
+    return actions, total
 
 
 class RolloutWorker:
@@ -199,10 +214,10 @@ class RolloutWorker:
         obs_t = {k: torch.as_tensor(v).to(self.device, non_blocking=True).unsqueeze(1) for k, v in obs.items()}
         first_t = torch.as_tensor(first).to(self.device).unsqueeze(1)
         out, after = self.policy(obs_t, before, first_t)
-        action_t = sample(out.logits)
-        logp = log_prob(out.logits, action_t)[:, 0].cpu().numpy()
+        action_t, logp_t = sample_with_log_prob(out.logits)
+        logp = logp_t.cpu().numpy()
         value = self.policy.value(out)[:, 0].float().cpu().numpy()
-        action = {k: v[:, 0].cpu().numpy() for k, v in action_t.items()}
+        action = {k: v.cpu().numpy() for k, v in action_t.items()}
         INFER_BATCH.observe(len(slots))
         INFER_LATENCY.observe(time.monotonic() - started)
         for k, v in after.items():
