@@ -61,7 +61,9 @@ class S3BlobStore:
     def _key(self, name: str) -> str:
         return name[len(self.prefix) + 1:] if self.prefix else name
 
-    def put(self, key: str, data: bytes) -> None:
+    def put(self, key: str, data: bytes | memoryview) -> None:
+        if not isinstance(data, bytes):
+            data = bytes(data)  # one copy: BytesIO over a memoryview copies more slowly than this
         self.client.put_object(self.bucket, self._name(key), io.BytesIO(data), len(data))
 
     def get(self, key: str) -> bytes:
@@ -72,10 +74,13 @@ class S3BlobStore:
                 raise KeyError(key) from None
             raise
         try:
-            return response.read()
-        finally:
-            response.close()
-            response.release_conn()
+            data = response.read()
+        except BaseException:
+            response.close()  # a half-read connection cannot be reused
+            raise
+        # Fully read: back to the pool. (close() would drop the connection and cost a new one per get.)
+        response.release_conn()
+        return data
 
     def delete(self, keys: Iterable[str]) -> None:
         objects = [DeleteObject(self._name(k)) for k in keys]
