@@ -148,7 +148,7 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
         self._notify()
         self._maintenance.join(10.0)
         self._run_deletes(flush=True)
-        self._io.shutdown(wait=False, cancel_futures=True)
+        self._io.shutdown(wait=False)  # queued writes and reads finish; handlers deliver them in the grace period
 
     def discard_buffered(self, token: str | None = None) -> int:
         """Discard this run's buffered data (keep_on_resume: false). With a token, only the first call
@@ -382,6 +382,10 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
                     log.warning("rejected fragment from %s/%s#%s (%s): %s", h.worker_id, h.env_slot, h.sequence,
                                 err.reason, err)
                     abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"fragment rejected ({err.reason}): {err}")
+                if self._stopping.is_set():
+                    while inflight:  # what was written is indexed and acknowledged; the rest is resent
+                        yield self._commit(inflight.popleft(), context)
+                    abort(context, grpc.StatusCode.UNAVAILABLE, "replay buffer is shutting down; retry elsewhere")
                 pending = self._start(received, fragment, started)
                 pending.put.add_done_callback(wake_up)
                 inflight.append(pending)
@@ -412,7 +416,7 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
         pending: deque[tuple[Claim, Future]] = deque()
         while sent < request.num_chunks:
             want = min(request.num_chunks - sent - len(pending), self.prefetch - len(pending))
-            if want > 0:
+            if want > 0 and not self._stopping.is_set():
                 try:
                     claims = self.index.claim(want)
                 except IndexUnavailable as err:
