@@ -460,7 +460,11 @@ def main(argv: list[str] | None = None) -> int:
         "benchmark": "replay_buffer", "fragment_bytes": len(blob), "fragment_length": LENGTH,
         "fragments_per_round": count, "rounds": rounds, "streams_per_front": STREAMS_PER_FRONT,
         "readers_per_front": READERS_PER_FRONT, "chunks_per_sample": CHUNKS_PER_SAMPLE, "cpus": os.cpu_count(),
-        "load_average": os.getloadavg()[0], "s3_server": "moto_server (loopback)", "results": rows,
+        "load_average": os.getloadavg()[0], "s3_server": "moto_server (loopback)",
+        # Scalars per configuration, for bench/report.py (which skips lists); full detail in "results".
+        "summary": {f"{r['backend']} {r['fronts']} front{'s' if r['fronts'] > 1 else ''}": {
+            k: round(v, 3) for k, v in r.items() if isinstance(v, float)} for r in rows},
+        "results": rows,
         "worst_ratio_vs_raw": min(ratios), "worst_cpu_ratio_vs_raw": min(cpu_ratios), "target_ratio": 0.7, "target_met": target_met,
         "seconds": round(elapsed, 1)}, indent=2) + "\n")
     print(f"wrote {out}")
