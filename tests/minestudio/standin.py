@@ -12,7 +12,7 @@ import numpy as np
 
 SIZE = 32
 SMALL_VPT = {
-    "attention_heads": 2, "attention_mask_style": "clipped_causal", "attention_memory_size": 16,
+    "attention_heads": 2, "attention_mask_style": "clipped_causal", "attention_memory_size": 32,
     "diff_mlp_embedding": False, "hidsize": 64, "img_shape": [SIZE, SIZE, 3], "impala_chans": [8, 16, 16],
     "impala_kwargs": {"post_pool_groups": 1}, "impala_width": 1,
     "init_norm_kwargs": {"batch_norm": False, "group_norm_groups": 1}, "n_recurrence_layers": 2,
