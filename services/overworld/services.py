@@ -40,11 +40,11 @@ def rollout_manager(args: argparse.Namespace, done: threading.Event) -> Any:
 
 
 def replay_buffer(args: argparse.Namespace, done: threading.Event) -> Any:
+    from overworld.core.config import config_hash
     from overworld.replay_buffer.index import MemoryIndex
     from overworld.replay_buffer.rate_limiter import RateLimiter
-    from overworld.replay_buffer.server import ReplayBufferService
+    from overworld.replay_buffer.server import ReplayBufferService, add_to_server
     from overworld.rollout_manager.client import RolloutManagerClient
-    from overworld.v1 import replay_buffer_pb2_grpc
 
     manager = RolloutManagerClient(args.rollout_manager)
     config = manager.run_config()
@@ -72,8 +72,12 @@ def replay_buffer(args: argparse.Namespace, done: threading.Event) -> Any:
 
     service = ReplayBufferService(index, open_blob_store(blobs_url), config.run_id, config.rollout_config.fragment_length,
                                   rb.fragments_per_chunk, rb.max_chunks, spaces, rb.max_fragment_bytes)
-    return Served(serve([(replay_buffer_pb2_grpc.add_ReplayBufferServicer_to_server, service,
-                          "overworld.v1.ReplayBuffer")], args.host, args.port), service.stop)
+    if not rb.keep_on_resume:
+        # Replicas started together clear once; a plain restart of one front clears nothing.
+        service.discard_buffered(token=f"{config_hash(config)}:{config.train_config.resume or ''}")
+    # add_to_server: the same wire protocol, fragments stored as received and sent as stored.
+    return Served(serve([(add_to_server, service, "overworld.v1.ReplayBuffer")], args.host, args.port),
+                  service.stop, index.close)
 
 
 def gae(args: argparse.Namespace, done: threading.Event) -> Any:
