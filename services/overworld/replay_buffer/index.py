@@ -251,7 +251,7 @@ class MemoryIndex:
     def stats(self) -> IndexStats:
         with self._lock:
             chunks = list(self._chunks.values())
-            staleness = [self._version - c.first_model_version for c in chunks]
+            staleness = [max(0, self._version - c.first_model_version) for c in chunks]
             return IndexStats(
                 fragments=sum(len(c.fragments) for c in chunks) + sum(len(p) for p in self._partial.values()),
                 chunks=len(chunks),
