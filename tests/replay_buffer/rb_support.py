@@ -30,9 +30,10 @@ from overworld.v1 import common_pb2, replay_buffer_pb2, replay_buffer_pb2_grpc
 SPACES = Spaces(obs={"rgb": TensorSpec((4, 4, 3), "uint8")}, action={"action": TensorSpec((), "int64")})
 LENGTH = 8
 BUCKET = "overworld-test"
-# Fast housekeeping so that deferred deletes and metrics show up within a test.
-SERVICE_DEFAULTS: dict[str, Any] = {"delete_delay": 0.1, "sweep_interval": 0.0, "metrics_interval": 0.2,
-                                    "default_sample_timeout": 5.0}
+# Fast housekeeping so that deferred deletes and metrics show up within a test (ref_grace 0: blobs of
+# chunks that left are deleted after delete_delay; test_blob_refs.py sets its own).
+SERVICE_DEFAULTS: dict[str, Any] = {"delete_delay": 0.1, "ref_grace": 0.0, "sweep_interval": 0.0,
+                                    "metrics_interval": 0.2, "default_sample_timeout": 5.0}
 
 
 def free_port() -> int:

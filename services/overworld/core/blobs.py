@@ -3,6 +3,8 @@
 `get` of a missing key raises KeyError (LocalBlobStore: FileNotFoundError, a subclass of neither,
 so callers catch both); `delete` of a missing key is not an error. `list_blobs` gives each key with
 its last-modified time (seconds since the epoch), for the replay buffer's orphan sweeper.
+`url` is what `open_blob_store` opens to reach the same blobs from another process (a local store's
+absolute path, or `s3://BUCKET/PREFIX`; never credentials).
 """
 
 from __future__ import annotations
@@ -21,6 +23,8 @@ class BlobInfo:
 
 
 class BlobStore(Protocol):
+    url: str
+
     def put(self, key: str, data: bytes) -> None: ...
     def get(self, key: str) -> bytes: ...
     def delete(self, keys: list[str]) -> None: ...
@@ -34,6 +38,7 @@ class LocalBlobStore:
     def __init__(self, root: str | Path) -> None:
         self.root = Path(root)
         self.root.mkdir(parents=True, exist_ok=True)
+        self.url = str(self.root.resolve())
 
     def _path(self, key: str) -> Path:
         if key.startswith("/") or ".." in key.split("/"):

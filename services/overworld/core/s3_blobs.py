@@ -27,6 +27,7 @@ class S3BlobStore:
         self.client = client
         self.bucket = bucket
         self.prefix = prefix.strip("/")
+        self.url = f"s3://{bucket}/{self.prefix}" if self.prefix else f"s3://{bucket}"
         if create_bucket and not client.bucket_exists(bucket):
             try:
                 client.make_bucket(bucket)

@@ -266,6 +266,15 @@ redis.call('ZREMRANGEBYSCORE', SWEPT, '-inf', now - retention)
 return out
 """
 
+# ARGV[5..]: keys. Returns those no index entry references (a read: nothing is tombstoned).
+UNREFERENCED = PRELUDE + r"""
+local out = {}
+for i = 5, #ARGV do
+  if redis.call('SISMEMBER', LIVE, ARGV[i]) == 0 then out[#out + 1] = ARGV[i] end
+end
+return out
+"""
+
 # ARGV[5..]: token, has token. Returns {0} when the token was already applied, else {1, keys...}.
 RESET = PRELUDE + r"""
 local token, has_token = ARGV[5], ARGV[6] == '1'
@@ -307,6 +316,7 @@ class RedisIndex:
         self._set_version = client.register_script(SET_VERSION)
         self._stats = client.register_script(STATS)
         self._claim_orphans = client.register_script(CLAIM_ORPHANS)
+        self._unreferenced = client.register_script(UNREFERENCED)
         self._reset = client.register_script(RESET)
 
     @classmethod
@@ -392,6 +402,12 @@ class RedisIndex:
         _, limiter, chunks = self._raw_stats()
         text = f"{chunks} chunks in the buffer"
         return f"{text}; {limiter.describe()}" if limiter else text
+
+    def unreferenced(self, keys: list[str]) -> list[str]:
+        out: list[str] = []
+        for start in range(0, len(keys), 500):
+            out += self._run(self._unreferenced, *keys[start:start + 500])
+        return out
 
     def claim_orphans(self, keys: list[str]) -> list[str]:
         out: list[str] = []

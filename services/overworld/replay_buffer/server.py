@@ -9,11 +9,16 @@ added, and only then acknowledged. Blob writes of one stream run in parallel (up
 while the window is full or the rate limiter blocks: that is the backpressure a worker feels.
 
 Sample (server-streaming): chunks are claimed (atomically, in the index) at most `prefetch` ahead
-of what was sent, and their blobs fetched in parallel while earlier chunks are being streamed.
+of what was sent, and their blobs fetched in parallel while earlier chunks are being streamed. With
+`SampleRequest.blob_refs` the front sends each claimed chunk's blob keys instead, and the reader
+fetches the blobs from the store itself (`GetStoreInfo` names it): the 3 MB payloads then skip the
+front's gRPC hop, while the claim — reuse counting, rate limiter, deadline — stays the front's.
 
-Blobs of chunks that leave the index are deleted after `delete_delay` seconds, so that a reader that
-claimed a chunk just before it left can still read it; blobs nobody references (a front died between
-blob write and index add, or before its deferred deletes ran) are removed by the orphan sweeper.
+Blobs of chunks that leave the index are deleted after max(`delete_delay`, `ref_grace`) seconds, so
+that a reader that claimed a chunk just before it left (or was handed its keys) can still read it;
+blobs nobody references (a front died between blob write and index add, or before its deferred
+deletes ran) are removed by the orphan sweeper, which also spares a key for `ref_grace` after it
+first saw it unreferenced.
 """
 
 from __future__ import annotations
@@ -73,6 +78,8 @@ MEAN_REUSE = Gauge("overworld_replay_buffer_mean_reuse", "Mean times sampled of 
 DUPLICATES = Counter("overworld_replay_buffer_duplicates_total",
                      "Fragments at or below their slot's last sequence number (resends), acknowledged, not re-added")
 ORPHANS = Counter("overworld_replay_buffer_orphans_swept_total", "Unreferenced blobs deleted by the sweeper")
+REF_SAMPLES = Counter("overworld_replay_buffer_ref_samples_total",
+                      "Fragments sampled as blob keys (blob_refs: the reader fetched them from the store)")
 
 SERVICE_NAME = "overworld.v1.ReplayBuffer"
 POLL_SECONDS = 0.05  # other fronts' changes are seen by polling the shared index
@@ -115,7 +122,8 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
                  fragments_per_chunk: int, max_chunks: int, spaces: Callable[[], Spaces | None],
                  max_fragment_bytes: int = 64 * 1024 * 1024, default_sample_timeout: float = 60.0, *,
                  ingest_window: int = 4, prefetch: int = 4, io_threads: int = 16, delete_delay: float = 2.0,
-                 sweep_interval: float = 60.0, orphan_grace: float = 600.0, metrics_interval: float = 2.0) -> None:
+                 sweep_interval: float = 60.0, orphan_grace: float = 600.0, metrics_interval: float = 2.0,
+                 ref_grace: float = 60.0, store_url: str | None = None) -> None:
         self.index = index
         self.blobs = blobs
         self.run_id = run_id
@@ -127,10 +135,14 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
         self.ingest_window = max(1, ingest_window)
         self.prefetch = max(1, prefetch)
         self.delete_delay = delete_delay
+        # blob_refs readers fetch blobs themselves after the claim: blobs of chunks that left the index
+        # are kept this long (and the sweeper spares them as long) so that such a fetch finds them.
+        self.ref_grace = max(0.0, ref_grace)
+        self.store_url = getattr(blobs, "url", "") if store_url is None else store_url
         self.sweep_interval = sweep_interval
         self.metrics_interval = metrics_interval
         self.prefix = fragments_prefix(run_id)
-        self.sweeper = OrphanSweeper(index, blobs, self.prefix, orphan_grace)
+        self.sweeper = OrphanSweeper(index, blobs, self.prefix, orphan_grace, self.ref_grace)
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="rb-io")
         self._changed = threading.Condition()
         self._stopping = threading.Event()
@@ -143,11 +155,18 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
     # ----------------------------------------------------------------- lifecycle and housekeeping
 
     def stop(self) -> None:
-        """Stop serving (in-flight calls end with UNAVAILABLE) and run the pending blob deletes."""
+        """Stop serving (in-flight calls end with UNAVAILABLE) and run the blob deletes that are due.
+        Blobs still within their grace period are left to the orphan sweeper (any front's): a reader
+        handed their keys by this front may still be fetching them."""
         self._stopping.set()
         self._notify()
         self._maintenance.join(10.0)
-        self._run_deletes(flush=True)
+        self._run_deletes()
+        with self._deletes_lock:
+            left = sum(len(keys) for _, keys in self._deletes)
+        if left:
+            log.info("%d blobs of chunks that left the buffer are within their grace period; the orphan "
+                     "sweeper deletes them later", left)
         self._io.shutdown(wait=False)  # queued writes and reads finish; handlers deliver them in the grace period
 
     def discard_buffered(self, token: str | None = None) -> int:
@@ -168,7 +187,7 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
     def _delete_later(self, keys: list[str]) -> None:
         if keys:
             with self._deletes_lock:
-                self._deletes.append((time.monotonic() + self.delete_delay, keys))
+                self._deletes.append((time.monotonic() + max(self.delete_delay, self.ref_grace), keys))
 
     def _run_deletes(self, flush: bool = False) -> None:
         now = time.monotonic()
@@ -412,10 +431,26 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
         timeout = request.timeout_seconds or self.default_sample_timeout
         started = time.monotonic()
         deadline = started + timeout
+        # (claim, its blobs being fetched; None with blob_refs: nothing to fetch)
+        pending: deque[tuple[Claim, Future | None]] = deque()
+        try:
+            yield from self._sample(request, context, request.blob_refs, started, deadline, timeout, pending)
+        finally:
+            # Claimed but never sent (the client went away, an error): a final claim's chunk has left the
+            # index, so its blobs are deleted like those of a sent one.
+            for claim, _ in pending:
+                if claim.final:
+                    DROPS.labels("reused").inc()
+                    self._delete_later(claim.chunk.blob_keys)
+
+    def _sample(self, request: replay_buffer_pb2.SampleRequest, context: grpc.ServicerContext, refs: bool,
+                started: float, deadline: float, timeout: float,
+                pending: deque[tuple[Claim, Future | None]]) -> Iterator[bytes]:
         sent = 0
-        pending: deque[tuple[Claim, Future]] = deque()
         while sent < request.num_chunks:
-            want = min(request.num_chunks - sent - len(pending), self.prefetch - len(pending))
+            room = request.num_chunks - sent - len(pending)
+            # By reference there is nothing to fetch ahead: claim everything asked for in one step.
+            want = room if refs else min(room, self.prefetch - len(pending))
             if want > 0 and not self._stopping.is_set():
                 try:
                     claims = self.index.claim(want)
@@ -424,23 +459,36 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
                 if claims:
                     self._notify()
                 for claim in claims:
-                    pending.append((claim, self._io.submit(self._fetch, claim)))
+                    pending.append((claim, None if refs else self._io.submit(self._fetch, claim)))
             if pending:
-                claim, future = pending.popleft()
-                try:
-                    blobs = future.result()
-                except (FileNotFoundError, KeyError):
-                    log.warning("chunk %d vanished between claim and read; skipped", claim.chunk.chunk_id)
-                    continue
-                except Exception as err:
-                    abort(context, grpc.StatusCode.UNAVAILABLE, f"blob store read failed: {err}; retry")
+                claim, future = pending[0]
+                keys = claim.chunk.blob_keys
+                if future is None:
+                    payload = replay_buffer_pb2.SampledChunk(
+                        chunk_id=claim.chunk.chunk_id, times_sampled=claim.chunk.times_sampled,
+                        blob_keys=keys).SerializeToString()
+                else:
+                    try:
+                        blobs = future.result()
+                    except (FileNotFoundError, KeyError):
+                        pending.popleft()
+                        log.warning("chunk %d vanished between claim and read; skipped", claim.chunk.chunk_id)
+                        if claim.final:
+                            self._delete_later(keys)
+                        continue
+                    except Exception as err:
+                        abort(context, grpc.StatusCode.UNAVAILABLE, f"blob store read failed: {err}; retry")
+                    payload = wire.sampled_chunk(claim.chunk.chunk_id, blobs, claim.chunk.times_sampled)
                 if sent == 0:
                     SAMPLE_WAIT.observe(time.monotonic() - started)
-                yield wire.sampled_chunk(claim.chunk.chunk_id, blobs, claim.chunk.times_sampled)
-                SAMPLES.inc(len(blobs))
+                pending.popleft()
                 if claim.final:
                     DROPS.labels("reused").inc()
-                    self._delete_later(claim.chunk.blob_keys)
+                    self._delete_later(keys)
+                yield payload
+                SAMPLES.inc(len(keys))
+                if refs:
+                    REF_SAMPLES.inc(len(keys))
                 sent += 1
                 continue
             now = time.monotonic()
@@ -473,6 +521,11 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
         self._delete_later(move.delete_blobs)
         self._notify()
         return replay_buffer_pb2.SetModelVersionResponse(dropped_chunks=move.dropped_chunks)
+
+    def GetStoreInfo(self, request: replay_buffer_pb2.GetStoreInfoRequest,
+                     context: grpc.ServicerContext) -> replay_buffer_pb2.StoreInfo:
+        """The blob store's URL (no credentials) and the ref grace, for blob_refs readers."""
+        return replay_buffer_pb2.StoreInfo(blob_store_url=self.store_url, ref_grace_seconds=self.ref_grace)
 
     def GetStats(self, request: replay_buffer_pb2.GetStatsRequest,
                  context: grpc.ServicerContext) -> replay_buffer_pb2.BufferStats:
@@ -522,6 +575,9 @@ def add_to_server(service: ReplayBufferService, server: grpc.Server) -> None:
         "GetStats": grpc.unary_unary_rpc_method_handler(
             service.GetStats, request_deserializer=pb.GetStatsRequest.FromString,
             response_serializer=pb.BufferStats.SerializeToString),
+        "GetStoreInfo": grpc.unary_unary_rpc_method_handler(
+            service.GetStoreInfo, request_deserializer=pb.GetStoreInfoRequest.FromString,
+            response_serializer=pb.StoreInfo.SerializeToString),
     }
     server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(SERVICE_NAME, handlers),))
     server.add_registered_method_handlers(SERVICE_NAME, handlers)

@@ -26,26 +26,30 @@ class InsertResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., env_slot: _Optional[int] = ..., sequence: _Optional[int] = ..., stored: _Optional[bool] = ...) -> None: ...
 
 class SampleRequest(_message.Message):
-    __slots__ = ("num_chunks", "timeout_seconds", "reader_id", "allow_partial")
+    __slots__ = ("num_chunks", "timeout_seconds", "reader_id", "allow_partial", "blob_refs")
     NUM_CHUNKS_FIELD_NUMBER: _ClassVar[int]
     TIMEOUT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     READER_ID_FIELD_NUMBER: _ClassVar[int]
     ALLOW_PARTIAL_FIELD_NUMBER: _ClassVar[int]
+    BLOB_REFS_FIELD_NUMBER: _ClassVar[int]
     num_chunks: int
     timeout_seconds: float
     reader_id: str
     allow_partial: bool
-    def __init__(self, num_chunks: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., reader_id: _Optional[str] = ..., allow_partial: _Optional[bool] = ...) -> None: ...
+    blob_refs: bool
+    def __init__(self, num_chunks: _Optional[int] = ..., timeout_seconds: _Optional[float] = ..., reader_id: _Optional[str] = ..., allow_partial: _Optional[bool] = ..., blob_refs: _Optional[bool] = ...) -> None: ...
 
 class SampledChunk(_message.Message):
-    __slots__ = ("chunk_id", "fragments", "times_sampled")
+    __slots__ = ("chunk_id", "fragments", "times_sampled", "blob_keys")
     CHUNK_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     TIMES_SAMPLED_FIELD_NUMBER: _ClassVar[int]
+    BLOB_KEYS_FIELD_NUMBER: _ClassVar[int]
     chunk_id: int
     fragments: _containers.RepeatedCompositeFieldContainer[_common_pb2.Fragment]
     times_sampled: int
-    def __init__(self, chunk_id: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[_common_pb2.Fragment, _Mapping]]] = ..., times_sampled: _Optional[int] = ...) -> None: ...
+    blob_keys: _containers.RepeatedScalarFieldContainer[str]
+    def __init__(self, chunk_id: _Optional[int] = ..., fragments: _Optional[_Iterable[_Union[_common_pb2.Fragment, _Mapping]]] = ..., times_sampled: _Optional[int] = ..., blob_keys: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class SetModelVersionRequest(_message.Message):
     __slots__ = ("model_version",)
@@ -104,3 +108,15 @@ class BufferStats(_message.Message):
     max_staleness: int
     capacity_chunks: int
     def __init__(self, fragments: _Optional[int] = ..., chunks: _Optional[int] = ..., bytes: _Optional[int] = ..., inserted_fragments: _Optional[int] = ..., sampled_chunks: _Optional[int] = ..., dropped_chunks: _Optional[_Mapping[str, int]] = ..., rejected_fragments: _Optional[_Mapping[str, int]] = ..., model_version: _Optional[int] = ..., mean_reuse: _Optional[float] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ..., capacity_chunks: _Optional[int] = ...) -> None: ...
+
+class GetStoreInfoRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class StoreInfo(_message.Message):
+    __slots__ = ("blob_store_url", "ref_grace_seconds")
+    BLOB_STORE_URL_FIELD_NUMBER: _ClassVar[int]
+    REF_GRACE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    blob_store_url: str
+    ref_grace_seconds: float
+    def __init__(self, blob_store_url: _Optional[str] = ..., ref_grace_seconds: _Optional[float] = ...) -> None: ...

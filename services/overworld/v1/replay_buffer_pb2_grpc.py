@@ -54,6 +54,11 @@ class ReplayBufferStub:
                 request_serializer=overworld_dot_v1_dot_replay__buffer__pb2.GetStatsRequest.SerializeToString,
                 response_deserializer=overworld_dot_v1_dot_replay__buffer__pb2.BufferStats.FromString,
                 _registered_method=True)
+        self.GetStoreInfo = channel.unary_unary(
+                '/overworld.v1.ReplayBuffer/GetStoreInfo',
+                request_serializer=overworld_dot_v1_dot_replay__buffer__pb2.GetStoreInfoRequest.SerializeToString,
+                response_deserializer=overworld_dot_v1_dot_replay__buffer__pb2.StoreInfo.FromString,
+                _registered_method=True)
 
 
 class ReplayBufferServicer:
@@ -87,6 +92,15 @@ class ReplayBufferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetStoreInfo(self, request, context):
+        """What a reader needs to fetch sampled blobs itself (SampleRequest.blob_refs): the blob store's URL
+        (never credentials: readers take those from OVERWORLD_S3_* like every other service) and how long
+        the blobs of chunks that left the buffer are kept.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplayBufferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -109,6 +123,11 @@ def add_ReplayBufferServicer_to_server(servicer, server):
                     servicer.GetStats,
                     request_deserializer=overworld_dot_v1_dot_replay__buffer__pb2.GetStatsRequest.FromString,
                     response_serializer=overworld_dot_v1_dot_replay__buffer__pb2.BufferStats.SerializeToString,
+            ),
+            'GetStoreInfo': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetStoreInfo,
+                    request_deserializer=overworld_dot_v1_dot_replay__buffer__pb2.GetStoreInfoRequest.FromString,
+                    response_serializer=overworld_dot_v1_dot_replay__buffer__pb2.StoreInfo.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -219,6 +238,33 @@ class ReplayBuffer:
             '/overworld.v1.ReplayBuffer/GetStats',
             overworld_dot_v1_dot_replay__buffer__pb2.GetStatsRequest.SerializeToString,
             overworld_dot_v1_dot_replay__buffer__pb2.BufferStats.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetStoreInfo(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/overworld.v1.ReplayBuffer/GetStoreInfo',
+            overworld_dot_v1_dot_replay__buffer__pb2.GetStoreInfoRequest.SerializeToString,
+            overworld_dot_v1_dot_replay__buffer__pb2.StoreInfo.FromString,
             options,
             channel_credentials,
             insecure,
