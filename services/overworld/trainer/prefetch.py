@@ -3,30 +3,132 @@
 `num_readers` Sample streams split each batch between them; `prefetch_batches` batches are fetched
 ahead in the background (0: fetch when asked, which keeps the policy lag of on-policy runs lowest).
 Every call has a deadline: nothing here waits forever.
+
+When the buffer's blobs are in S3, chunks are sampled by reference: the front claims them and hands
+out their blob keys, and the reader fetches the blobs from the store itself, in parallel threads
+(`sample_chunks`), so that 3 MB payloads skip the front's gRPC hop.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import queue
 import threading
+import time
+import weakref
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
+import grpc
+from prometheus_client import Counter
+
+from overworld.core.blobs import BlobStore, open_blob_store
 from overworld.core.grpc_util import retry
 from overworld.v1 import replay_buffer_pb2, replay_buffer_pb2_grpc
 
 log = logging.getLogger("overworld.trainer")
 
+SKIPPED_CHUNKS = Counter("overworld_trainer_skipped_chunks_total",
+                         "Sampled chunks skipped because a blob could not be read from the blob store "
+                         "(reason: missing = deleted after the buffer's grace period, error = the store failed)",
+                         ["reason"])
+REF_FETCH_THREADS = 32  # blob gets in flight per trainer process (one S3 connection each)
+REF_RETRY_SECONDS = 60.0  # after the store failed, sample in-band this long before trying again
+_ref_stores: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
+_ref_lock = threading.Lock()
+_ref_pool: list[ThreadPoolExecutor] = []
+
+
+class _NoRefs(Exception):
+    pass
+
+
+def _ref_store(stub: replay_buffer_pb2_grpc.ReplayBufferStub, blob_refs: bool | None) -> BlobStore | None:
+    """The blob store to fetch sampled blobs from (sampling by reference), or None to sample in-band.
+    blob_refs None: by reference when the buffer's store is S3 (a local directory is in-band); True: also
+    a local directory, if it exists here. Asked of the front once per stub (GetStoreInfo), again
+    REF_RETRY_SECONDS after a failure; S3 credentials come from this process's OVERWORLD_S3_*."""
+    if blob_refs is False:
+        return None
+    with _ref_lock:
+        entry = _ref_stores.get(stub)
+        if entry is None or (entry["store"] is None and time.monotonic() >= entry["retry_at"]):
+            entry = {"url": "", "store": None, "retry_at": time.monotonic() + REF_RETRY_SECONDS}
+            try:
+                if not hasattr(stub, "GetStoreInfo"):  # stubs generated before blob_refs
+                    raise _NoRefs
+                entry["url"] = stub.GetStoreInfo(replay_buffer_pb2.GetStoreInfoRequest(), timeout=10).blob_store_url
+                if entry["url"].startswith("s3://") or os.path.isdir(entry["url"]):
+                    entry["store"] = open_blob_store(entry["url"])
+            except _NoRefs:
+                entry["retry_at"] = float("inf")
+            except grpc.RpcError as err:
+                if err.code() == grpc.StatusCode.UNIMPLEMENTED:  # a front without blob_refs: in-band for good
+                    entry["retry_at"] = float("inf")
+                else:
+                    log.warning("replay buffer GetStoreInfo failed (%s); sampling in-band for now", err.code())
+            except Exception as err:  # e.g. no OVERWORLD_S3_ENDPOINT here
+                log.warning("cannot open the replay buffer's blob store %s (%s); sampling in-band", entry["url"], err)
+            _ref_stores[stub] = entry
+        if entry["store"] is None or not (blob_refs or entry["url"].startswith("s3://")):
+            return None
+        return entry["store"]
+
+
+def _fetch_refs(stub: replay_buffer_pb2_grpc.ReplayBufferStub, store: BlobStore, reader_id: str,
+                refs: list[replay_buffer_pb2.SampledChunk]) -> list[replay_buffer_pb2.SampledChunk]:
+    """Chunks sampled by reference -> chunks with their fragments, every blob fetched in parallel. A chunk
+    whose blob cannot be read is skipped (warned and counted); a store failure also switches this stub to
+    in-band sampling for REF_RETRY_SECONDS."""
+    with _ref_lock:
+        if not _ref_pool:
+            _ref_pool.append(ThreadPoolExecutor(REF_FETCH_THREADS, thread_name_prefix="chunk-fetch"))
+        pool = _ref_pool[0]
+    jobs = [(ref, [pool.submit(store.get, key) for key in ref.blob_keys]) for ref in refs]
+    chunks = []
+    for ref, gets in jobs:
+        if not ref.blob_keys:  # sent in-band (a front that ignores blob_refs)
+            chunks.append(ref)
+            continue
+        try:
+            blobs = [g.result() for g in gets]
+        except (KeyError, FileNotFoundError) as err:
+            SKIPPED_CHUNKS.labels("missing").inc()
+            log.warning("%s: chunk %d skipped: blob %s is gone (deleted after the buffer's grace period?)",
+                        reader_id, ref.chunk_id, err)
+            continue
+        except Exception as err:
+            SKIPPED_CHUNKS.labels("error").inc()
+            log.warning("%s: chunk %d skipped: blob store read failed (%s); sampling in-band for %.0fs",
+                        reader_id, ref.chunk_id, err, REF_RETRY_SECONDS)
+            with _ref_lock:
+                _ref_stores[stub] = {"url": "", "store": None, "retry_at": time.monotonic() + REF_RETRY_SECONDS}
+            continue
+        chunk = replay_buffer_pb2.SampledChunk(chunk_id=ref.chunk_id, times_sampled=ref.times_sampled)
+        for blob in blobs:  # each blob is one serialized Fragment, as the worker sent it
+            chunk.fragments.add().MergeFromString(blob)
+        chunks.append(chunk)
+    return chunks
+
 
 def sample_chunks(stub: replay_buffer_pb2_grpc.ReplayBufferStub, n: int, timeout: float, reader_id: str,
-                  stop: threading.Event | None = None) -> list[replay_buffer_pb2.SampledChunk]:
+                  stop: threading.Event | None = None, blob_refs: bool | None = None
+                  ) -> list[replay_buffer_pb2.SampledChunk]:
+    """n chunks (fewer only when stopped), with their fragments. blob_refs (None: when the buffer's
+    blobs are in S3): the front hands out the claimed chunks' blob keys and the blobs are fetched from
+    the store here; a chunk whose blob is gone is skipped and another one sampled in its place."""
     chunks: list[replay_buffer_pb2.SampledChunk] = []
     while len(chunks) < n and not (stop and stop.is_set()):
+        store = _ref_store(stub, blob_refs)
         request = replay_buffer_pb2.SampleRequest(num_chunks=n - len(chunks), timeout_seconds=timeout,
-                                                  reader_id=reader_id, allow_partial=True)
+                                                  reader_id=reader_id, allow_partial=True,
+                                                  blob_refs=store is not None)
         got = retry(lambda r=request: list(stub.Sample(r, timeout=timeout + 30)), "Sample", timeout + 60)
         if not got:
             log.info("%s waiting for data: %d of %d chunks", reader_id, len(chunks), n)
+        elif store is not None:
+            got = _fetch_refs(stub, store, reader_id, got)
         chunks += got
     return chunks
 
