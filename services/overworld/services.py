@@ -34,7 +34,7 @@ def rollout_manager(args: argparse.Namespace, done: threading.Event) -> Any:
     if not args.config:
         raise SystemExit("rollout-manager needs --config (or OVERWORLD_CONFIG)")
     config = load_config(args.config, args.set)
-    service = RolloutManagerService(config, lease_seconds=args.lease_seconds)
+    service = RolloutManagerService(config, lease_seconds=args.lease_seconds, workdir=args.workdir, blobs=args.blobs)
     return Served(serve([(rollout_manager_pb2_grpc.add_RolloutManagerServicer_to_server, service,
                           "overworld.v1.RolloutManager")], args.host, args.port))
 

@@ -3,6 +3,7 @@ of 450 within 200,000 env steps (fixed seed), and the run must leave no process 
 
 import json
 import os
+import re
 import subprocess
 import sys
 from pathlib import Path
@@ -46,3 +47,35 @@ def test_cartpole_learns_through_all_services(tmp_path: Path) -> None:
         assert f"  {name}" in result.stdout, f"{name} was not announced"
     assert result.returncode == 0
     assert overworld_processes(workdir) == []
+
+
+@pytest.mark.slow
+def test_sigterm_stops_the_run_and_leaves_no_process(tmp_path: Path) -> None:
+    import signal
+    import time
+
+    from overworld.launcher import _stat, descendants
+
+    workdir, summary_path = tmp_path / "run", tmp_path / "summary.json"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "overworld.cli", "run", str(ROOT / "examples/cartpole.yaml"), "--workdir",
+         str(workdir), "--summary", str(summary_path)],
+        stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    assert proc.stdout is not None
+    deadline = time.monotonic() + 300
+    family: list[tuple[int, str]] = []
+    for line in proc.stdout:
+        steps = re.search(r"env steps\s+([\d,]+)", line)
+        if steps and int(steps.group(1).replace(",", "")) > 0:  # under way: Ray and env processes exist
+            family = descendants(proc.pid)
+            break
+        assert time.monotonic() < deadline, "training did not start"
+    assert len(family) > 5
+    proc.send_signal(signal.SIGTERM)
+    proc.communicate(timeout=300)
+    summary = json.loads(summary_path.read_text())
+    assert summary["status"] == "interrupted" and summary["env_steps"] > 0
+    time.sleep(1)
+    alive = [pid for pid, started in family if (fields := _stat(pid)) is not None and fields[19] == started
+             and fields[0] != "Z"]
+    assert alive == []

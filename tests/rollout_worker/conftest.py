@@ -15,10 +15,10 @@ from overworld.core.grpc_util import channel, serve
 from overworld.core.weights import to_bytes
 from overworld.model_registry.client import ModelRegistryClient
 from overworld.model_registry.server import ModelRegistryService
+from overworld.policies.factory import run_spaces
 from overworld.replay_buffer.index import MemoryIndex
 from overworld.replay_buffer.server import ReplayBufferService
 from overworld.rollout_manager.server import RolloutManagerService
-from overworld.rollout_worker.worker import run_spaces
 from overworld.v1 import (
     model_registry_pb2_grpc,
     replay_buffer_pb2,

@@ -55,6 +55,7 @@ class WorkerConfig:
     num_env_processes: int = 0  # 0: one process per env, capped at the CPU count
     step_timeout: float = 60.0
     device: str = "auto"  # auto | cpu | cuda
+    env_backend: str = "subprocess"  # subprocess | inprocess (cheap envs like CartPole, stepped in the worker)
 
 
 @dataclass
@@ -227,6 +228,9 @@ def validate(config: RunConfig) -> None:
     for key, value in positive.items():
         if value <= 0:
             raise ConfigError(f"config key {key}: must be > 0, got {value}")
+    if rollout.worker_config.env_backend not in ("subprocess", "inprocess"):
+        raise ConfigError("config key rollout_config.worker_config.env_backend: must be 'subprocess' or "
+                          f"'inprocess', got {rollout.worker_config.env_backend!r}")
     if rollout.num_rollout_workers < 0:
         raise ConfigError("config key rollout_config.num_rollout_workers: must be >= 0")
     if not 0.0 < train.discount <= 1.0:

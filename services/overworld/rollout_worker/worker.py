@@ -9,7 +9,6 @@ import os
 import socket
 import threading
 import time
-from typing import Any
 
 import grpc
 import numpy as np
@@ -18,10 +17,8 @@ import torch
 from overworld.core.config import RunConfig
 from overworld.core.fragment import Fragment
 from overworld.core.grpc_util import retry
-from overworld.core.imports import call_generator, import_object
-from overworld.core.specs import Spaces, TensorSpec, spaces_from_gym
-from overworld.envs.minestudio import adapt_env, adapt_spaces
-from overworld.policies.base import Policy
+from overworld.core.specs import Spaces
+from overworld.policies.factory import run_spaces
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.rollout_worker.env_pool import EnvPool, GroupResult, InProcessEnvPool, num_groups_for
 from overworld.rollout_worker.episodes import EpisodeTracker
@@ -44,41 +41,6 @@ from overworld.v1 import common_pb2
 from overworld.v1 import rollout_manager_pb2 as mpb
 
 log = logging.getLogger("overworld.rollout_worker")
-
-
-def build_policy(config: RunConfig, observation_space: Any, action_space: Any) -> Policy:
-    policy = call_generator(import_object(config.policy_generator), dict(config.policy_kwargs),
-                            observation_space=observation_space, action_space=action_space)
-    if not isinstance(policy, Policy):
-        from overworld.policies.minestudio import as_policy
-
-        try:
-            policy = as_policy(policy, action_space)
-        except TypeError as err:
-            raise TypeError(f"{config.policy_generator}: {err}") from None
-    policy.value_normalizer.enabled = config.train_config.use_normalized_vf
-    return policy
-
-
-def describe_env(config: RunConfig) -> tuple[Any, Any]:
-    """The env's spaces: from the generator's declared `observation_space`/`action_space` when it has
-    them (building a Minecraft just to read its spaces takes minutes), else from one env built and closed."""
-    generator = import_object(config.env_generator)
-    if hasattr(generator, "observation_space") and hasattr(generator, "action_space"):
-        return adapt_spaces(generator.observation_space, generator.action_space)
-    env = adapt_env(call_generator(generator, dict(config.env_kwargs)))
-    try:
-        return env.observation_space, env.action_space
-    finally:
-        env.close()
-
-
-def run_spaces(config: RunConfig) -> tuple[Spaces, Policy, Any, Any]:
-    obs_space, act_space = describe_env(config)
-    policy = build_policy(config, obs_space, act_space)
-    state = {k: TensorSpec(tuple(v.shape[1:]), str(v.dtype).removeprefix("torch."))
-             for k, v in policy.initial_state(1).items()}
-    return spaces_from_gym(obs_space, act_space, state), policy, obs_space, act_space
 
 
 def pick_device(name: str) -> torch.device:
