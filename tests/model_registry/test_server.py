@@ -5,25 +5,28 @@ from pathlib import Path
 
 import grpc
 import pytest
+
 from overworld.core.blobs import LocalBlobStore
 from overworld.core.grpc_util import Server, channel, serve, wait_healthy
 from overworld.model_registry.client import ModelRegistryClient
-from overworld.model_registry.server import ModelRegistryService
+from overworld.model_registry.server import ModelRegistryService, registration
 from overworld.v1 import model_registry_pb2 as pb
 from overworld.v1 import model_registry_pb2_grpc
 
 
-def start(root: Path, retain: int = 20) -> tuple[Server, ModelRegistryService]:
+def start(root: Path, retain: int = 20, fast: bool = True) -> tuple[Server, ModelRegistryService]:
+    """fast: registration() (hand-encoded Publish / Fetch); else the generated add function, which
+    overworld.services uses today: both must behave the same."""
     service = ModelRegistryService(LocalBlobStore(root), retain=retain)
-    server = serve([(model_registry_pb2_grpc.add_ModelRegistryServicer_to_server, service,
-                     "overworld.v1.ModelRegistry")])
+    server = serve([registration(service) if fast else (model_registry_pb2_grpc.add_ModelRegistryServicer_to_server,
+                                                        service, "overworld.v1.ModelRegistry")])
     wait_healthy(server.address)
     return server, service
 
 
-@pytest.fixture
-def registry(tmp_path: Path) -> Iterator[tuple[Server, ModelRegistryClient]]:
-    server, service = start(tmp_path / "blobs")
+@pytest.fixture(params=["fast", "generated"])
+def registry(tmp_path: Path, request: pytest.FixtureRequest) -> Iterator[tuple[Server, ModelRegistryClient]]:
+    server, service = start(tmp_path / "blobs", fast=request.param == "fast")
     client = ModelRegistryClient(server.address)
     yield server, client
     service.stop()
@@ -88,17 +91,19 @@ def test_watch_pushes_every_new_version(registry) -> None:
     client.publish(1, b"one")
     seen: list[int] = []
     stream = client.stub.Watch(pb.WatchRequest(watcher_id="w", known_version=0))
-    got_three = threading.Event()
+    got_first, got_three = threading.Event(), threading.Event()
 
     def consume() -> None:
         for info in stream:
             seen.append(info.version)
+            got_first.set()
             if info.version == 3:
                 got_three.set()
                 return
 
     t = threading.Thread(target=consume)
     t.start()
+    assert got_first.wait(10)  # the first message says where the registry is when the stream opens
     client.publish(2, b"two")
     client.publish(3, b"three")
     assert got_three.wait(10)

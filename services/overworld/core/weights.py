@@ -1,18 +1,62 @@
-"""Model weights as safetensors bytes (the registry's payload), optionally in half precision."""
+"""Model weights as safetensors bytes (the registry's payload), optionally in half precision.
+
+`to_bytes` / `from_bytes` are the plain conversions. `from_buffer` reads a safetensors payload
+without copying it: every tensor is a view into the given (writable) buffer, which the tensors keep
+alive. `convert` casts the floating tensors of a payload to bfloat16 or float16 (the registry's
+half-precision transfer); the receiver casts them back with `from_buffer(..., like=model_state)`.
+"""
 
 from __future__ import annotations
+
+import json
+import math
+import struct
+from typing import Any
 
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
+# safetensors dtype names -> torch dtypes
+DTYPES: dict[str, torch.dtype] = {
+    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
+    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
+    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
+    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
+}
+# names accepted for half-precision transfer -> torch dtype
+HALF_PRECISIONS: dict[str, torch.dtype] = {
+    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
+    "half": torch.float16,
+}
+MAX_HEADER_BYTES = 100 << 20
 
-def to_bytes(state_dict: dict[str, torch.Tensor], half: bool = False) -> bytes:
+
+def half_dtype(precision: str | bool) -> torch.dtype | None:
+    """The torch dtype for a precision name ('' / False: None, True: bfloat16); ValueError if unknown."""
+    if precision is True:
+        return torch.bfloat16
+    if not precision:
+        return None
+    try:
+        return HALF_PRECISIONS[str(precision).lower()]
+    except KeyError:
+        raise ValueError(f"unknown precision {precision!r}: use one of {sorted(HALF_PRECISIONS)}") from None
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    return str(dtype).removeprefix("torch.")
+
+
+def to_bytes(state_dict: dict[str, torch.Tensor], half: bool | str = False) -> bytes:
+    """safetensors bytes of a state dict; `half` (True = bfloat16, or 'bfloat16' / 'float16') casts the
+    floating tensors."""
+    target = half_dtype(half)
     out = {}
     for k, v in state_dict.items():
         v = v.detach().to("cpu").contiguous()
-        if half and v.is_floating_point():
-            v = v.to(torch.bfloat16)
+        if target is not None and v.is_floating_point():
+            v = v.to(target)
         out[k] = v
     return st_save(out)
 
@@ -22,3 +66,88 @@ def from_bytes(data: bytes, like: dict[str, torch.Tensor] | None = None) -> dict
     if like is not None:
         tensors = {k: v.to(like[k].dtype) if k in like else v for k, v in tensors.items()}
     return tensors
+
+
+def read_header(buf: bytes | bytearray | memoryview) -> tuple[dict[str, Any], int]:
+    """The safetensors header (name -> {dtype, shape, data_offsets}, plus `__metadata__`) and the
+    offset where the tensor data starts."""
+    view = memoryview(buf)
+    if len(view) < 8:
+        raise ValueError("not a safetensors payload: shorter than its header length")
+    (n,) = struct.unpack("<Q", view[:8])
+    if n > MAX_HEADER_BYTES or 8 + n > len(view):
+        raise ValueError(f"not a safetensors payload: header length {n} for {len(view)} bytes")
+    try:
+        header = json.loads(bytes(view[8:8 + n]))
+    except (UnicodeDecodeError, json.JSONDecodeError) as err:
+        raise ValueError(f"not a safetensors payload: {err}") from None
+    if not isinstance(header, dict):
+        raise ValueError("not a safetensors payload: the header is not an object")
+    return header, 8 + n
+
+
+def payload_dtype(buf: bytes | bytearray | memoryview) -> str:
+    """The dtype of the floating tensors of a payload ('float32', 'bfloat16', 'mixed'; '' if none or
+    not safetensors), for the registry manifest."""
+    try:
+        header, _ = read_header(buf)
+    except ValueError:
+        return ""
+    names = {DTYPES[m["dtype"]] for k, m in header.items()
+             if k != "__metadata__" and m.get("dtype") in DTYPES and DTYPES[m["dtype"]].is_floating_point}
+    if not names:
+        return ""
+    return dtype_name(names.pop()) if len(names) == 1 else "mixed"
+
+
+def from_buffer(buf: bytearray | memoryview, like: dict[str, torch.Tensor] | None = None,
+                size: int | None = None) -> dict[str, torch.Tensor]:
+    """Tensors of the safetensors payload in buf[:size], as views into buf (no copy; buf must be
+    writable, and is kept alive by the tensors). With `like`, a tensor whose dtype differs from
+    like's is cast (a copy)."""
+    view = memoryview(buf)
+    if view.readonly:
+        raise ValueError("from_buffer needs a writable buffer (use from_bytes for bytes)")
+    if size is not None:
+        view = view[:size]
+    header, start = read_header(view)
+    total = len(view)
+    out: dict[str, torch.Tensor] = {}
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = DTYPES[meta["dtype"]]
+            shape = [int(d) for d in meta["shape"]]
+            begin, end = (int(x) for x in meta["data_offsets"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"bad safetensors entry for {name!r}: {err}") from None
+        count = math.prod(shape)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if end - begin != count * itemsize or begin < 0 or start + end > total:
+            raise ValueError(f"bad safetensors offsets for {name!r}: {begin}..{end} for {count} x {dtype}")
+        if count == 0:
+            tensor = torch.empty(shape, dtype=dtype)
+        elif (start + begin) % itemsize:  # misaligned (not written by safetensors): copy
+            tensor = torch.frombuffer(bytearray(view[start + begin:start + end]), dtype=dtype).reshape(shape)
+        else:
+            tensor = torch.frombuffer(view, dtype=dtype, count=count, offset=start + begin).reshape(shape)
+        if like is not None and name in like and like[name].dtype != dtype:
+            tensor = tensor.to(like[name].dtype)
+        out[name] = tensor
+    return out
+
+
+def convert(data: bytes | bytearray | memoryview, precision: str) -> bytes:
+    """The payload with every floating tensor cast to `precision` ('bfloat16' / 'float16'); other
+    tensors and the metadata unchanged."""
+    target = half_dtype(precision)
+    if target is None:
+        return bytes(data)
+    header, _ = read_header(data)
+    metadata = header.get("__metadata__")
+    buf = bytearray(data)  # from_buffer needs a writable buffer; freed with the tensors
+    tensors = from_buffer(buf)
+    out = {k: v.to(target) if v.is_floating_point() else v for k, v in tensors.items()}
+    del tensors, buf
+    return st_save(out, metadata=metadata)

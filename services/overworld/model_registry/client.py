@@ -1,13 +1,30 @@
+"""Thin client of the model-registry: publish, fetch (resumable, optionally in half precision),
+list, tags, watch, acknowledgements and push status."""
+
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Iterator
+import threading
+from collections.abc import Callable, Iterator
 
+import grpc
+
+from overworld.core import weights
 from overworld.core.grpc_util import channel, retry
+from overworld.model_registry import wire
 from overworld.v1 import model_registry_pb2 as pb
 from overworld.v1 import model_registry_pb2_grpc
 
-CHUNK = 1 << 20
+CHUNK = 4 << 20
+_SERVICE = "/overworld.v1.ModelRegistry/"
+
+
+def _identity(message: bytes) -> bytes:
+    return message
+
+
+class FetchBroken(Exception):
+    """A fetch that cannot complete: the version went away or its publish failed."""
 
 
 class ModelRegistryClient:
@@ -15,44 +32,156 @@ class ModelRegistryClient:
         self.address = address
         self._channel = channel(address)
         self.stub = model_registry_pb2_grpc.ModelRegistryStub(self._channel)
+        self._acks: set[grpc.Future] = set()
+        self._acks_lock = threading.Lock()
+        # Publish and Fetch through hand-encoded messages (same bytes on the wire): one copy per chunk
+        self._publish = self._channel.stream_unary(
+            _SERVICE + "Publish", request_serializer=_identity, response_deserializer=pb.VersionInfo.FromString,
+            _registered_method=True)
+        self._fetch = self._channel.unary_stream(
+            _SERVICE + "Fetch", request_serializer=pb.FetchRequest.SerializeToString,
+            response_deserializer=wire.decode_chunk, _registered_method=True)
 
-    def publish(self, version: int, data: bytes, parent: int = 0, counters: dict[str, int] | None = None,
-                config_hash: str = "", tags: list[str] | None = None, dtype: str = "float32",
-                timeout: float = 300.0) -> pb.VersionInfo:
-        manifest = pb.VersionInfo(version=version, parent=parent, sha256=hashlib.sha256(data).hexdigest(),
-                                  size_bytes=len(data), dtype=dtype, counters=counters or {},
-                                  config_hash=config_hash, tags=tags or [])
+    # -- publish -------------------------------------------------------------------------------
+    def publish(self, version: int, data: bytes | bytearray | memoryview, parent: int = 0,
+                counters: dict[str, int] | None = None, config_hash: str = "", tags: list[str] | None = None,
+                dtype: str = "", timeout: float = 300.0, chunk_size: int = CHUNK) -> pb.VersionInfo:
+        """Publish `data` (safetensors bytes) as `version`. Retried on transient errors; publishing the
+        same bytes again is idempotent. `dtype` defaults to the payload's floating dtype."""
+        view = memoryview(data)
+        manifest = pb.VersionInfo(version=version, parent=parent, sha256=hashlib.sha256(view).hexdigest(),
+                                  size_bytes=len(view), dtype=dtype or weights.payload_dtype(view),
+                                  counters=counters or {}, config_hash=config_hash, tags=tags or [])
 
-        def messages() -> Iterator[pb.PublishRequest]:
-            yield pb.PublishRequest(manifest=manifest)
-            for i in range(0, len(data), CHUNK):
-                yield pb.PublishRequest(chunk=data[i:i + CHUNK])
+        def messages() -> Iterator[bytes]:
+            yield wire.encode_publish_manifest(manifest)
+            for i in range(0, len(view), chunk_size):
+                yield wire.encode_publish_chunk(view[i:i + chunk_size])
 
-        return retry(lambda: self.stub.Publish(messages(), timeout=timeout), "registry.Publish", timeout)
+        return retry(lambda: self._publish(messages(), timeout=timeout), "registry.Publish", timeout)
 
-    def fetch(self, version: int = 0, tag: str = "", timeout: float = 300.0) -> tuple[pb.VersionInfo, bytes]:
-        """Fetch a whole version, resuming from the last byte received if the stream breaks."""
-        parts: list[bytes] = []
+    # -- fetch ---------------------------------------------------------------------------------
+    def _fetch_stream(self, version: int, tag: str, precision: str, verify: bool, timeout: float,
+                      stop: Callable[[], bool] | None, sink: Callable[[pb.VersionInfo, int, memoryview], None]
+                      ) -> pb.VersionInfo:
+        """Run a Fetch, resuming from the last byte received when the stream breaks; every piece of
+        data goes to sink(info, offset, data). Checks offsets, the size and (verify) the sha256."""
         info: pb.VersionInfo | None = None
         received = 0
+        digest = hashlib.sha256() if verify else None
 
         def attempt() -> None:
             nonlocal info, received
-            for chunk in self.stub.Fetch(pb.FetchRequest(version=version or (info.version if info else 0),
-                                                         tag=tag, offset=received), timeout=timeout):
-                if chunk.HasField("info") and info is None:
-                    info = chunk.info
+            request = pb.FetchRequest(version=info.version if info else version, tag="" if info else tag,
+                                      offset=received, precision=precision)
+            stream = self._fetch(request, timeout=timeout)
+            for chunk in stream:
+                if chunk.info is not None:
+                    if info is None:
+                        info = chunk.info
+                    elif chunk.info.sha256 != info.sha256:
+                        raise FetchBroken(f"version {info.version} changed while fetching")
+                n = len(chunk.data)
+                if not n:
+                    continue
+                if info is None:
+                    raise FetchBroken("the registry sent bytes before the version's info")
                 if chunk.offset != received:
-                    raise ValueError(f"registry sent offset {chunk.offset}, expected {received}")
-                parts.append(chunk.data)
-                received += len(chunk.data)
+                    raise FetchBroken(f"registry sent offset {chunk.offset}, expected {received}")
+                if received + n > info.size_bytes:
+                    raise FetchBroken(f"registry sent more than the {info.size_bytes} bytes of the version")
+                sink(info, received, chunk.data)
+                if digest is not None:
+                    digest.update(chunk.data)
+                received += n
+                if stop is not None and stop():
+                    stream.cancel()
+                    raise FetchBroken("stopped")
 
-        retry(attempt, "registry.Fetch", timeout)
-        assert info is not None
-        data = b"".join(parts)
-        if hashlib.sha256(data).hexdigest() != info.sha256:
-            raise ValueError(f"fetched version {info.version} does not match its sha256")
-        return info, data
+        retry(attempt, "registry.Fetch", timeout, stop=stop)
+        if info is None:
+            raise FetchBroken("the registry ended the fetch without sending the version")
+        if received != info.size_bytes:
+            raise FetchBroken(f"received {received} of {info.size_bytes} bytes of version {info.version}")
+        if digest is not None and digest.hexdigest() != info.sha256:
+            raise FetchBroken(f"fetched version {info.version} does not match its sha256")
+        return info
+
+    def fetch_into(self, version: int = 0, tag: str = "", precision: str = "", verify: bool = True,
+                   buffer: Callable[[int], bytearray] = bytearray, timeout: float = 300.0,
+                   stop: Callable[[], bool] | None = None) -> tuple[pb.VersionInfo, bytearray]:
+        """Fetch one version into buffer(size) (at least `size` bytes: e.g. a reused one), resuming
+        when the stream breaks. Returns the info of the bytes received (with `precision`, of the
+        converted payload) and the buffer; the payload is buffer[:info.size_bytes].
+
+        Raises grpc.RpcError from the registry (NOT_FOUND: no such version; DATA_LOSS / ABORTED: its
+        publish failed; UNAVAILABLE: unreachable for `timeout`), FetchBroken when what arrived is
+        inconsistent (size, offsets, sha256)."""
+        out: list[bytearray] = []
+
+        def sink(info: pb.VersionInfo, offset: int, data: memoryview) -> None:
+            if not out:
+                out.append(buffer(info.size_bytes))
+                if len(out[0]) < info.size_bytes:
+                    raise ValueError(f"buffer of {len(out[0])} bytes for {info.size_bytes}")
+            out[0][offset:offset + len(data)] = data
+
+        info = self._fetch_stream(version, tag, precision, verify, timeout, stop, sink)
+        return info, out[0] if out else buffer(0)
+
+    def fetch(self, version: int = 0, tag: str = "", timeout: float = 300.0,
+              precision: str = "") -> tuple[pb.VersionInfo, bytes]:
+        """Fetch a whole version as bytes (sha256-verified), resuming if the stream breaks."""
+        pieces: list[memoryview] = []
+        try:
+            info = self._fetch_stream(version, tag, precision, True, timeout, None,
+                                      lambda info, offset, data: pieces.append(data))
+        except FetchBroken as err:
+            raise ValueError(str(err)) from None
+        return info, b"".join(pieces)
+
+    def fetch_state(self, version: int = 0, tag: str = "", like: dict | None = None, precision: str = "",
+                    verify: bool = True, buffer: Callable[[int], bytearray] = bytearray, timeout: float = 300.0,
+                    stop: Callable[[], bool] | None = None) -> tuple[pb.VersionInfo, dict]:
+        """Fetch a version as a state dict: tensors are views into the buffer (cast to like's dtypes
+        where they differ)."""
+        info, buf = self.fetch_into(version, tag, precision, verify, buffer, timeout, stop)
+        return info, weights.from_buffer(buf, like, size=info.size_bytes)
+
+    # -- the rest --------------------------------------------------------------------------------
+    def list_versions(self, timeout: float = 30.0) -> list[pb.VersionInfo]:
+        return list(retry(lambda: self.stub.ListVersions(pb.ListVersionsRequest(), timeout=timeout),
+                          "registry.ListVersions", timeout).versions)
+
+    def set_tag(self, tag: str, version: int = 0, timeout: float = 30.0) -> pb.VersionInfo:
+        return retry(lambda: self.stub.SetTag(pb.SetTagRequest(tag=tag, version=version), timeout=timeout),
+                     "registry.SetTag", timeout)
+
+    def remove_tag(self, tag: str, timeout: float = 30.0) -> pb.VersionInfo:
+        return retry(lambda: self.stub.SetTag(pb.SetTagRequest(tag=tag, remove=True), timeout=timeout),
+                     "registry.SetTag", timeout)
+
+    def watch(self, watcher_id: str, known_version: int = 0) -> Iterator[pb.VersionInfo]:
+        """The Watch stream (cancel it with .cancel())."""
+        return self.stub.Watch(pb.WatchRequest(watcher_id=watcher_id, known_version=known_version))
+
+    def ack(self, watcher_id: str, version: int, timeout: float = 5.0) -> grpc.Future:
+        """Acknowledge a swapped-in version without waiting for the reply."""
+        future = self.stub.AckVersion.future(pb.AckVersionRequest(watcher_id=watcher_id, version=version),
+                                             timeout=timeout)
+        # a call future that is garbage-collected before it completes cancels its RPC: hold it until then
+        with self._acks_lock:
+            self._acks.add(future)
+        future.add_done_callback(self._ack_done)
+        return future
+
+    def _ack_done(self, future: grpc.Future) -> None:
+        with self._acks_lock:
+            self._acks.discard(future)
+
+    def push_status(self, version: int = 0, wait: float = 0.0, timeout: float | None = None) -> pb.PushStatus:
+        return self.stub.GetPushStatus(pb.PushStatusRequest(version=version, wait_seconds=wait),
+                                       timeout=timeout if timeout is not None else wait + 30)
 
     def close(self) -> None:
         self._channel.close()

@@ -9,9 +9,10 @@ another is being fetched is fetched next; versions announced in between are skip
 always catches up to the newest). When the stream breaks (registry restart, network), the watcher
 reconnects with `known_version` and the registry announces its latest version at once.
 
-The bytes land in a buffer that the returned tensors are views of (no copy), and that buffer is
-reused for a later version once the worker has dropped those tensors: a worker holds at most two
-copies of the weights besides its model's own.
+The bytes land in a buffer that the returned tensors are views of (no copy after it), and that
+buffer is reused for a later version once the worker has dropped those tensors (after
+load_state_dict, or at the next swap with load_state_dict(assign=True)): a worker holds at most two
+copies of the weights besides its model's own, and touches no new memory per version.
 
 Environment (for workers started without code changes): OVERWORLD_WEIGHTS_PRECISION ('' = as
 stored, 'bfloat16' or 'float16': the registry halves the floating tensors for the transfer and they
@@ -55,9 +56,9 @@ class WeightsWatcher:
         self.announced = 0  # the newest version the registry announced
         self.fetch_seconds = 0.0  # duration of the last fetch
         self._pending: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._buffers: list[bytearray] = []  # buffers handed out, reusable once their tensors are gone
         self._announcement: pb.VersionInfo | None = None
         self._first_of_stream = False
-        self._buffers: list[bytearray] = []  # buffers handed out, reusable once their tensors are gone
         self._cond = threading.Condition()
         self._stop = threading.Event()
         self._stream: Any = None  # the open Watch call
@@ -118,9 +119,9 @@ class WeightsWatcher:
             assert info is not None
             started = time.monotonic()
             try:
-                fetched, buf = self.client.fetch_into(info.version, precision=self.precision, verify=self.verify,
-                                                      buffer=self._buffer, timeout=120.0, stop=self._stop.is_set)
-                state = weights.from_buffer(buf, self.like, size=fetched.size_bytes)
+                fetched, state = self.client.fetch_state(info.version, like=self.like, precision=self.precision,
+                                                         verify=self.verify, buffer=self._buffer, timeout=120.0,
+                                                         stop=self._stop.is_set)
             except (FetchBroken, grpc.RpcError, ValueError) as err:
                 if self._stop.is_set():
                     return
@@ -140,14 +141,16 @@ class WeightsWatcher:
                 self._pending = (fetched.version, state)
                 self.version = fetched.version
                 self._cond.notify_all()
-            del state, buf
+            del state
             log.debug("model version %d fetched in %.2fs", fetched.version, self.fetch_seconds)
 
     def _buffer(self, size: int) -> bytearray:
-        """A buffer of `size` bytes: a previous one no tensor refers to any more, or a new one."""
+        """A buffer of `size` bytes: a previous one no tensor refers to any more, or a new one.
+        Reusing one saves first-touch page faults (slower than the copy into it) and keeps the
+        worker's memory flat."""
         with self._cond:
             for buf in self._buffers:
-                # references: this list, `buf`, and getrefcount's argument; anything more is a tensor
+                # references: the list, `buf`, and getrefcount's argument; anything more is a tensor
                 if len(buf) == size and sys.getrefcount(buf) <= 3:
                     return buf
             buf = bytearray(size)

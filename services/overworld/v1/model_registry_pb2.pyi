@@ -44,16 +44,18 @@ class PublishRequest(_message.Message):
     def __init__(self, manifest: _Optional[_Union[VersionInfo, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("version", "tag", "offset", "chunk_size")
+    __slots__ = ("version", "tag", "offset", "chunk_size", "precision")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
     version: int
     tag: str
     offset: int
     chunk_size: int
-    def __init__(self, version: _Optional[int] = ..., tag: _Optional[str] = ..., offset: _Optional[int] = ..., chunk_size: _Optional[int] = ...) -> None: ...
+    precision: str
+    def __init__(self, version: _Optional[int] = ..., tag: _Optional[str] = ..., offset: _Optional[int] = ..., chunk_size: _Optional[int] = ..., precision: _Optional[str] = ...) -> None: ...
 
 class WeightsChunk(_message.Message):
     __slots__ = ("info", "offset", "data")
@@ -84,12 +86,14 @@ class ListVersionsResponse(_message.Message):
     def __init__(self, versions: _Optional[_Iterable[_Union[VersionInfo, _Mapping]]] = ...) -> None: ...
 
 class SetTagRequest(_message.Message):
-    __slots__ = ("tag", "version")
+    __slots__ = ("tag", "version", "remove")
     TAG_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    REMOVE_FIELD_NUMBER: _ClassVar[int]
     tag: str
     version: int
-    def __init__(self, tag: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+    remove: bool
+    def __init__(self, tag: _Optional[str] = ..., version: _Optional[int] = ..., remove: _Optional[bool] = ...) -> None: ...
 
 class AckVersionRequest(_message.Message):
     __slots__ = ("watcher_id", "version")
@@ -102,3 +106,40 @@ class AckVersionRequest(_message.Message):
 class AckVersionResponse(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
+
+class PushStatusRequest(_message.Message):
+    __slots__ = ("version", "wait_seconds")
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    wait_seconds: float
+    def __init__(self, version: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
+
+class PushStatus(_message.Message):
+    __slots__ = ("version", "watchers", "acked", "complete", "push_seconds", "workers_per_version", "connected_watchers", "published_unix", "last_ack_unix")
+    class WorkersPerVersionEntry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: int
+        value: int
+        def __init__(self, key: _Optional[int] = ..., value: _Optional[int] = ...) -> None: ...
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    WATCHERS_FIELD_NUMBER: _ClassVar[int]
+    ACKED_FIELD_NUMBER: _ClassVar[int]
+    COMPLETE_FIELD_NUMBER: _ClassVar[int]
+    PUSH_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    WORKERS_PER_VERSION_FIELD_NUMBER: _ClassVar[int]
+    CONNECTED_WATCHERS_FIELD_NUMBER: _ClassVar[int]
+    PUBLISHED_UNIX_FIELD_NUMBER: _ClassVar[int]
+    LAST_ACK_UNIX_FIELD_NUMBER: _ClassVar[int]
+    version: int
+    watchers: int
+    acked: int
+    complete: bool
+    push_seconds: float
+    workers_per_version: _containers.ScalarMap[int, int]
+    connected_watchers: int
+    published_unix: float
+    last_ack_unix: float
+    def __init__(self, version: _Optional[int] = ..., watchers: _Optional[int] = ..., acked: _Optional[int] = ..., complete: _Optional[bool] = ..., push_seconds: _Optional[float] = ..., workers_per_version: _Optional[_Mapping[int, int]] = ..., connected_watchers: _Optional[int] = ..., published_unix: _Optional[float] = ..., last_ack_unix: _Optional[float] = ...) -> None: ...

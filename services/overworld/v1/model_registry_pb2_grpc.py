@@ -64,6 +64,11 @@ class ModelRegistryStub:
                 request_serializer=overworld_dot_v1_dot_model__registry__pb2.AckVersionRequest.SerializeToString,
                 response_deserializer=overworld_dot_v1_dot_model__registry__pb2.AckVersionResponse.FromString,
                 _registered_method=True)
+        self.GetPushStatus = channel.unary_unary(
+                '/overworld.v1.ModelRegistry/GetPushStatus',
+                request_serializer=overworld_dot_v1_dot_model__registry__pb2.PushStatusRequest.SerializeToString,
+                response_deserializer=overworld_dot_v1_dot_model__registry__pb2.PushStatus.FromString,
+                _registered_method=True)
 
 
 class ModelRegistryServicer:
@@ -109,6 +114,15 @@ class ModelRegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetPushStatus(self, request, context):
+        """Push progress of one version: how many of the watchers connected when it was published have
+        acknowledged it, and the publish -> last acknowledgement latency once all have. Can block until
+        the push completes (wait_seconds), which is how tests and the bench measure the fan-out.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelRegistryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -141,6 +155,11 @@ def add_ModelRegistryServicer_to_server(servicer, server):
                     servicer.AckVersion,
                     request_deserializer=overworld_dot_v1_dot_model__registry__pb2.AckVersionRequest.FromString,
                     response_serializer=overworld_dot_v1_dot_model__registry__pb2.AckVersionResponse.SerializeToString,
+            ),
+            'GetPushStatus': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPushStatus,
+                    request_deserializer=overworld_dot_v1_dot_model__registry__pb2.PushStatusRequest.FromString,
+                    response_serializer=overworld_dot_v1_dot_model__registry__pb2.PushStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -305,6 +324,33 @@ class ModelRegistry:
             '/overworld.v1.ModelRegistry/AckVersion',
             overworld_dot_v1_dot_model__registry__pb2.AckVersionRequest.SerializeToString,
             overworld_dot_v1_dot_model__registry__pb2.AckVersionResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPushStatus(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/overworld.v1.ModelRegistry/GetPushStatus',
+            overworld_dot_v1_dot_model__registry__pb2.PushStatusRequest.SerializeToString,
+            overworld_dot_v1_dot_model__registry__pb2.PushStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -1,0 +1,152 @@
+"""Hand-rolled protobuf wire encoding for the two bulk messages of the registry: `WeightsChunk` (Fetch
+responses) and `PublishRequest` (Publish requests).
+
+Why: a weights chunk is a few MB of bytes behind a few bytes of header. Through the generated
+classes every chunk is copied three times in Python (slice, message construction, serialisation) on
+the sending side and twice (parse, `.data`) on the receiving side. Here the registry encodes each
+chunk of a version once and sends the same `bytes` to every watcher, and a receiver gets a
+`memoryview` into the message gRPC handed it. The bytes on the wire are exactly what the generated
+classes produce (tests/model_registry/test_wire.py checks it), so a client or server built from the
+generated stubs alone talks to these unchanged.
+"""
+
+from __future__ import annotations
+
+from typing import NamedTuple
+
+from overworld.v1 import model_registry_pb2 as pb
+
+# field number << 3 | wire type
+_CHUNK_OFFSET = 2 << 3 | 0  # WeightsChunk.offset (varint)
+_CHUNK_DATA = 3 << 3 | 2  # WeightsChunk.data (bytes)
+_PUBLISH_CHUNK = 2 << 3 | 2  # PublishRequest.chunk (bytes)
+
+
+def varint(value: int) -> bytes:
+    out = bytearray()
+    while True:
+        bits = value & 0x7F
+        value >>= 7
+        if value:
+            out.append(bits | 0x80)
+        else:
+            out.append(bits)
+            return bytes(out)
+
+
+def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
+    result = shift = 0
+    while True:
+        if pos >= len(buf):
+            raise ValueError("truncated varint")
+        byte = buf[pos]
+        pos += 1
+        result |= (byte & 0x7F) << shift
+        if not byte & 0x80:
+            return result, pos
+        shift += 7
+        if shift >= 64:
+            raise ValueError("varint too long")
+
+
+def _fields(raw: bytes | memoryview) -> list[tuple[int, int | memoryview]]:
+    """(field number, value) of each field: an int for varints and fixed ints, a memoryview for bytes."""
+    buf = memoryview(raw)
+    pos, out = 0, []
+    while pos < len(buf):
+        key, pos = _read_varint(buf, pos)
+        field, kind = key >> 3, key & 7
+        if kind == 0:
+            value, pos = _read_varint(buf, pos)
+            out.append((field, value))
+        elif kind == 2:
+            length, pos = _read_varint(buf, pos)
+            if pos + length > len(buf):
+                raise ValueError("truncated length-delimited field")
+            out.append((field, buf[pos:pos + length]))
+            pos += length
+        elif kind == 1:
+            out.append((field, int.from_bytes(buf[pos:pos + 8], "little")))
+            pos += 8
+        elif kind == 5:
+            out.append((field, int.from_bytes(buf[pos:pos + 4], "little")))
+            pos += 4
+        else:
+            raise ValueError(f"unsupported wire type {kind}")
+    return out
+
+
+# -- WeightsChunk ---------------------------------------------------------------------------------
+
+def chunk_header(offset: int, length: int) -> bytes:
+    """The bytes that precede `length` bytes of data in an encoded WeightsChunk at `offset`."""
+    head = (bytes([_CHUNK_OFFSET]) + varint(offset)) if offset else b""
+    return head + (bytes([_CHUNK_DATA]) + varint(length) if length else b"")
+
+
+def encode_chunk(offset: int, data: bytes | bytearray | memoryview) -> bytes:
+    """`WeightsChunk(offset=offset, data=data).SerializeToString()` with a single copy of data."""
+    return b"".join((chunk_header(offset, len(data)), data))
+
+
+def encode_info_chunk(info: pb.VersionInfo, offset: int) -> bytes:
+    """The first message of a Fetch stream: the version's info and the offset, no data."""
+    return pb.WeightsChunk(info=info, offset=offset).SerializeToString()
+
+
+class Chunk(NamedTuple):
+    info: pb.VersionInfo | None
+    offset: int
+    data: memoryview  # a view into the received message: no copy
+
+
+def decode_chunk(raw: bytes) -> Chunk:
+    info: pb.VersionInfo | None = None
+    offset = 0
+    data = memoryview(b"")
+    for field, value in _fields(raw):
+        if field == 1 and isinstance(value, memoryview):
+            info = pb.VersionInfo.FromString(bytes(value))
+        elif field == 2 and isinstance(value, int):
+            offset = value
+        elif field == 3 and isinstance(value, memoryview):
+            data = value
+    return Chunk(info, offset, data)
+
+
+# -- PublishRequest -------------------------------------------------------------------------------
+
+def encode_publish_chunk(data: bytes | bytearray | memoryview) -> bytes:
+    """`PublishRequest(chunk=data).SerializeToString()` with a single copy of data."""
+    return b"".join((bytes([_PUBLISH_CHUNK]), varint(len(data)), data))
+
+
+def encode_publish_manifest(manifest: pb.VersionInfo) -> bytes:
+    return pb.PublishRequest(manifest=manifest).SerializeToString()
+
+
+class PublishPart(NamedTuple):
+    manifest: pb.VersionInfo | None
+    chunk: memoryview | None
+
+
+def decode_publish(raw: bytes) -> PublishPart:
+    """A PublishRequest as (manifest, None) or (None, chunk view); the last field present wins, as in
+    protobuf's oneof."""
+    part = PublishPart(None, None)
+    for field, value in _fields(raw):
+        if field == 1 and isinstance(value, memoryview):
+            part = PublishPart(pb.VersionInfo.FromString(bytes(value)), None)
+        elif field == 2 and isinstance(value, memoryview):
+            part = PublishPart(None, value)
+    return part
+
+
+def publish_part(request: pb.PublishRequest) -> PublishPart:
+    """The same view of a PublishRequest parsed by the generated classes."""
+    kind = request.WhichOneof("kind")
+    if kind == "manifest":
+        return PublishPart(request.manifest, None)
+    if kind == "chunk":
+        return PublishPart(None, memoryview(request.chunk))
+    return PublishPart(None, None)
