@@ -107,8 +107,8 @@ class TrainConfig:
     keep_interval: int = 40
     record_video_interval: int = 0
     fix_decoder: bool = False
-    # null/"auto": resume from this run's latest checkpoint if there is one (a restarted trainer
-    # continues by itself); "latest" or a checkpoint id: must exist; "never": start fresh.
+    # null/"auto"/"latest": resume from this run's latest checkpoint if there is one (a restarted
+    # trainer continues by itself); a checkpoint id: must exist; "never": start fresh.
     resume: str | None = None
     resume_optimizer: bool = True
     save_path: str = "output"

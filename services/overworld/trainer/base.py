@@ -225,7 +225,7 @@ class BaseTrainer:
         ckpt_id = self.checkpoints.resolve("latest" if which == "auto" else which)
         if ckpt_id is None:
             if which == "latest":
-                raise ValueError("resume=latest, but this run has no committed checkpoint")
+                log.warning("resume=latest, but this run has no committed checkpoint yet: starting fresh")
             return
         ckpt = self.checkpoints.load(ckpt_id, ["model.safetensors", "optimizer.pt", "rng.pt", "scaler.pt",
                                                "reference.safetensors"])
