@@ -168,6 +168,32 @@ def test_blobs_of_a_chunk_claimed_by_ref_outlive_the_grace_only(make_buffer):
     assert _metric("overworld_trainer_skipped_chunks_total", reason="missing") - before == 1
 
 
+def test_another_fronts_eviction_keeps_blobs_handed_out_by_ref_for_the_grace(make_buffer):
+    grace = 3.0
+    buf = make_buffer(fronts=2, max_chunks=2, max_reuse=5, service={"ref_grace": grace, "delete_delay": 0.05})
+    a, b = buf.fronts
+    insert(b.stub, [buf.fragment(seq=q) for q in range(2)])
+    claimed = time.monotonic()
+    refs = _refs(a.stub, 2)  # not final (max_reuse 5): the chunks stay in the index
+    keys = [k for ref in refs for k in ref.blob_keys]
+    assert b.index.ref_claim_age() is not None
+    insert(b.stub, [buf.fragment(seq=q) for q in range(2, 4)])  # front b evicts both claimed chunks
+    assert stats(b.stub).dropped_chunks["evicted"] == 2
+    time.sleep(0.5)  # far past delete_delay: front b knows of the claim by reference through the index
+    assert set(keys) <= set(buf.blob_keys())
+    wait_until(lambda: not set(keys) & set(buf.blob_keys()), grace + 10, "the evicted blobs deleted")
+    assert time.monotonic() - claimed >= grace
+
+
+def test_without_claims_by_ref_blobs_go_after_the_short_delay(make_buffer):
+    buf = make_buffer(max_chunks=10, service={"ref_grace": 60.0, "delete_delay": 0.05})
+    insert(buf.stub, [buf.fragment(seq=q) for q in range(2)])
+    assert buf.front.index.ref_claim_age() is None
+    (chunk,) = sample(buf.stub, 1)  # in-band: the front read the blob before sending it
+    wait_until(lambda: len(buf.blob_keys()) == 1, 10, "the used-up chunk's blob deleted")
+    assert buf.front.index.ref_claim_age() is None
+
+
 def test_the_sweeper_spares_blobs_of_a_recent_claim_for_the_grace(make_buffer):
     buf = make_buffer(max_chunks=10, service={"ref_grace": 60.0, "orphan_grace": 0.0})
     insert(buf.stub, [buf.fragment(seq=0)])

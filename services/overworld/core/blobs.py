@@ -1,7 +1,8 @@
 """Blob stores for fragment payloads: a local directory (embedded) or S3 (cluster).
 
 `get` of a missing key raises KeyError (LocalBlobStore: FileNotFoundError, a subclass of neither,
-so callers catch both); `delete` of a missing key is not an error. `list_blobs` gives each key with
+so callers catch both); `get_into(key, buf)` reads a blob into a reusable bytearray and returns a
+view of it (same errors); `delete` of a missing key is not an error. `list_blobs` gives each key with
 its last-modified time (seconds since the epoch), for the replay buffer's orphan sweeper.
 `url` is what `open_blob_store` opens to reach the same blobs from another process (a local store's
 absolute path, or `s3://BUCKET/PREFIX`; never credentials).
@@ -27,6 +28,7 @@ class BlobStore(Protocol):
 
     def put(self, key: str, data: bytes) -> None: ...
     def get(self, key: str) -> bytes: ...
+    def get_into(self, key: str, buf: bytearray) -> memoryview: ...
     def delete(self, keys: list[str]) -> None: ...
     def keys(self, prefix: str = "") -> list[str]: ...
     def list_blobs(self, prefix: str = "") -> list[BlobInfo]: ...
@@ -55,6 +57,19 @@ class LocalBlobStore:
     def get(self, key: str) -> bytes:
         return self._path(key).read_bytes()
 
+    def get_into(self, key: str, buf: bytearray) -> memoryview:
+        with self._path(key).open("rb", buffering=0) as f:
+            size = os.fstat(f.fileno()).st_size
+            reserve(buf, size)
+            with memoryview(buf) as view:
+                got = 0
+                while got < size:
+                    n = f.readinto(view[got:size])
+                    if not n:
+                        raise OSError(f"{key}: file ended after {got} of {size} bytes")
+                    got += n
+        return memoryview(buf)[:size]
+
     def delete(self, keys: list[str]) -> None:
         for key in keys:
             self._path(key).unlink(missing_ok=True)
@@ -78,6 +93,12 @@ class LocalBlobStore:
                 except FileNotFoundError:  # deleted while listing
                     continue
         return sorted(out, key=lambda b: b.key)
+
+
+def reserve(buf: bytearray, size: int) -> None:
+    """Grow buf to at least size bytes (it must have no views then)."""
+    if len(buf) < size:
+        buf.extend(bytes(size - len(buf)))
 
 
 def open_blob_store(url: str) -> BlobStore:

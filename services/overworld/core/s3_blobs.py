@@ -10,6 +10,7 @@ from __future__ import annotations
 import io
 import os
 from collections.abc import Iterable
+from typing import Any
 from urllib.parse import urlparse
 
 import urllib3
@@ -17,7 +18,7 @@ from minio import Minio
 from minio.deleteobjects import DeleteObject
 from minio.error import S3Error
 
-from overworld.core.blobs import BlobInfo
+from overworld.core.blobs import BlobInfo, reserve
 
 MISSING_CODES = ("NoSuchKey", "NoSuchObject", "NoSuchVersion")
 
@@ -67,13 +68,16 @@ class S3BlobStore:
             data = bytes(data)  # one copy: BytesIO over a memoryview copies more slowly than this
         self.client.put_object(self.bucket, self._name(key), io.BytesIO(data), len(data))
 
-    def get(self, key: str) -> bytes:
+    def _open(self, key: str) -> Any:
         try:
-            response = self.client.get_object(self.bucket, self._name(key))
+            return self.client.get_object(self.bucket, self._name(key))
         except S3Error as err:
             if err.code in MISSING_CODES:
                 raise KeyError(key) from None
             raise
+
+    def get(self, key: str) -> bytes:
+        response = self._open(key)
         try:
             data = response.read()
         except BaseException:
@@ -82,6 +86,36 @@ class S3BlobStore:
         # Fully read: back to the pool. (close() would drop the connection and cost a new one per get.)
         response.release_conn()
         return data
+
+    def get_into(self, key: str, buf: bytearray) -> memoryview:
+        """Like `get`, but the blob is read into `buf` (grown when too small) and a view of it is returned
+        (release the view before passing `buf` again). A reader that fetches many large blobs reuses its
+        buffers instead of allocating a fresh object per blob, whose page faults cost more than the copy."""
+        response = self._open(key)
+        try:
+            size = int(response.headers.get("content-length") or -1)
+            # urllib3's underlying http.client response reads straight into a buffer (urllib3's own
+            # readinto reads into a new bytes object first); anything unusual takes the plain path.
+            fp = getattr(response, "_fp", None)
+            if size < 0 or response.headers.get("content-encoding") or not hasattr(fp, "readinto"):
+                data = response.read()
+                size = len(data)
+                reserve(buf, size)
+                buf[:size] = data
+            else:
+                reserve(buf, size)
+                with memoryview(buf) as view:
+                    got = 0
+                    while got < size:
+                        n = fp.readinto(view[got:size])
+                        if not n:
+                            raise OSError(f"{key}: the connection ended after {got} of {size} bytes")
+                        got += n
+        except BaseException:
+            response.close()
+            raise
+        response.release_conn()
+        return memoryview(buf)[:size]
 
     def delete(self, keys: Iterable[str]) -> None:
         objects = [DeleteObject(self._name(k)) for k in keys]

@@ -17,6 +17,9 @@ Semantics (MineStudio's replay_buffer_config, made exact):
 - A blob key that the orphan sweeper claimed (`claim_orphans`) is never indexed afterwards: `add`
   answers "swept" and the front writes the blob again under a new key. So an index entry always has
   its blob.
+- A claim made for a reader that fetches the blobs itself (`claim(n, by_ref=True)`) is remembered
+  (`ref_claim_age`), so that every front keeps the blobs of chunks that leave the index for the ref
+  grace period while such readers are about.
 """
 
 from __future__ import annotations
@@ -108,7 +111,8 @@ class IndexStats:
 class ReplayIndex(Protocol):
     def add(self, meta: FragmentMeta) -> AddResult: ...
     def can_insert(self) -> bool: ...
-    def claim(self, n: int) -> list[Claim]: ...
+    def claim(self, n: int, by_ref: bool = False) -> list[Claim]: ...
+    def ref_claim_age(self) -> float | None: ...
     def set_model_version(self, version: int) -> VersionMove: ...
     def model_version(self) -> int: ...
     def stats(self) -> IndexStats: ...
@@ -131,6 +135,7 @@ class MemoryIndex:
         self._rng = random.Random(seed)
         self._attempt: str | None = None
         self._swept: dict[str, float] = {}
+        self._ref_claimed_at: float | None = None
         self._clear()
 
     def _clear(self) -> None:
@@ -214,8 +219,9 @@ class MemoryIndex:
         with self._lock:
             return self.limiter is None or self.limiter.can_insert()
 
-    def claim(self, n: int) -> list[Claim]:
-        """Claim up to n distinct chunks, uniformly at random, as far as the rate limiter allows."""
+    def claim(self, n: int, by_ref: bool = False) -> list[Claim]:
+        """Claim up to n distinct chunks, uniformly at random, as far as the rate limiter allows. by_ref:
+        the reader fetches the blobs itself (remembered for ref_claim_age)."""
         with self._lock:
             ids = list(self._chunks)
             picked = self._rng.sample(ids, min(n, len(ids)))
@@ -232,7 +238,14 @@ class MemoryIndex:
                 if final:
                     self._remove(chunk, "reused")
                 claims.append(Claim(Chunk(chunk.chunk_id, list(chunk.fragments), chunk.times_sampled), final))
+            if by_ref and claims:
+                self._ref_claimed_at = time.monotonic()
             return claims
+
+    def ref_claim_age(self) -> float | None:
+        """Seconds since the last claim by reference that claimed something (None: there was none)."""
+        with self._lock:
+            return None if self._ref_claimed_at is None else time.monotonic() - self._ref_claimed_at
 
     def set_model_version(self, version: int) -> VersionMove:
         with self._lock:

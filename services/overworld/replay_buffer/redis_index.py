@@ -9,7 +9,8 @@ Keys, all under `ow:rb:{RUN_ID}:` (a hash tag: one cluster slot per run; a new r
 another run's keys):
   meta     hash   version, next_chunk, inserted, sampled, reuse_sum, reuse_count, frags, bytes,
                   vsum (sum of held chunks' first model versions), li/ls/lc (limiter inserts,
-                  samples, credit), attempt (the last reset token)
+                  samples, credit), attempt (the last reset token), refs_at (Redis time of the
+                  last claim by reference)
   drops    hash   reason -> chunks dropped
   fifo     zset   chunk id scored by chunk id (insertion order: eviction takes the lowest)
   byver    zset   chunk id scored by its first model version (staleness drops take a range)
@@ -197,7 +198,8 @@ end
 return out
 """
 
-# ARGV[5..]: n, max_reuse, seed. Returns {id, times, final, slot, keys, metas} per claimed chunk.
+# ARGV[5..]: n, max_reuse, seed, by reference ('1': the reader fetches the blobs itself; the Redis time
+# is noted in refs_at). Returns {id, times, final, slot, keys, metas} per claimed chunk.
 CLAIM = PRELUDE + r"""
 local n, max_reuse = tonumber(ARGV[5]), tonumber(ARGV[6])
 math.randomseed(tonumber(ARGV[7]))
@@ -228,7 +230,19 @@ for _, id in ipairs(ids) do
   out[#out + 1] = f[2]
   out[#out + 1] = f[3]
 end
+if ARGV[8] == '1' and #out > 0 then
+  local t = redis.call('TIME')
+  redis.call('HSET', META, 'refs_at', t[1] .. '.' .. string.format('%06d', tonumber(t[2])))
+end
 return out
+"""
+
+# Seconds since the last claim by reference (a string), or false when there was none.
+REF_CLAIM_AGE = PRELUDE + r"""
+local at = redis.call('HGET', META, 'refs_at')
+if not at then return false end
+local t = redis.call('TIME')
+return tostring(tonumber(t[1]) + tonumber(t[2]) / 1e6 - tonumber(at))
 """
 
 # ARGV[5..]: version, max_staleness. Returns {'ok', dropped chunks, keys...} or {'back', current}.
@@ -313,6 +327,7 @@ class RedisIndex:
         self._keys = [self.prefix + "meta"]
         self._add = client.register_script(ADD)
         self._claim = client.register_script(CLAIM)
+        self._ref_claim_age = client.register_script(REF_CLAIM_AGE)
         self._set_version = client.register_script(SET_VERSION)
         self._stats = client.register_script(STATS)
         self._claim_orphans = client.register_script(CLAIM_ORPHANS)
@@ -359,8 +374,8 @@ class RedisIndex:
         assert limiter is not None
         return limiter.can_insert()
 
-    def claim(self, n: int) -> list[Claim]:
-        out = self._run(self._claim, n, self.max_reuse, self._rng.randrange(1 << 31))
+    def claim(self, n: int, by_ref: bool = False) -> list[Claim]:
+        out = self._run(self._claim, n, self.max_reuse, self._rng.randrange(1 << 31), "1" if by_ref else "0")
         claims = []
         for i in range(0, len(out), 6):
             chunk_id, times, final, slot, keys, metas = out[i:i + 6]
@@ -370,6 +385,10 @@ class RedisIndex:
                 fragments.append(FragmentMeta(slot, int(seq), int(ver), int(nbytes), key))
             claims.append(Claim(Chunk(int(chunk_id), fragments, int(times)), bool(int(final))))
         return claims
+
+    def ref_claim_age(self) -> float | None:
+        out = self._run(self._ref_claim_age)
+        return None if out is None else max(0.0, float(out))
 
     def set_model_version(self, version: int) -> VersionMove:
         out = self._run(self._set_version, version, self.max_staleness)

@@ -14,11 +14,13 @@ of what was sent, and their blobs fetched in parallel while earlier chunks are b
 fetches the blobs from the store itself (`GetStoreInfo` names it): the 3 MB payloads then skip the
 front's gRPC hop, while the claim — reuse counting, rate limiter, deadline — stays the front's.
 
-Blobs of chunks that leave the index are deleted after max(`delete_delay`, `ref_grace`) seconds, so
-that a reader that claimed a chunk just before it left (or was handed its keys) can still read it;
-blobs nobody references (a front died between blob write and index add, or before its deferred
-deletes ran) are removed by the orphan sweeper, which also spares a key for `ref_grace` after it
-first saw it unreferenced.
+Blobs of chunks that leave the index are deleted after `delete_delay` seconds, so that a reader that
+claimed a chunk just before it left can still read it; while claims by reference are being made (any
+front's: the index remembers the last one, and every front asks it more often than delete_delay),
+after `ref_grace` seconds instead, so that a reader handed the keys can still fetch them. Blobs
+nobody references (a front died between blob write and index add, or before its deferred deletes
+ran) are removed by the orphan sweeper, which also spares a key for `ref_grace` after it first saw it
+unreferenced.
 """
 
 from __future__ import annotations
@@ -135,9 +137,16 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
         self.ingest_window = max(1, ingest_window)
         self.prefetch = max(1, prefetch)
         self.delete_delay = delete_delay
-        # blob_refs readers fetch blobs themselves after the claim: blobs of chunks that left the index
-        # are kept this long (and the sweeper spares them as long) so that such a fetch finds them.
+        # blob_refs readers fetch blobs themselves after the claim: while such claims are being made (by
+        # any front: the index remembers the last one), blobs of chunks that left the index are kept this
+        # long, and the sweeper spares them as long, so that such a fetch finds them.
         self.ref_grace = max(0.0, ref_grace)
+        # How often the index is asked about the last claim by reference (more often than delete_delay, so
+        # that a delete that comes due has normally seen every such claim made before its chunk left; a
+        # delete waits for such a poll in any case).
+        self._refs_poll = max(POLL_SECONDS, min(0.5, delete_delay / 2)) if self.ref_grace > delete_delay else 0.0
+        self._refs_until = 0.0  # (monotonic) a claim by reference may be recent until then
+        self._refs_polled = float("-inf")  # (monotonic) when the last successful poll started
         self.store_url = getattr(blobs, "url", "") if store_url is None else store_url
         self.sweep_interval = sweep_interval
         self.metrics_interval = metrics_interval
@@ -146,7 +155,8 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="rb-io")
         self._changed = threading.Condition()
         self._stopping = threading.Event()
-        self._deletes: deque[tuple[float, list[str]]] = deque()
+        self._deletes: deque[tuple[float, list[str]]] = deque()  # (when they left the index, keys)
+        self._postponed: deque[tuple[float, list[str]]] = deque()  # the same, waiting out the ref grace
         self._deletes_lock = threading.Lock()
         self._maintenance = threading.Thread(target=self._maintain, name="rb-maintenance", daemon=True)
         CAPACITY.set(max_chunks * fragments_per_chunk)
@@ -163,7 +173,7 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
         self._maintenance.join(10.0)
         self._run_deletes()
         with self._deletes_lock:
-            left = sum(len(keys) for _, keys in self._deletes)
+            left = sum(len(keys) for _, keys in (*self._deletes, *self._postponed))
         if left:
             log.info("%d blobs of chunks that left the buffer are within their grace period; the orphan "
                      "sweeper deletes them later", left)
@@ -185,16 +195,41 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
             self._changed.notify_all()
 
     def _delete_later(self, keys: list[str]) -> None:
+        """Delete blobs that the index no longer references (their chunk left it): after delete_delay (a
+        reader that claimed the chunk just before it left still reads it), or after ref_grace when claims
+        by reference may have been made (such a reader fetches the blobs itself, later)."""
         if keys:
             with self._deletes_lock:
-                self._deletes.append((time.monotonic() + max(self.delete_delay, self.ref_grace), keys))
+                self._deletes.append((time.monotonic(), keys))
 
-    def _run_deletes(self, flush: bool = False) -> None:
+    def _note_ref_claim(self) -> None:
+        with self._deletes_lock:
+            self._refs_until = max(self._refs_until, time.monotonic() + self.ref_grace)
+
+    def _poll_refs(self) -> None:
+        started = time.monotonic()
+        age = self.index.ref_claim_age()
+        with self._deletes_lock:
+            if age is not None and age < self.ref_grace:
+                # (measured after the answer: the claim is placed no earlier than it was)
+                self._refs_until = max(self._refs_until, time.monotonic() - age + self.ref_grace)
+            self._refs_polled = started
+
+    def _run_deletes(self) -> None:
         now = time.monotonic()
         due: list[str] = []
         with self._deletes_lock:
-            while self._deletes and (flush or self._deletes[0][0] <= now):
+            while self._deletes and self._deletes[0][0] + self.delete_delay <= now:
+                left, keys = self._deletes[0]
+                if self.ref_grace > self.delete_delay and left + self.ref_grace > now:
+                    if self._refs_until > now:  # a claim by reference may have handed these keys out
+                        self._postponed.append(self._deletes.popleft())
+                        continue
+                    if self._refs_polled <= left:  # not known yet: wait for a poll that started after
+                        break
                 due += self._deletes.popleft()[1]
+            while self._postponed and self._postponed[0][0] + self.ref_grace <= now:
+                due += self._postponed.popleft()[1]
         if due:
             try:
                 self.blobs.delete(due)
@@ -202,12 +237,20 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
                 log.exception("deleting %d blobs failed; the orphan sweeper will retry", len(due))
 
     def _maintain(self) -> None:
-        next_metrics = next_sweep = time.monotonic()
+        next_metrics = next_sweep = next_poll = time.monotonic()
         if self.sweep_interval > 0:
             next_sweep += self.sweep_interval
         while not self._stopping.wait(0.05):
-            self._run_deletes()
             now = time.monotonic()
+            if self._refs_poll and now >= next_poll:
+                next_poll = now + self._refs_poll
+                try:
+                    self._poll_refs()
+                except IndexUnavailable as err:  # deletes wait (at most the ref grace) for a poll
+                    log.warning("checking for claims by reference failed: %s", err)
+                except Exception:
+                    log.exception("checking for claims by reference failed")
+            self._run_deletes()
             try:
                 if self.metrics_interval > 0 and now >= next_metrics:
                     next_metrics = now + self.metrics_interval
@@ -453,10 +496,12 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
             want = room if refs else min(room, self.prefetch - len(pending))
             if want > 0 and not self._stopping.is_set():
                 try:
-                    claims = self.index.claim(want)
+                    claims = self.index.claim(want, by_ref=refs)
                 except IndexUnavailable as err:
                     abort(context, grpc.StatusCode.UNAVAILABLE, f"{err}; retry")
                 if claims:
+                    if refs:
+                        self._note_ref_claim()  # before any of their blobs is queued for deletion
                     self._notify()
                 for claim in claims:
                     pending.append((claim, None if refs else self._io.submit(self._fetch, claim)))

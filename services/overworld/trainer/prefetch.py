@@ -37,7 +37,12 @@ REF_FETCH_THREADS = 32  # blob gets in flight per trainer process (one S3 connec
 REF_RETRY_SECONDS = 60.0  # after the store failed, sample in-band this long before trying again
 _ref_stores: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
 _ref_lock = threading.Lock()
+_ref_opened: dict[str, BlobStore] = {}  # by URL: one store (one connection pool) per process
 _ref_pool: list[ThreadPoolExecutor] = []
+# Read buffers, reused: a fresh 3 MB object per blob costs more in page faults than the read itself.
+REF_BUFFERS_KEPT = 16
+_ref_buffers: list[bytearray] = []
+_buffers_lock = threading.Lock()
 
 
 class _NoRefs(Exception):
@@ -48,7 +53,8 @@ def _ref_store(stub: replay_buffer_pb2_grpc.ReplayBufferStub, blob_refs: bool | 
     """The blob store to fetch sampled blobs from (sampling by reference), or None to sample in-band.
     blob_refs None: by reference when the buffer's store is S3 (a local directory is in-band); True: also
     a local directory, if it exists here. Asked of the front once per stub (GetStoreInfo), again
-    REF_RETRY_SECONDS after a failure; S3 credentials come from this process's OVERWORLD_S3_*."""
+    REF_RETRY_SECONDS after a failure; S3 credentials come from this process's OVERWORLD_S3_*. Stubs of
+    one buffer share one store, so one connection pool."""
     if blob_refs is False:
         return None
     with _ref_lock:
@@ -59,8 +65,9 @@ def _ref_store(stub: replay_buffer_pb2_grpc.ReplayBufferStub, blob_refs: bool | 
                 if not hasattr(stub, "GetStoreInfo"):  # stubs generated before blob_refs
                     raise _NoRefs
                 entry["url"] = stub.GetStoreInfo(replay_buffer_pb2.GetStoreInfoRequest(), timeout=10).blob_store_url
-                if entry["url"].startswith("s3://") or os.path.isdir(entry["url"]):
-                    entry["store"] = open_blob_store(entry["url"])
+                url = entry["url"]
+                if url.startswith("s3://") or os.path.isdir(url):
+                    entry["store"] = _ref_opened.get(url) or _ref_opened.setdefault(url, open_blob_store(url))
             except _NoRefs:
                 entry["retry_at"] = float("inf")
             except grpc.RpcError as err:
@@ -85,31 +92,61 @@ def _fetch_refs(stub: replay_buffer_pb2_grpc.ReplayBufferStub, store: BlobStore,
         if not _ref_pool:
             _ref_pool.append(ThreadPoolExecutor(REF_FETCH_THREADS, thread_name_prefix="chunk-fetch"))
         pool = _ref_pool[0]
-    jobs = [(ref, [pool.submit(store.get, key) for key in ref.blob_keys]) for ref in refs]
+    jobs = [(ref, [pool.submit(_read_blob, store, key) for key in ref.blob_keys]) for ref in refs]
     chunks = []
     for ref, gets in jobs:
         if not ref.blob_keys:  # sent in-band (a front that ignores blob_refs)
             chunks.append(ref)
             continue
+        blobs: list[tuple[bytearray | None, bytes | memoryview]] = []
+        error: Exception | None = None
+        for get in gets:
+            try:
+                blobs.append(get.result())
+            except Exception as err:
+                error = error or err
         try:
-            blobs = [g.result() for g in gets]
-        except (KeyError, FileNotFoundError) as err:
+            if error is None:
+                chunk = replay_buffer_pb2.SampledChunk(chunk_id=ref.chunk_id, times_sampled=ref.times_sampled)
+                for _, blob in blobs:  # each blob is one serialized Fragment, as the worker sent it
+                    chunk.fragments.add().MergeFromString(blob)
+                chunks.append(chunk)
+        finally:
+            for buf, blob in blobs:
+                _release(buf, blob)
+        if isinstance(error, (KeyError, FileNotFoundError)):
             SKIPPED_CHUNKS.labels("missing").inc()
             log.warning("%s: chunk %d skipped: blob %s is gone (deleted after the buffer's grace period?)",
-                        reader_id, ref.chunk_id, err)
-            continue
-        except Exception as err:
+                        reader_id, ref.chunk_id, error)
+        elif error is not None:
             SKIPPED_CHUNKS.labels("error").inc()
             log.warning("%s: chunk %d skipped: blob store read failed (%s); sampling in-band for %.0fs",
-                        reader_id, ref.chunk_id, err, REF_RETRY_SECONDS)
+                        reader_id, ref.chunk_id, error, REF_RETRY_SECONDS)
             with _ref_lock:
                 _ref_stores[stub] = {"url": "", "store": None, "retry_at": time.monotonic() + REF_RETRY_SECONDS}
-            continue
-        chunk = replay_buffer_pb2.SampledChunk(chunk_id=ref.chunk_id, times_sampled=ref.times_sampled)
-        for blob in blobs:  # each blob is one serialized Fragment, as the worker sent it
-            chunk.fragments.add().MergeFromString(blob)
-        chunks.append(chunk)
     return chunks
+
+
+def _read_blob(store: BlobStore, key: str) -> tuple[bytearray | None, bytes | memoryview]:
+    """One blob: read into a pooled buffer where the store can (BlobStore.get_into), else as bytes."""
+    if not hasattr(store, "get_into"):
+        return None, store.get(key)
+    with _buffers_lock:
+        buf = _ref_buffers.pop() if _ref_buffers else bytearray()
+    try:
+        return buf, store.get_into(key, buf)
+    except BaseException:
+        _release(buf, None)
+        raise
+
+
+def _release(buf: bytearray | None, blob: bytes | memoryview | None) -> None:
+    if isinstance(blob, memoryview):
+        blob.release()
+    if buf is not None:
+        with _buffers_lock:
+            if len(_ref_buffers) < REF_BUFFERS_KEPT:
+                _ref_buffers.append(buf)
 
 
 def sample_chunks(stub: replay_buffer_pb2_grpc.ReplayBufferStub, n: int, timeout: float, reader_id: str,
