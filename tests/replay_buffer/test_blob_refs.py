@@ -253,6 +253,21 @@ def test_reader_falls_back_to_in_band_when_it_cannot_use_the_store(make_buffer, 
     assert prefetch._ref_store(stub, True) is None  # in-band until REF_RETRY_SECONDS passed
 
 
+def test_a_store_that_is_not_the_fronts_sends_the_reader_back_in_band(make_buffer, backend, caplog):
+    buf = make_buffer(max_chunks=10)
+    insert(buf.stub, [buf.fragment(seq=q) for q in range(4)])
+    assert prefetch._ref_store(buf.stub, True) is not None
+    # As if this reader's OVERWORLD_S3_ENDPOINT named another server with the same bucket: nothing is there.
+    elsewhere = backend.blobs(f"{buf.run_id}-elsewhere")
+    prefetch._ref_stores[buf.stub]["store"] = elsewhere
+    before = _metric("overworld_trainer_skipped_chunks_total", reason="missing")
+    chunks = sample_chunks(buf.stub, 2, 2.0, "misconfigured", blob_refs=True)
+    assert len(chunks) == 2 and all(len(c.fragments) == 1 for c in chunks)  # in-band after the first call
+    assert _metric("overworld_trainer_skipped_chunks_total", reason="missing") - before == 2
+    assert "none of the 2 sampled chunks' blobs were in" in caplog.text
+    assert prefetch._ref_store(buf.stub, True) is None
+
+
 def test_a_front_without_blob_refs_is_sampled_in_band(make_buffer):
     buf = make_buffer(max_chunks=10)
     insert(buf.stub, [buf.fragment(seq=q) for q in range(2)])

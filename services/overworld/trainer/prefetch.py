@@ -86,14 +86,16 @@ def _ref_store(stub: replay_buffer_pb2_grpc.ReplayBufferStub, blob_refs: bool | 
 def _fetch_refs(stub: replay_buffer_pb2_grpc.ReplayBufferStub, store: BlobStore, reader_id: str,
                 refs: list[replay_buffer_pb2.SampledChunk]) -> list[replay_buffer_pb2.SampledChunk]:
     """Chunks sampled by reference -> chunks with their fragments, every blob fetched in parallel. A chunk
-    whose blob cannot be read is skipped (warned and counted); a store failure also switches this stub to
-    in-band sampling for REF_RETRY_SECONDS."""
+    whose blob cannot be read is skipped (warned and counted); a store failure, or a call whose every
+    blob is missing (a reader slower than the grace, or a store that is not the front's: same bucket name
+    on another endpoint?), also switches this stub to in-band sampling for REF_RETRY_SECONDS."""
     with _ref_lock:
         if not _ref_pool:
             _ref_pool.append(ThreadPoolExecutor(REF_FETCH_THREADS, thread_name_prefix="chunk-fetch"))
         pool = _ref_pool[0]
     jobs = [(ref, [pool.submit(_read_blob, store, key) for key in ref.blob_keys]) for ref in refs]
     chunks = []
+    missing = 0
     for ref, gets in jobs:
         if not ref.blob_keys:  # sent in-band (a front that ignores blob_refs)
             chunks.append(ref)
@@ -115,6 +117,7 @@ def _fetch_refs(stub: replay_buffer_pb2_grpc.ReplayBufferStub, store: BlobStore,
             for buf, blob in blobs:
                 _release(buf, blob)
         if isinstance(error, (KeyError, FileNotFoundError)):
+            missing += 1
             SKIPPED_CHUNKS.labels("missing").inc()
             log.warning("%s: chunk %d skipped: blob %s is gone (deleted after the buffer's grace period?)",
                         reader_id, ref.chunk_id, error)
@@ -122,9 +125,18 @@ def _fetch_refs(stub: replay_buffer_pb2_grpc.ReplayBufferStub, store: BlobStore,
             SKIPPED_CHUNKS.labels("error").inc()
             log.warning("%s: chunk %d skipped: blob store read failed (%s); sampling in-band for %.0fs",
                         reader_id, ref.chunk_id, error, REF_RETRY_SECONDS)
-            with _ref_lock:
-                _ref_stores[stub] = {"url": "", "store": None, "retry_at": time.monotonic() + REF_RETRY_SECONDS}
+            _fall_back(stub)
+    if missing and missing == len(jobs):
+        log.warning("%s: none of the %d sampled chunks' blobs were in %s; sampling in-band for %.0fs",
+                    reader_id, missing, getattr(store, "url", "the blob store"), REF_RETRY_SECONDS)
+        _fall_back(stub)
     return chunks
+
+
+def _fall_back(stub: replay_buffer_pb2_grpc.ReplayBufferStub) -> None:
+    """Sample in-band through this stub for REF_RETRY_SECONDS, then ask the front again."""
+    with _ref_lock:
+        _ref_stores[stub] = {"url": "", "store": None, "retry_at": time.monotonic() + REF_RETRY_SECONDS}
 
 
 def _read_blob(store: BlobStore, key: str) -> tuple[bytearray | None, bytes | memoryview]:
