@@ -42,12 +42,26 @@ lint: $(STAMP)
 protos: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=services --pyi_out=services --grpc_python_out=services proto/overworld/v1/*.proto
 
-# MineStudio pins numpy<2 and pulls CUDA torch: it gets a venv of its own.
+# MineStudio pins numpy<2 and pulls CUDA torch: it gets a venv of its own, never the main .venv.
+# A plain `pip install -e '.[dev]' minestudio` backtracks through multi-GB CUDA torch builds (Overworld
+# pins numpy 2 and omegaconf 2.4; MineStudio's gym3 needs numpy<2, its hydra-core omegaconf<2.4), so:
+# torch 2.14.1 + torchvision 0.29.1 first (PyPI's torchvision does not import beside the 2.13.0 CPU
+# torch), minestudio without its dependencies, the ones its VPT import path needs plus Overworld's
+# runtime deps from .ci/minestudio-requirements.txt, Overworld itself without dependencies.
+# The stamp skips the installs until the requirements file changes. The marked tests all live in
+# tests/minestudio/ (the rest of tests/ needs ray, kubernetes tools etc. just to be collected).
 test-minestudio:
-	test -x .venv-minestudio/bin/python || $(PYTHON) -m venv .venv-minestudio
-	.venv-minestudio/bin/pip install -q torch==2.13.0
-	.venv-minestudio/bin/pip install -q -e '.[dev]' minestudio
-	.venv-minestudio/bin/python -m pytest -q -m minestudio tests
+	set -e; stamp=.venv-minestudio/.installed-$$(cat .ci/minestudio-requirements.txt | sha1sum | cut -c1-12); \
+	if [ ! -e $$stamp ]; then \
+	  test -x .venv-minestudio/bin/python || $(PYTHON) -m venv .venv-minestudio; \
+	  .venv-minestudio/bin/pip install -q torch==2.14.1 torchvision==0.29.1 'numpy<2'; \
+	  .venv-minestudio/bin/pip install -q --no-deps minestudio==1.1.6; \
+	  .venv-minestudio/bin/pip install -q -r .ci/minestudio-requirements.txt; \
+	  .venv-minestudio/bin/pip install -q --no-deps -e .; \
+	  .venv-minestudio/bin/python -c "import numpy, omegaconf, torchvision; from minestudio.models import VPTPolicy; import overworld.policies.minestudio; print('minestudio venv: numpy', numpy.__version__, 'omegaconf', omegaconf.__version__)"; \
+	  rm -f .venv-minestudio/.installed-*; touch $$stamp; \
+	fi
+	.venv-minestudio/bin/python -m pytest -q -m minestudio tests/minestudio $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 clean:
 	rm -rf $(VENV) .venv-minestudio runs
