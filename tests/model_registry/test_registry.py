@@ -13,6 +13,7 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import grpc
+import numpy as np
 import pytest
 import torch
 from prometheus_client import REGISTRY
@@ -22,7 +23,13 @@ from overworld.core.blobs import BlobStore, LocalBlobStore, open_blob_store
 from overworld.core.grpc_util import Server, serve, wait_healthy
 from overworld.model_registry import wire
 from overworld.model_registry.client import FetchBroken, ModelRegistryClient
-from overworld.model_registry.server import ModelRegistryService, registration, weights_key
+from overworld.model_registry.server import (
+    ModelRegistryService,
+    Payload,
+    message_bounds,
+    registration,
+    weights_key,
+)
 from overworld.rollout_worker.weights import WeightsWatcher
 from overworld.v1 import model_registry_pb2 as pb
 
@@ -112,7 +119,7 @@ def test_half_precision_fetch_is_cast_back_by_the_watcher(reg: Running) -> None:
 
 def test_fetch_resumes_where_the_stream_broke(tmp_path: Path) -> None:
     store = LocalBlobStore(tmp_path / "blobs")
-    first = Running(store, chunk_size=1 << 16)
+    first = Running(store, chunk_size=1 << 16, largest_message=1 << 16)
     port = first.server.port
     data = weights.to_bytes(model(3.0, 400_000))  # 1.6 MB: 25 messages
     first.client.publish(1, data)
@@ -124,7 +131,7 @@ def test_fetch_resumes_where_the_stream_broke(tmp_path: Path) -> None:
         seen[0] += 1
         if seen[0] == 3:
             first.stop()
-            restarted.append(Running(store, port=port, chunk_size=1 << 16))
+            restarted.append(Running(store, port=port, chunk_size=1 << 16, largest_message=1 << 16))
         return False
 
     info, buf = client.fetch_into(1, stop=break_once, timeout=60)
@@ -386,3 +393,43 @@ def test_registry_on_s3(s3_env: dict[str, str]) -> None:
         assert [v.version for v in running.client.list_versions()] == [1, 2, 4, 5]  # 3 dropped, tags kept
     finally:
         running.stop()
+
+
+def test_messages_end_at_tensor_boundaries_so_tensors_arrive_as_views(tmp_path: Path) -> None:
+    state = {"a_big": torch.rand(100_000), "b_small": torch.rand(10), "c_small": torch.rand(3).double(),
+             "d_huge": torch.rand(300_000)}
+    data = weights.to_bytes(state)
+    header, start = weights.read_header(data)
+    ends = {start + m["data_offsets"][1] for k, m in header.items() if k != "__metadata__"}
+    bounds = message_bounds(data, len(data), 1 << 16, 1 << 20)
+    assert bounds is not None and bounds[-1] == len(data)
+    huge = start + header["d_huge"]["data_offsets"][0]
+    assert all(b in ends or (b > huge and (b - huge) % (1 << 20) == 0) for b in bounds)  # huge: split every 1 MB
+    assert message_bounds(b"\x00" * 10, 1000, 64, 256) == list(range(64, 1000, 64)) + [1000]  # not safetensors
+    running = Running(LocalBlobStore(tmp_path / "blobs"), chunk_size=1 << 16, largest_message=1 << 20)
+    try:
+        running.client.publish(1, data)
+        info, pieces = running.client.fetch_pieces(1)
+        got = weights.from_pieces(pieces)
+        for k, v in state.items():
+            assert torch.equal(got[k], v) and got[k].dtype == v.dtype
+        spans = [(np.frombuffer(view, np.uint8).ctypes.data, len(view)) for _, view in pieces]
+        ptr = got["a_big"].data_ptr()
+        assert any(base <= ptr < base + n for base, n in spans)  # a view into a received message
+        assert ptr % 16 == 0  # aligned: the chunk header is padded
+        ptr = got["d_huge"].data_ptr()  # split over two messages: assembled
+        assert not any(base <= ptr < base + n for base, n in spans)
+    finally:
+        running.stop()
+
+
+def test_payload_accepts_any_piece_sizes() -> None:
+    data = weights.to_bytes({"x": torch.rand(50_000), "y": torch.rand(7)})
+    for piece in (1, 7, 4096, 65_536, len(data)):
+        payload = Payload(pb.VersionInfo(version=1, size_bytes=len(data)), chunk_size=1 << 14, largest=1 << 20)
+        for i in range(0, len(data), piece):
+            payload.feed(data[i:i + piece])
+        assert payload.data() == data and len(payload.messages) == len(payload.bounds or [])
+        for message, begin in zip(payload.messages, payload.starts, strict=True):
+            chunk = pb.WeightsChunk.FromString(message)  # what a client built from the generated stubs reads
+            assert chunk.offset == begin and chunk.data == data[begin:begin + len(chunk.data)]

@@ -1,16 +1,18 @@
 """Model weights as safetensors bytes (the registry's payload), optionally in half precision.
 
-`to_bytes` / `from_bytes` are the plain conversions. `from_buffer` reads a safetensors payload
-without copying it: every tensor is a view into the given (writable) buffer, which the tensors keep
-alive. `convert` casts the floating tensors of a payload to bfloat16 or float16 (the registry's
+`to_bytes` / `from_bytes` are the plain conversions. `from_buffer` and `from_pieces` read a
+safetensors payload without copying it: every tensor is a view into the given buffer (or into the
+received message that holds it), which the tensors keep alive. `convert` casts the floating tensors of a payload to bfloat16 or float16 (the registry's
 half-precision transfer); the receiver casts them back with `from_buffer(..., like=model_state)`.
 """
 
 from __future__ import annotations
 
+import bisect
 import json
 import math
 import struct
+import warnings
 from typing import Any
 
 import torch
@@ -135,6 +137,69 @@ def from_buffer(buf: bytearray | memoryview, like: dict[str, torch.Tensor] | Non
         if like is not None and name in like and like[name].dtype != dtype:
             tensor = tensor.to(like[name].dtype)
         out[name] = tensor
+    return out
+
+
+def from_pieces(pieces: list[tuple[int, memoryview]], like: dict[str, torch.Tensor] | None = None
+                ) -> dict[str, torch.Tensor]:
+    """Tensors of a safetensors payload received as consecutive pieces (offset, bytes), e.g. the
+    messages of a registry Fetch. A tensor that lies inside one piece, aligned, is a view into it (no
+    copy); others are assembled (a copy). Views into `bytes` share read-only memory: treat the
+    tensors as read-only (load_state_dict copies them or, with assign=True, adopts them: both fine).
+    With `like`, a tensor whose dtype differs from like's is cast."""
+    if not pieces:
+        raise ValueError("not a safetensors payload: no bytes")
+    starts = [offset for offset, _ in pieces]
+    ends = [offset + len(data) for offset, data in pieces]
+
+    def span(begin: int, end: int) -> memoryview:
+        """Bytes [begin, end) of the payload: a view when one piece holds them, else a copy."""
+        i = bisect.bisect_right(starts, begin) - 1
+        if i < 0 or begin >= ends[i] and end > begin:
+            raise ValueError(f"no piece holds offset {begin}")
+        if end <= ends[i]:
+            return pieces[i][1][begin - starts[i]:end - starts[i]]
+        out = bytearray(end - begin)
+        pos = begin
+        while pos < end:
+            if i >= len(pieces) or not starts[i] <= pos < ends[i]:
+                raise ValueError(f"the pieces leave a gap at offset {pos}")
+            take = min(end, ends[i]) - pos
+            out[pos - begin:pos - begin + take] = pieces[i][1][pos - starts[i]:pos - starts[i] + take]
+            pos += take
+            i += 1
+        return memoryview(out)
+
+    n = int.from_bytes(span(0, 8), "little")
+    if n > MAX_HEADER_BYTES or 8 + n > ends[-1]:
+        raise ValueError(f"not a safetensors payload: header length {n} for {ends[-1]} bytes")
+    header, start = read_header(bytes(span(0, 8 + n)))
+    out: dict[str, torch.Tensor] = {}
+    with warnings.catch_warnings():
+        # a view into bytes is not writable memory: the tensors are documented as read-only
+        warnings.filterwarnings("ignore", message="The given buffer is not writable")
+        for name, meta in header.items():
+            if name == "__metadata__":
+                continue
+            try:
+                dtype = DTYPES[meta["dtype"]]
+                shape = [int(d) for d in meta["shape"]]
+                begin, end = (int(x) + start for x in meta["data_offsets"])
+            except (KeyError, TypeError, ValueError) as err:
+                raise ValueError(f"bad safetensors entry for {name!r}: {err}") from None
+            count = math.prod(shape)
+            itemsize = torch.empty((), dtype=dtype).element_size()
+            if end - begin != count * itemsize or begin < start or end > ends[-1]:
+                raise ValueError(f"bad safetensors offsets for {name!r}")
+            if count == 0:
+                tensor = torch.empty(shape, dtype=dtype)
+            else:
+                tensor = torch.frombuffer(span(begin, end), dtype=dtype, count=count).reshape(shape)
+                if tensor.data_ptr() % itemsize:  # misaligned inside its piece: copy
+                    tensor = tensor.clone()
+            if like is not None and name in like and like[name].dtype != dtype:
+                tensor = tensor.to(like[name].dtype)
+            out[name] = tensor
     return out
 
 

@@ -10,7 +10,7 @@ from pathlib import Path
 from overworld.core.blobs import open_blob_store
 from overworld.core.grpc_util import serve
 from overworld.core.service import env_default, run_until_signalled
-from overworld.model_registry.server import DEFAULT_CHUNK, ModelRegistryService, registration
+from overworld.model_registry.server import DEFAULT_CHUNK, LARGEST_MESSAGE, ModelRegistryService, registration
 
 
 class _Served:
@@ -31,6 +31,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default=env_default("workdir", "."))
     p.add_argument("--retain", type=int, default=env_default("retain", 20))
     p.add_argument("--chunk-bytes", type=int, default=env_default("registry-chunk-bytes", DEFAULT_CHUNK))
+    p.add_argument("--largest-message-bytes", type=int,
+                   default=env_default("registry-largest-message-bytes", LARGEST_MESSAGE),
+                   help="a tensor up to this size is sent in one message, where the worker views it without a copy")
     p.add_argument("--cut-through", type=int, default=env_default("registry-cut-through", 0),
                    help="1: announce a version when its publish starts and stream it to the watchers as it "
                         "arrives (push time max(upload, fan-out) rather than their sum, when the registry has "
@@ -42,6 +45,7 @@ def main(argv: list[str] | None = None) -> int:
     def start() -> _Served:
         blobs = open_blob_store(args.blobs or str(Path(args.workdir) / "registry"))
         service = ModelRegistryService(blobs, retain=args.retain, chunk_size=args.chunk_bytes,
+                                       largest_message=args.largest_message_bytes,
                                        cut_through=bool(args.cut_through))
         return _Served(serve([registration(service)], args.host, args.port, max_workers=args.max_rpcs), service)
 

@@ -15,7 +15,7 @@ from overworld.model_registry import wire
 from overworld.v1 import model_registry_pb2 as pb
 from overworld.v1 import model_registry_pb2_grpc
 
-CHUNK = 4 << 20
+CHUNK = 4 << 20  # the registry's message size: each chunk published becomes one message sent
 _SERVICE = "/overworld.v1.ModelRegistry/"
 
 
@@ -140,13 +140,23 @@ class ModelRegistryClient:
             raise ValueError(str(err)) from None
         return info, b"".join(pieces)
 
+    def fetch_pieces(self, version: int = 0, tag: str = "", precision: str = "", verify: bool = True,
+                     timeout: float = 300.0, stop: Callable[[], bool] | None = None
+                     ) -> tuple[pb.VersionInfo, list[tuple[int, memoryview]]]:
+        """Fetch a version as the pieces (offset, view into the received message) it arrived in: no copy."""
+        pieces: list[tuple[int, memoryview]] = []
+        info = self._fetch_stream(version, tag, precision, verify, timeout, stop,
+                                  lambda info, offset, data: pieces.append((offset, data)))
+        return info, pieces
+
     def fetch_state(self, version: int = 0, tag: str = "", like: dict | None = None, precision: str = "",
-                    verify: bool = True, buffer: Callable[[int], bytearray] = bytearray, timeout: float = 300.0,
+                    verify: bool = True, timeout: float = 300.0,
                     stop: Callable[[], bool] | None = None) -> tuple[pb.VersionInfo, dict]:
-        """Fetch a version as a state dict: tensors are views into the buffer (cast to like's dtypes
-        where they differ)."""
-        info, buf = self.fetch_into(version, tag, precision, verify, buffer, timeout, stop)
-        return info, weights.from_buffer(buf, like, size=info.size_bytes)
+        """Fetch a version as a state dict. The registry cuts its messages at tensor boundaries, so a
+        tensor is a view into the message it arrived in (no copy; treat it as read-only); tensors
+        are cast to like's dtypes where they differ."""
+        info, pieces = self.fetch_pieces(version, tag, precision, verify, timeout, stop)
+        return info, weights.from_pieces(pieces, like)
 
     # -- the rest --------------------------------------------------------------------------------
     def list_versions(self, timeout: float = 30.0) -> list[pb.VersionInfo]:

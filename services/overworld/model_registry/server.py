@@ -61,7 +61,9 @@ WORKERS_PER_VERSION = Gauge("overworld_registry_workers_per_version",
                             "Connected watchers by the model version they last acknowledged (or resumed with)",
                             ["version"])
 
-DEFAULT_CHUNK = 4 << 20
+DEFAULT_CHUNK = 4 << 20  # messages group small tensors up to this size
+LARGEST_MESSAGE = 64 << 20  # a tensor up to this size travels in one message (viewed there, not copied)
+ALIGN = 16  # tensor data starts at this alignment inside a message
 RESERVED_TAGS = {"latest"}
 TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 SHA_RE = re.compile(r"^[0-9a-f]{64}$")
@@ -85,6 +87,49 @@ class PayloadFailed(Exception):
         self.code = code
 
 
+def message_bounds(head: bytes | bytearray | memoryview, size: int, target: int, largest: int) -> list[int] | None:
+    """Where the messages of a payload end. For safetensors, at tensor boundaries: small tensors are
+    grouped up to `target` bytes, a larger one gets a message of its own (split only beyond
+    `largest`), so that a receiver can view every tensor inside the message it received instead of
+    copying it out. Otherwise every `target` bytes. None while `head` is too short to tell."""
+    fixed = [*range(target, size, target), size] if size else []
+    view = memoryview(head)
+    if len(view) < 8:
+        return None if len(view) < size else fixed
+    n = int.from_bytes(view[:8], "little")
+    if n > weights.MAX_HEADER_BYTES or 8 + n > size:
+        return fixed
+    if len(view) < 8 + n:
+        return None
+    try:
+        header, data_start = weights.read_header(view[:8 + n])
+        spans = sorted((data_start + int(m["data_offsets"][0]), data_start + int(m["data_offsets"][1]))
+                       for k, m in header.items() if k != "__metadata__")
+    except (ValueError, KeyError, TypeError, IndexError):
+        return fixed
+    bounds: list[int] = []
+    start = 0  # of the message being filled; the header goes with the first tensors
+    for begin, end in spans:
+        if begin < start or end > size or end < begin:
+            return fixed  # overlapping or out of range: not a layout to rely on
+        if end - start <= target:
+            continue
+        if begin > start:  # close the group before this tensor
+            bounds.append(begin)
+            start = begin
+            if end - start <= target:  # it opens the next group
+                continue
+        if end - start <= largest:  # the tensor alone
+            bounds.append(end)
+        else:  # larger than any message may be: pieces (the receiver copies this one)
+            bounds.extend(range(start + largest, end, largest))
+            bounds.append(end)
+        start = end
+    if size > start:
+        bounds.append(size)
+    return bounds
+
+
 class Payload:
     """The bytes of one version as the encoded WeightsChunk messages every Fetch sends.
 
@@ -95,36 +140,63 @@ class Payload:
     _seq = 0
     _seq_lock = threading.Lock()
 
-    def __init__(self, info: pb.VersionInfo, chunk_size: int = DEFAULT_CHUNK) -> None:
+    def __init__(self, info: pb.VersionInfo, chunk_size: int = DEFAULT_CHUNK, largest: int = LARGEST_MESSAGE) -> None:
         with Payload._seq_lock:
             Payload._seq += 1
             self.seq = Payload._seq  # tells a re-published version from the failed attempt before it
         self.info = info
         self.size = info.size_bytes
         self.chunk_size = chunk_size
-        self.bounds = [*range(chunk_size, self.size, chunk_size), self.size] if self.size else []  # message ends
+        self.largest = max(largest, chunk_size)
+        self.bounds: list[int] | None = None if self.size else []  # message ends, once the header is in
         self.starts: list[int] = []
         self.messages: list[bytes] = []
         self.header_lens: list[int] = []
+        self._pending: list[memoryview] = []  # received, not encoded yet
+        self._pending_len = 0
         self.state = RECEIVING
         self.error: PayloadFailed | None = None
         self.cond = threading.Condition()
         self.variants: dict[str, Payload] = {}
         self._variant_lock = threading.Lock()
 
-    def extend(self, buf: bytes | bytearray | memoryview, received: int) -> None:
-        """Encode every complete message of buf[:received] not encoded yet, and wake the readers."""
-        view = memoryview(buf)
+    def feed(self, data: bytes | bytearray | memoryview) -> None:
+        """The next bytes of the payload, in order (any piece size). Encodes every message they
+        complete, each with one copy of the bytes (no assembly buffer), and wakes the readers.
+        Only the publishing thread calls this."""
+        if len(data):
+            self._pending.append(memoryview(data))
+            self._pending_len += len(data)
+        if self.bounds is None:
+            n = int.from_bytes(self._prefix(8), "little") if self._pending_len >= 8 else 0
+            head = self._prefix(8 + n if n <= weights.MAX_HEADER_BYTES else 8)
+            bounds = message_bounds(head, self.size, self.chunk_size, self.largest)
+            if bounds is None and self._pending_len < self.size:
+                return  # the header is not complete yet
+            with self.cond:
+                self.bounds = bounds or [*range(self.chunk_size, self.size, self.chunk_size), self.size]
+                self.cond.notify_all()
         messages, header_lens, starts = [], [], []
-        index = len(self.messages)  # only the publishing thread appends
+        index = len(self.messages)
         start = self.bounds[index - 1] if index else 0
-        while index < len(self.bounds) and self.bounds[index] <= received:
-            end = self.bounds[index]
-            header = wire.chunk_header(start, end - start)
-            messages.append(b"".join((header, view[start:end])))
-            header_lens.append(len(header))
+        while index < len(self.bounds) and self.bounds[index] - start <= self._pending_len:
+            n = self.bounds[index] - start
+            pieces: list[bytes | memoryview] = [wire.chunk_header(start, n, ALIGN)]
+            need = n
+            while need:
+                head = self._pending[0]
+                if len(head) <= need:
+                    pieces.append(self._pending.pop(0))
+                    need -= len(head)
+                else:
+                    pieces.append(head[:need])
+                    self._pending[0] = head[need:]
+                    need = 0
+            self._pending_len -= n
+            messages.append(b"".join(pieces))
+            header_lens.append(len(pieces[0]))
             starts.append(start)
-            start = end
+            start = self.bounds[index]
             index += 1
         if messages:
             with self.cond:  # appended under the lock: a reader cannot miss the wake-up
@@ -133,10 +205,24 @@ class Payload:
                 self.messages.extend(messages)
                 self.cond.notify_all()
 
+    def _prefix(self, n: int) -> bytes:
+        """The first n bytes pending (fewer if fewer have arrived)."""
+        out, need = [], n
+        for view in self._pending:
+            if need <= 0:
+                break
+            out.append(view[:need])
+            need -= len(out[-1])
+        return b"".join(out)
+
     def complete(self, data: bytes | bytearray | memoryview) -> Payload:
-        self.extend(data, self.size)
+        self.feed(data)
         self.mark(VERIFIED)
         return self
+
+    def data_views(self) -> list[memoryview]:
+        """The bytes of a complete payload as views into its messages (no copy)."""
+        return [memoryview(m)[h:] for m, h in zip(self.messages, self.header_lens, strict=True)]
 
     def mark(self, state: str, error: PayloadFailed | None = None) -> None:
         with self.cond:
@@ -155,17 +241,21 @@ class Payload:
         the last one."""
         with self.cond:
             while True:
-                if index >= len(self.bounds):
+                if self.bounds is not None and index >= len(self.bounds):
                     return None
                 if index < len(self.messages):
                     return self.messages[index]
                 self._raise_if_failed_or_gone(is_active)
                 self.cond.wait(1.0)
 
-    def index_of(self, offset: int) -> int | None:
+    def index_of(self, offset: int, is_active: Callable[[], bool]) -> int | None:
         """The index of the message that starts at `offset` (None if none does)."""
         if offset == 0:
             return 0
+        with self.cond:
+            while self.bounds is None:
+                self._raise_if_failed_or_gone(is_active)
+                self.cond.wait(1.0)
         i = bisect.bisect_left(self.bounds, offset)
         return i + 1 if i < len(self.bounds) and self.bounds[i] == offset else None
 
@@ -182,7 +272,7 @@ class Payload:
         i = max(0, bisect.bisect_right(self.starts, start) - 1)
         while i < len(self.messages) and self.starts[i] < end:
             base, head = self.starts[i], self.header_lens[i]
-            stop = self.bounds[i]
+            stop = self.bounds[i] if self.bounds else base
             lo, hi = max(start, base) - base, min(end, stop) - base
             if hi > lo:
                 parts.append(memoryview(self.messages[i])[head + lo:head + hi])
@@ -207,7 +297,7 @@ class Payload:
                 info.CopyFrom(self.info)
                 info.sha256, info.size_bytes = hashlib.sha256(data).hexdigest(), len(data)
                 info.dtype = weights.payload_dtype(data)
-                found = self.variants[precision] = Payload(info, self.chunk_size).complete(data)
+                found = self.variants[precision] = Payload(info, self.chunk_size, self.largest).complete(data)
             return found
 
 
@@ -231,12 +321,13 @@ class _Push:
 
 class ModelRegistryService(model_registry_pb2_grpc.ModelRegistryServicer):
     def __init__(self, blobs: BlobStore, retain: int = 20, max_model_bytes: int = 8 << 30,
-                 chunk_size: int = DEFAULT_CHUNK, publish_wait: float = 120.0, keepalive: float = 15.0,
-                 cut_through: bool = False) -> None:
+                 chunk_size: int = DEFAULT_CHUNK, largest_message: int = LARGEST_MESSAGE, publish_wait: float = 120.0,
+                 keepalive: float = 15.0, cut_through: bool = False) -> None:
         self.blobs = blobs
         self.retain = max(1, retain)
         self.max_model_bytes = max_model_bytes
         self.chunk_size = chunk_size
+        self.largest_message = largest_message
         self.publish_wait = publish_wait
         self.keepalive = keepalive
         self.cut_through = cut_through
@@ -307,6 +398,21 @@ class ModelRegistryService(model_registry_pb2_grpc.ModelRegistryServicer):
 
     def _save_tags(self) -> None:
         self.blobs.put(TAGS_KEY, json.dumps(self._tags, sort_keys=True).encode())
+
+    def _store(self, key: str, payload: Payload) -> None:
+        """Write a payload's bytes to the blob store from its messages: streamed when the store can
+        (`put_parts`), else assembled in a buffer reused from one publish to the next (publishes are
+        serialised; memory touched for the first time is slower than the copy into it)."""
+        put_parts = getattr(self.blobs, "put_parts", None)
+        if put_parts is not None:
+            put_parts(key, payload.data_views())
+            return
+        spare, self._spare = self._spare, None
+        buf = spare if spare is not None and len(spare) == payload.size else bytearray(payload.size)
+        for start, view in zip(payload.starts, payload.data_views(), strict=True):
+            buf[start:start + len(view)] = view
+        self.blobs.put(key, buf)  # type: ignore[arg-type]  # any bytes-like object
+        self._spare = buf
 
     def _retain(self) -> None:
         keep = set(sorted(self._versions)[-self.retain:]) | set(self._tags.values())
@@ -402,10 +508,7 @@ class ModelRegistryService(model_registry_pb2_grpc.ModelRegistryServicer):
         info = pb.VersionInfo()
         info.CopyFrom(manifest)
         info.created_unix = time.time()
-        payload = Payload(info, self.chunk_size)
-        # publishes are serialised: reuse the previous receive buffer (new memory is slow to touch)
-        spare, self._spare = self._spare, None
-        buf = spare if spare is not None and len(spare) == manifest.size_bytes else bytearray(manifest.size_bytes)
+        payload = Payload(info, self.chunk_size, self.largest_message)
         with self._lock:
             previous_head = self._head
             self._inflight = payload
@@ -418,13 +521,9 @@ class ModelRegistryService(model_registry_pb2_grpc.ModelRegistryServicer):
                 self._head = payload
                 self._lock.notify_all()  # Watch streams announce it now; Fetch streams it as it arrives
 
-        def sink(chunk: memoryview, offset: int) -> None:
-            buf[offset:offset + len(chunk)] = chunk
-            payload.extend(buf, offset + len(chunk))
-
         try:
             try:
-                self._receive(manifest, parts, context, sink)
+                self._receive(manifest, parts, context, lambda chunk, offset: payload.feed(chunk))
             except grpc.RpcError as err:  # the request stream broke
                 raise PayloadFailed(grpc.StatusCode.ABORTED, f"the publish stream broke: {err}") from None
             payload.mark(VERIFIED)  # watchers may swap it in from here on
@@ -433,8 +532,7 @@ class ModelRegistryService(model_registry_pb2_grpc.ModelRegistryServicer):
                     self._head = payload
                     self._lock.notify_all()  # Watch streams announce it now
             # blob first, then manifest: a version is listed only once its weights are stored
-            self.blobs.put(weights_key(info.version), buf)  # type: ignore[arg-type]  # bytes-like
-            self._spare = buf  # the encoded chunks hold the bytes from here on
+            self._store(weights_key(info.version), payload)
             with self._lock:
                 self._versions[info.version] = info
                 for tag in manifest.tags:
@@ -503,7 +601,7 @@ class ModelRegistryService(model_registry_pb2_grpc.ModelRegistryServicer):
                 abort(context, grpc.StatusCode.DATA_LOSS, f"the weights of version {version} are missing from the store")
             if len(data) != info.size_bytes or hashlib.sha256(data).hexdigest() != info.sha256:
                 abort(context, grpc.StatusCode.DATA_LOSS, f"the stored weights of version {version} are corrupted")
-            payload = Payload(info, self.chunk_size).complete(data)
+            payload = Payload(info, self.chunk_size, self.largest_message).complete(data)
             del data
             with self._lock:
                 if version == self.latest():  # keep the latest in memory: every watcher fetches it
@@ -536,7 +634,7 @@ class ModelRegistryService(model_registry_pb2_grpc.ModelRegistryServicer):
             info = payload.info
         yield wire.encode_info_chunk(info, offset)
         try:
-            index = payload.index_of(offset) if request.chunk_size in (0, step) else None
+            index = payload.index_of(offset, context.is_active) if request.chunk_size in (0, step) else None
             if index is not None:
                 while (message := payload.wait_chunk(index, context.is_active)) is not None:
                     BYTES_PUSHED.inc(len(message) - payload.header_lens[index])

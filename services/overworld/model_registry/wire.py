@@ -78,15 +78,41 @@ def _fields(raw: bytes | memoryview) -> list[tuple[int, int | memoryview]]:
 
 # -- WeightsChunk ---------------------------------------------------------------------------------
 
-def chunk_header(offset: int, length: int) -> bytes:
-    """The bytes that precede `length` bytes of data in an encoded WeightsChunk at `offset`."""
-    head = (bytes([_CHUNK_OFFSET]) + varint(offset)) if offset else b""
-    return head + (bytes([_CHUNK_DATA]) + varint(length) if length else b"")
+def varint_padded(value: int, size: int) -> bytes:
+    """`value` as a varint of exactly `size` bytes (overlong: continuation bytes carrying zeros, which
+    protobuf parsers accept)."""
+    out = bytearray(varint(value))
+    if len(out) > size:
+        raise ValueError(f"{value} needs {len(out)} varint bytes, more than {size}")
+    if len(out) < size:
+        out[-1] |= 0x80
+        out += b"\x80" * (size - len(out) - 1) + b"\x00"
+    return bytes(out)
 
 
-def encode_chunk(offset: int, data: bytes | bytearray | memoryview) -> bytes:
-    """`WeightsChunk(offset=offset, data=data).SerializeToString()` with a single copy of data."""
-    return b"".join((chunk_header(offset, len(data)), data))
+def chunk_header(offset: int, length: int, align: int = 1) -> bytes:
+    """The bytes that precede `length` bytes of data in an encoded WeightsChunk at `offset`.
+
+    With align > 1 the varints are padded so that the data starts at a multiple of `align` inside
+    the message: a receiver can view tensors in the message it received without copying them to
+    align them. With align 1: exactly what SerializeToString makes."""
+    if align <= 1 or not length:
+        head = (bytes([_CHUNK_OFFSET]) + varint(offset)) if offset else b""
+        return head + (bytes([_CHUNK_DATA]) + varint(length) if length else b"")
+    lo, ll = len(varint(offset)), len(varint(length))
+    total = 2 + lo + ll
+    extra = -total % align
+    if extra > (10 - lo) + (10 - ll):  # cannot pad that far: unaligned
+        return chunk_header(offset, length)
+    pad_offset = min(extra, 10 - lo)
+    return (bytes([_CHUNK_OFFSET]) + varint_padded(offset, lo + pad_offset)
+            + bytes([_CHUNK_DATA]) + varint_padded(length, ll + extra - pad_offset))
+
+
+def encode_chunk(offset: int, data: bytes | bytearray | memoryview, align: int = 1) -> bytes:
+    """`WeightsChunk(offset=offset, data=data)` on the wire with a single copy of data (byte for
+    byte what SerializeToString makes when align is 1)."""
+    return b"".join((chunk_header(offset, len(data), align), data))
 
 
 def encode_info_chunk(info: pb.VersionInfo, offset: int) -> bytes:
