@@ -357,6 +357,10 @@ def main() -> int:
                 proc.kill()
             for proc in procs:
                 proc.wait()
+    # bench/report.py shows dicts, not lists: the medians by size
+    results["summary"] = {f"{s['model_bytes'] / 1e6:.0f}MB": {
+        k: (round(v, 3) if isinstance(v, float) else v) for k, v in s.items()
+        if k not in ("rounds", "warmup", "model_bytes")} for s in results["sizes"]}
     results["machine"] = {"cpus": os.cpu_count(), "python": platform.python_version(),
                           "load_average": os.getloadavg()}
     out = Path(args.out)
