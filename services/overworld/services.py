@@ -89,13 +89,12 @@ def gae(args: argparse.Namespace, done: threading.Event) -> Any:
 
 
 def model_registry(args: argparse.Namespace, done: threading.Event) -> Any:
-    from overworld.model_registry.server import ModelRegistryService
-    from overworld.v1 import model_registry_pb2_grpc
+    from overworld.model_registry.server import ModelRegistryService, registration
 
     blobs_url = args.blobs or str(Path(args.workdir) / "registry")
     service = ModelRegistryService(open_blob_store(blobs_url), retain=args.retain)
-    return Served(serve([(model_registry_pb2_grpc.add_ModelRegistryServicer_to_server, service,
-                          "overworld.v1.ModelRegistry")], args.host, args.port), service.stop)
+    # Every open watch stream and running fetch holds a thread: size the pool for a large fleet.
+    return Served(serve([registration(service)], args.host, args.port, max_workers=1024), service.stop)
 
 
 def trainer(args: argparse.Namespace, done: threading.Event) -> Any:

@@ -13,8 +13,8 @@ import jsonschema
 import kubernetes_validate
 import pytest
 import yaml
-from overworld.run_controller.rayjob import build_rayjob
 
+from overworld.run_controller.rayjob import build_rayjob
 from tests.deploy.deploy_support import (
     KUBE_VERSIONS,
     KUSTOMIZE,

@@ -20,6 +20,7 @@ import grpc
 import kmock
 import pytest
 import yaml
+
 from overworld.run_controller.rayjob import (
     ATTEMPT_LABEL,
     RUN_LABEL,
@@ -29,7 +30,6 @@ from overworld.run_controller.rayjob import (
     trainer_entrypoint,
 )
 from overworld.v1 import trainer_pb2, trainer_pb2_grpc
-
 from tests.deploy.deploy_support import kubectl, validate_object
 
 NAMESPACE = "rl"

@@ -3,6 +3,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
+
 from overworld.core.config import load_config
 from overworld.core.grpc_util import Server, serve
 from overworld.core.specs import Spaces, TensorSpec

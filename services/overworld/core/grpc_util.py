@@ -22,6 +22,15 @@ CHANNEL_OPTIONS = [
 ]
 
 
+# Clients ping every 30 s even when idle; without these a server answers an idle client's pings
+# with GOAWAY "too_many_pings" after ~90 s and long-lived watch streams break.
+SERVER_OPTIONS = [
+    *CHANNEL_OPTIONS,
+    ("grpc.http2.min_recv_ping_interval_without_data_ms", 10_000),
+    ("grpc.http2.max_ping_strikes", 0),
+]
+
+
 @dataclass
 class Server:
     server: grpc.Server
@@ -50,7 +59,7 @@ def serve(
     max_workers: int = 64,
 ) -> Server:
     """Start a gRPC server with the given (add_XServicer_to_server, servicer, full_service_name) triples."""
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=CHANNEL_OPTIONS)
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS)
     names = []
     for add, servicer, name in registrations:
         add(servicer, server)

@@ -143,6 +143,7 @@ class RolloutWorker:
                 log.warning("lease expired (manager restarted or we were too slow); registering again")
                 again = self.manager.stub.Register(self._register_request(), timeout=10)
                 self.worker_id = again.worker_id
+                self.watcher.watcher_id = self.worker_id  # push acknowledgements follow the new id
             elif reply.video_request_id:
                 self.video.requested(reply.video_request_id)
         except grpc.RpcError as err:
