@@ -217,6 +217,7 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
                                "steps_to_target": None}
     fleet: Any = None
     trainer_status: Any = None
+    last_trainer_error = ""
 
     def offset(status: Any) -> int:
         """A resumed run's services count env steps from zero; the checkpoint knows where it was."""
@@ -237,17 +238,24 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
                     summary["status"] = "completed"
                     break
                 if c.name.startswith(RESTARTABLE) and launcher.restarts.get(c.name, 0) < MAX_RESTARTS:
+                    if c.name == "trainer" and last_trainer_error:
+                        print(f"\ntrainer failed: {last_trainer_error.splitlines()[-1][:300]}", flush=True)
                     launcher.restart(c)
+                    trainer_status = None if c.name == "trainer" else trainer_status
                     continue
-                raise RuntimeError(f"{c.name} exited with code {c.proc.returncode}; last lines of {c.log_path}:\n"
-                                   + tail(c.log_path))
+                reason = f": {last_trainer_error}" if c.name == "trainer" and last_trainer_error else ""
+                raise RuntimeError(f"{c.name} exited with code {c.proc.returncode}{reason}; last lines of "
+                                   f"{c.log_path}:\n" + tail(c.log_path))
             try:
                 fleet = manager.fleet_status()
                 trainer_status = trainer.GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=5)
             except grpc.RpcError:
                 continue
             if trainer_status.state == "failed":
-                raise RuntimeError(f"trainer failed: {trainer_status.error}")
+                # The trainer process exits next; the restart policy above brings it back (it resumes
+                # from its checkpoint) until MAX_RESTARTS, as a Deployment would.
+                last_trainer_error = trainer_status.error
+                continue
             if trainer_status.state == "finished":
                 summary["status"] = "completed"
                 break
