@@ -82,7 +82,7 @@ def test_reference_policy_sees_the_same_context() -> None:
     trainer = make_trainer(*BASE, "policy_kwargs.recurrent=true", "train_config.kl_divergence_coef_rho=0.5",
                            "train_config.learning_rate=0.0")
     kls: list[float] = []
-    trainer.hooks.register("post_loss", lambda t, terms: kls.append(float(terms.kl)))
+    trainer.hooks.register("post_loss", lambda t, terms: kls.append(float(terms.kl.detach())))
     batch = make_batch(trainer, B=8, L=16)
     batch.first[:] = False
     batch.state = {"h": torch.randn(8, trainer.unwrapped_model.core.size)}
