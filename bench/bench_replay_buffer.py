@@ -2,7 +2,14 @@
 Redis + S3 backends, with 256-step Crafter-sized fragments (obs 256x64x64x3 uint8, ~3 MB), next to the
 raw Redis + S3 put/get rate of the same bytes measured in the same run.
 
-    python bench/bench_replay_buffer.py [--fragments 48] [--quick]
+Sample is measured three ways, each followed by its own raw get of fresh keys so that every ratio
+compares rates taken back to back: in-band (the front reads each blob and streams it), by reference
+(the front claims and sends blob keys, SampleRequest.blob_refs; the reader process gets the blobs from
+the store in parallel, as bytes, like the in-band readers and the raw gets), and through the trainer's
+reader (`overworld.trainer.prefetch.sample_chunks`: by reference, and every blob parsed into a
+SampledChunk message, which the raw gets do not do).
+
+    python -m bench.bench_replay_buffer [--fragments 48] [--rounds 5] [--quick]
 
 Starts its own redis-server and S3-protocol server (moto) on free loopback ports, runs every front as
 its own process (`front` sub-command below; the embedded backend's two fronts share one process,
@@ -47,6 +54,10 @@ RESULTS = ROOT / "bench" / "results" / "replay_buffer.json"
 STREAMS_PER_FRONT = 2  # rollout workers streaming into each front
 READERS_PER_FRONT = 2  # trainer readers sampling from each front
 CHUNKS_PER_SAMPLE = 4
+# The fronts' ref grace: 2 s, the delete delay, so that blobs are deleted (S3 work) 2 s after they leave
+# whichever way they were sampled, as before sampling by reference existed; readers here fetch within
+# milliseconds of the claim. (The default, 60 s, would move that work into the next phase.)
+REF_GRACE = 2.0
 
 
 # ------------------------------------------------------------------------------------------ helpers
@@ -153,7 +164,7 @@ def serve_fronts(args: argparse.Namespace) -> int:
     handles = []
     for port in args.ports:
         service = ReplayBufferService(index, blobs, args.run_id, LENGTH, rb.fragments_per_chunk, rb.max_chunks,
-                                      lambda: SPACES, rb.max_fragment_bytes, sweep_interval=0)
+                                      lambda: SPACES, rb.max_fragment_bytes, sweep_interval=0, ref_grace=REF_GRACE)
         server = serve([(add_to_server, service, "overworld.v1.ReplayBuffer")], "127.0.0.1", port)
         handles.append((service, server))
     done.wait()
@@ -216,13 +227,13 @@ def run_ingest(addresses: list[str], requests: list[bytes]) -> float:
 
 
 def run_sample(addresses: list[str], total: int, fragment_bytes: int) -> tuple[float, int]:
-    """READERS_PER_FRONT readers per front draw every chunk once (max_reuse 1); seconds and bytes.
+    """READERS_PER_FRONT readers per front draw `total` chunks (max_reuse 1: each once); seconds and bytes.
     The readers receive the chunks as bytes, as the raw baseline gets bytes."""
     from overworld.core.grpc_util import channel
     from overworld.v1 import replay_buffer_pb2
 
     lock = threading.Lock()
-    got = [0, 0]
+    got = [0, 0, 0]  # chunks received, bytes, chunks asked for
     finished = [0.0]
     errors: list[BaseException] = []
 
@@ -233,18 +244,22 @@ def run_sample(addresses: list[str], total: int, fragment_bytes: int) -> tuple[f
                                          request_serializer=replay_buffer_pb2.SampleRequest.SerializeToString,
                                          response_deserializer=None)
                 while True:
-                    with lock:
-                        if got[0] >= total:
-                            return
-                    request = replay_buffer_pb2.SampleRequest(num_chunks=CHUNKS_PER_SAMPLE, timeout_seconds=0.2,
-                                                              allow_partial=True)
-                    for chunk in sample(request, timeout=60):  # one fragment per chunk here
-                        with lock:
-                            got[0] += 1
-                            got[1] += len(chunk)
-                            assert len(chunk) > fragment_bytes
-                            if got[0] >= total and not finished[0]:
-                                finished[0] = time.perf_counter()
+                    with lock:  # exactly `total` chunks are drawn (the buffer may hold more)
+                        n = min(CHUNKS_PER_SAMPLE, total - got[2])
+                        got[2] += n
+                    if n == 0:
+                        return
+                    while n > 0:
+                        request = replay_buffer_pb2.SampleRequest(num_chunks=n, timeout_seconds=0.2,
+                                                                  allow_partial=True)
+                        for chunk in sample(request, timeout=60):  # one fragment per chunk here
+                            n -= 1
+                            with lock:
+                                got[0] += 1
+                                got[1] += len(chunk)
+                                assert len(chunk) > fragment_bytes
+                                if got[0] >= total and not finished[0]:
+                                    finished[0] = time.perf_counter()
         except BaseException as err:
             errors.append(err)
 
@@ -257,6 +272,76 @@ def run_sample(addresses: list[str], total: int, fragment_bytes: int) -> tuple[f
     if errors:
         raise errors[0]
     return finished[0] - started, got[1]
+
+
+def run_sample_refs(stubs: list[Any], total: int, fragment_bytes: int, fetch: tuple[Any, Any] | None
+                    ) -> tuple[float, int]:
+    """Like run_sample, but by reference: one reader per stub, each asking for CHUNKS_PER_SAMPLE chunks at a
+    time. `fetch` (store, thread pool): the reader claims over gRPC (SampleRequest.blob_refs) and gets the
+    blobs from the store in parallel, as bytes (what run_sample's readers and the raw gets receive). None:
+    through the trainer's reader (`sample_chunks`), which also parses every blob into a SampledChunk."""
+    from overworld.trainer.prefetch import sample_chunks
+    from overworld.v1 import replay_buffer_pb2
+
+    def claim_and_get(stub: Any, n: int) -> int:
+        assert fetch is not None
+        store, pool = fetch
+        got = 0
+        while got < n and not stop.is_set():
+            request = replay_buffer_pb2.SampleRequest(num_chunks=n - got, timeout_seconds=0.2, allow_partial=True,
+                                                      blob_refs=True)
+            refs = list(stub.Sample(request, timeout=60))
+            gets = [pool.submit(store.get, key) for ref in refs for key in ref.blob_keys]
+            for get in gets:  # one fragment per chunk here
+                assert len(get.result()) > fragment_bytes - 4096
+            got += len(refs)
+        return got
+
+    def reader(i: int, stub: Any, n: int, stop: threading.Event) -> int:
+        chunks = sample_chunks(stub, n, 0.2, f"bench-r{i}", stop, blob_refs=True)
+        for chunk in chunks:  # one fragment per chunk here
+            # (reading .tensors would copy 3 MB, and upb's ByteSize() serializes the message)
+            assert not chunk.blob_keys and len(chunk.fragments) == 1 and chunk.fragments[0].header.length
+        return len(chunks)
+
+    lock = threading.Lock()
+    got = [0, 0, 0]  # chunks asked for, chunks received, bytes
+    finished = [0.0]
+    stop = threading.Event()
+    errors: list[BaseException] = []
+
+    def read(i: int, stub: Any) -> None:
+        try:
+            while not stop.is_set():
+                with lock:  # sample_chunks returns only with all it asked for: ask for exactly what is left
+                    n = min(CHUNKS_PER_SAMPLE, total - got[0])
+                    got[0] += n
+                if n == 0:
+                    return
+                received = claim_and_get(stub, n) if fetch is not None else reader(i, stub, n, stop)
+                with lock:
+                    got[1] += received
+                    got[2] += received * fragment_bytes
+                    if got[1] >= total and not finished[0]:
+                        finished[0] = time.perf_counter()
+        except BaseException as err:
+            errors.append(err)
+            stop.set()
+
+    threads = [threading.Thread(target=read, args=(i, stub)) for i, stub in enumerate(stubs)]
+    watchdog = threading.Timer(300, stop.set)  # the buffer should hold `total` chunks; never hang on a bug
+    watchdog.start()
+    started = time.perf_counter()
+    for t in threads:
+        t.start()
+    for t in threads:
+        t.join()
+    watchdog.cancel()
+    if errors:
+        raise errors[0]
+    if got[1] < total:
+        raise RuntimeError(f"sampled only {got[1]} of {total} chunks by reference in 300 s")
+    return finished[0] - started, got[2]
 
 
 class Raw:
@@ -300,11 +385,17 @@ class Raw:
 
 def measure(name: str, index_url: str, blobs_url: str, fronts: int, count: int, rounds: int, env: dict[str, str],
             servers: dict[str, list[int]], raw: Raw | None = None) -> dict:
-    """`rounds` rounds of ingest then sample (fresh fragments each round). With `raw`, each ingest is
-    followed by the raw puts and each sample by the raw gets, so that each comparison is made under the
-    same machine load; the raw rate of a round is the better of two concurrencies: one thread per
-    client stream (or reader), and the most requests the service itself keeps in flight (4 per stream:
-    ingest_window; 4 per reader: prefetch)."""
+    """`rounds` rounds, each: ingest 3 x `count` fresh fragments, then sample `count` in-band (`sample`),
+    `count` by reference into bytes (`sample_refs`) and `count` through the trainer's reader
+    (`sample_reader`: by reference, parsed). With `raw`, the ingest is followed by raw puts and each
+    sample by raw gets, so that each comparison is made under the same machine load; the raw rate of a
+    round is the better of two concurrencies: one thread per client stream (or reader), and the most
+    requests the service itself keeps in flight (4 per stream: ingest_window; 4 per reader: prefetch
+    in-band, CHUNKS_PER_SAMPLE by reference)."""
+    from overworld.core.blobs import open_blob_store
+    from overworld.core.grpc_util import channel
+    from overworld.v1 import replay_buffer_pb2, replay_buffer_pb2_grpc
+
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
     template = template_fragment(run_id)
 
@@ -322,37 +413,54 @@ def measure(name: str, index_url: str, blobs_url: str, fronts: int, count: int, 
     streams, readers = fronts * STREAMS_PER_FRONT, fronts * READERS_PER_FRONT
     meter = CpuMeter({"fronts": [p.pid for p in procs], "clients": [os.getpid()], **servers})
     rounds_out = []
+    # The by-reference readers' stubs live across rounds, as a trainer's do (GetStoreInfo once per stub).
+    channels = [channel(a) for a in addresses for _ in range(READERS_PER_FRONT)]
+    ref_stubs = [replay_buffer_pb2_grpc.ReplayBufferStub(ch) for ch in channels]
+    info = ref_stubs[0].GetStoreInfo(replay_buffer_pb2.GetStoreInfoRequest(), timeout=30)
+    fetch = (open_blob_store(info.blob_store_url), ThreadPoolExecutor(readers * CHUNKS_PER_SAMPLE))
+    # (phase, its raw get's key suffix, how it samples `count` chunks)
+    parts = [("sample", "", lambda: run_sample(addresses, count, nbytes)),
+             ("sample_refs", "_refs", lambda: run_sample_refs(ref_stubs, count, nbytes, fetch)),
+             ("sample_reader", "_reader", lambda: run_sample_refs(ref_stubs, count, nbytes, None))]
+    warm = [lambda: run_sample(addresses, streams, nbytes), lambda: run_sample_refs(ref_stubs, streams, nbytes, fetch),
+            lambda: run_sample_refs(ref_stubs, streams, nbytes, None)]
     try:
-        warm = [request(f"warm{i}", 0) for i in range(streams)]
-        run_ingest(addresses, warm)  # connections, code paths and caches warm
-        run_sample(addresses, len(warm), nbytes)
+        for k, sample_warm in enumerate(warm):  # connections, code paths and caches warm
+            run_ingest(addresses, [request(f"warm{i}", k) for i in range(streams)])
+            sample_warm()
+        total = count * len(parts)  # ingested at once; each way of sampling then draws `count`
         for r in range(rounds):
-            # One env slot per worker, each worker on one stream: sequence numbers arrive in order.
-            requests = [request(f"r{r}w{i % 8}", i // 8) for i in range(count)]
             one: dict[str, Any] = {"cpu_ms_per_fragment": {}}
             cpu = one["cpu_ms_per_fragment"]
+            # One env slot per worker, each worker on one stream: sequence numbers arrive in order.
+            requests = [request(f"r{r}w{i % 8}", i // 8) for i in range(total)]
             before = meter.snapshot()
-            one["ingest"] = count / run_ingest(addresses, requests)
-            cpu["ingest"] = meter.per_fragment(before, count)
+            one["ingest"] = total / run_ingest(addresses, requests)
+            cpu["ingest"] = meter.per_fragment(before, total)
             del requests
             if raw is not None:
                 before = meter.snapshot()
-                rate_a, keys_a = raw.put(count, streams)
-                rate_b, keys_b = raw.put(count, streams * 4)
+                rate_a, keys_a = raw.put(total, streams)
+                rate_b, keys_b = raw.put(total, streams * 4)
                 one["raw_put"] = max(rate_a, rate_b)
-                cpu["raw_put"] = meter.per_fragment(before, 2 * count)
-            before = meter.snapshot()
-            seconds, _ = run_sample(addresses, count, nbytes)
-            one["sample"] = count / seconds
-            cpu["sample"] = meter.per_fragment(before, count)
-            if raw is not None:
-                before = meter.snapshot()
-                one["raw_get"] = max(raw.get(keys_a, readers), raw.get(keys_b, readers * 4))
-                cpu["raw_get"] = meter.per_fragment(before, 2 * count)
+                cpu["raw_put"] = meter.per_fragment(before, 2 * total)
                 one["ingest_vs_raw"] = one["ingest"] / one["raw_put"]
-                one["sample_vs_raw"] = one["sample"] / one["raw_get"]
+            for k, (phase, suffix, sample) in enumerate(parts):
+                before = meter.snapshot()
+                seconds, _ = sample()
+                one[phase] = count / seconds
+                cpu[phase] = meter.per_fragment(before, count)
+                if raw is not None:
+                    part = slice(k * count, (k + 1) * count)
+                    before = meter.snapshot()
+                    one["raw_get" + suffix] = max(raw.get(keys_a[part], readers), raw.get(keys_b[part], readers * 4))
+                    cpu["raw_get" + suffix] = meter.per_fragment(before, 2 * count)
+                    one[phase + "_vs_raw"] = one[phase] / one["raw_get" + suffix]
             rounds_out.append(one)
     finally:
+        fetch[1].shutdown()
+        for ch in channels:
+            ch.close()
         for p in procs:
             stop(p)
     mb = nbytes / 1e6
@@ -360,19 +468,27 @@ def measure(name: str, index_url: str, blobs_url: str, fronts: int, count: int, 
     def median(key: str) -> float:
         return statistics.median(r[key] for r in rounds_out)
 
-    phases = ["ingest", "sample", *(["raw_put", "raw_get"] if raw is not None else [])]
+    samples = [(phase, suffix) for phase, suffix, _ in parts]
+    phases = ["ingest", *(p for p, _ in samples),
+              *(["raw_put", *("raw_get" + x for _, x in samples)] if raw is not None else [])]
     cpu_median = {ph: {role: statistics.median(r["cpu_ms_per_fragment"][ph][role] for r in rounds_out)
                        for role in meter.roles} for ph in phases}
     row = {"backend": name, "fronts": fronts, "fragments": count, "rounds": rounds_out, "fragment_bytes": nbytes,
            "cpu_ms_per_fragment": cpu_median,
-           "ingest_fragments_per_s": median("ingest"), "ingest_mb_per_s": median("ingest") * mb,
-           "sample_fragments_per_s": median("sample"), "sample_mb_per_s": median("sample") * mb}
+           "ingest_fragments_per_s": median("ingest"), "ingest_mb_per_s": median("ingest") * mb}
+    for phase, _ in samples:
+        row.update({f"{phase}_fragments_per_s": median(phase), f"{phase}_mb_per_s": median(phase) * mb})
     if raw is not None:
-        row.update({"raw_put_fragments_per_s": median("raw_put"), "raw_get_fragments_per_s": median("raw_get"),
-                    "ingest_vs_raw": median("ingest_vs_raw"), "sample_vs_raw": median("sample_vs_raw"),
-                    # Total CPU per fragment, raw / service: the same ratio, much less sensitive to other load.
-                    "ingest_cpu_vs_raw": sum(cpu_median["raw_put"].values()) / sum(cpu_median["ingest"].values()),
-                    "sample_cpu_vs_raw": sum(cpu_median["raw_get"].values()) / sum(cpu_median["sample"].values())})
+        def cpu_ratio(raw_phase: str, phase: str) -> float:
+            # Total CPU per fragment, raw / service: the same ratio, much less sensitive to other load.
+            return sum(cpu_median[raw_phase].values()) / sum(cpu_median[phase].values())
+
+        row.update({"raw_put_fragments_per_s": median("raw_put"), "ingest_vs_raw": median("ingest_vs_raw"),
+                    "ingest_cpu_vs_raw": cpu_ratio("raw_put", "ingest")})
+        for phase, suffix in samples:
+            row.update({f"raw_get{suffix}_fragments_per_s": median("raw_get" + suffix),
+                        f"{phase}_vs_raw": median(phase + "_vs_raw"),
+                        f"{phase}_cpu_vs_raw": cpu_ratio("raw_get" + suffix, phase)})
     return row
 
 
@@ -384,8 +500,9 @@ def main(argv: list[str] | None = None) -> int:
     f.add_argument("--blobs", required=True)
     f.add_argument("--run-id", required=True)
     f.add_argument("--ports", type=int, nargs="+", required=True)
-    parser.add_argument("--fragments", type=int, default=24, help="fragments per round (~3 MB each)")
-    parser.add_argument("--rounds", type=int, default=3, help="rounds per configuration (medians are reported)")
+    parser.add_argument("--fragments", type=int, default=48,
+                        help="fragments per way of sampling per round (~3 MB each; 3x as many are ingested)")
+    parser.add_argument("--rounds", type=int, default=5, help="rounds per configuration (medians are reported)")
     parser.add_argument("--quick", action="store_true", help="12 fragments, 1 round")
     parser.add_argument("--output", default=str(RESULTS))
     args = parser.parse_args(argv)
@@ -409,6 +526,7 @@ def main(argv: list[str] | None = None) -> int:
     s3 = {"OVERWORLD_S3_ENDPOINT": f"http://127.0.0.1:{s3_port}", "OVERWORLD_S3_ACCESS_KEY": "bench",
           "OVERWORLD_S3_SECRET_KEY": "bench"}
     env.update(s3)
+    os.environ.update(s3)  # this process's by-reference readers open the store as a trainer does
     redis_url = f"redis://127.0.0.1:{redis_port}/0"
     started = time.monotonic()
     rows: list[dict] = []
@@ -431,28 +549,39 @@ def main(argv: list[str] | None = None) -> int:
     elapsed = time.monotonic() - started
     mb = len(blob) / 1e6
     print()
-    print(f"{'backend':<14}{'fronts':>7}{'ingest frag/s':>15}{'ingest MB/s':>13}{'sample frag/s':>15}"
-          f"{'sample MB/s':>13}{'raw put/s':>11}{'raw get/s':>11}{'ingest/raw':>12}{'sample/raw':>12}")
+    print("frag/s (MB/s). sample: in-band (the front reads and streams the blobs); by ref: claimed over gRPC,"
+          " blobs got from the store by the reader process, as bytes; reader: the trainer's reader by ref"
+          " (blobs also parsed into SampledChunk). Each ratio is against the raw get measured right after it.")
+    print(f"{'backend':<14}{'fronts':>7}{'ingest':>14}{'sample':>14}{'by ref':>14}{'reader':>14}{'raw put':>9}"
+          f"{'raw get':>9}{'ingest/raw':>11}{'sample/raw':>11}{'ref/raw':>9}{'reader/raw':>11}")
     for r in rows:
-        extra = (f"{r['raw_put_fragments_per_s']:>11.1f}{r['raw_get_fragments_per_s']:>11.1f}"
-                 f"{r['ingest_vs_raw']:>12.0%}{r['sample_vs_raw']:>12.0%}" if "ingest_vs_raw" in r else "")
-        print(f"{r['backend']:<14}{r['fronts']:>7}{r['ingest_fragments_per_s']:>15.1f}{r['ingest_mb_per_s']:>13.1f}"
-              f"{r['sample_fragments_per_s']:>15.1f}{r['sample_mb_per_s']:>13.1f}{extra}")
+        extra = (f"{r['raw_put_fragments_per_s']:>9.1f}{r['raw_get_fragments_per_s']:>9.1f}"
+                 f"{r['ingest_vs_raw']:>11.0%}{r['sample_vs_raw']:>11.0%}{r['sample_refs_vs_raw']:>9.0%}"
+                 f"{r['sample_reader_vs_raw']:>11.0%}" if "ingest_vs_raw" in r else "")
+        rates = "".join(f"{r[k + '_fragments_per_s']:>7.1f} ({r[k + '_mb_per_s']:>4.0f})"
+                        for k in ("ingest", "sample", "sample_refs", "sample_reader"))
+        print(f"{r['backend']:<14}{r['fronts']:>7}{rates}{extra}")
     print("\nCPU ms per fragment (medians), by process role; raw rows: the same bytes without the service")
     roles = ["fronts", "clients", "s3", "redis"]
-    print(f"{'backend':<14}{'fronts':>7}{'phase':>9}" + "".join(f"{x:>9}" for x in roles) + f"{'total':>9}{'raw/svc':>9}")
+    print(f"{'backend':<14}{'fronts':>7}{'phase':>15}" + "".join(f"{x:>9}" for x in roles) + f"{'total':>9}{'raw/svc':>9}")
     for r in rows:
         for phase, cpu in r["cpu_ms_per_fragment"].items():
-            versus = {"ingest": "ingest_cpu_vs_raw", "sample": "sample_cpu_vs_raw"}.get(phase, "")
+            versus = f"{phase}_cpu_vs_raw"
             ratio = f"{r[versus]:>9.0%}" if versus in r else ""
-            print(f"{r['backend']:<14}{r['fronts']:>7}{phase:>9}" + "".join(f"{cpu[x]:>9.1f}" for x in roles)
+            print(f"{r['backend']:<14}{r['fronts']:>7}{phase:>15}" + "".join(f"{cpu[x]:>9.1f}" for x in roles)
                   + f"{sum(cpu.values()):>9.1f}{ratio}")
-    ratios = [min(r["ingest_vs_raw"], r["sample_vs_raw"]) for r in rows if "ingest_vs_raw" in r]
-    cpu_ratios = [min(r["ingest_cpu_vs_raw"], r["sample_cpu_vs_raw"]) for r in rows if "ingest_vs_raw" in r]
+    # Sampling by reference is the trainer's default with S3: that is the sample path judged (as bytes, like
+    # the raw gets); the in-band path and the trainer's reader (which also parses) are reported beside it.
+    service = [r for r in rows if "ingest_vs_raw" in r]
+    ratios = [min(r["ingest_vs_raw"], r["sample_refs_vs_raw"]) for r in service]
+    cpu_ratios = [min(r["ingest_cpu_vs_raw"], r["sample_refs_cpu_vs_raw"]) for r in service]
+    in_band = min(r["sample_vs_raw"] for r in service)
+    reader = min(r["sample_reader_vs_raw"] for r in service)
     target_met = min(ratios) >= 0.7
     print(f"\nfragment: {mb:.2f} MB ({LENGTH} steps of 64x64x3 uint8); MB/s = frag/s x {mb:.2f}. "
-          f"Redis+S3 path vs raw, worst of ingest/sample and 1/2 fronts: {min(ratios):.0%} by throughput, "
-          f"{min(cpu_ratios):.0%} by CPU per fragment (target >= 70%: {'met' if target_met else 'NOT met'}); "
+          f"Redis+S3 path vs raw, worst of ingest/sample by ref and 1/2 fronts: {min(ratios):.0%} by throughput, "
+          f"{min(cpu_ratios):.0%} by CPU per fragment (target >= 70%: {'met' if target_met else 'NOT met'}; "
+          f"sample in-band: {in_band:.0%}, trainer's reader: {reader:.0%}); "
           f"{elapsed:.0f}s on {os.cpu_count()} CPUs, load average {os.getloadavg()[0]:.1f}")
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
@@ -465,7 +594,10 @@ def main(argv: list[str] | None = None) -> int:
         "summary": {f"{r['backend']} {r['fronts']} front{'s' if r['fronts'] > 1 else ''}": {
             k: round(v, 3) for k, v in r.items() if isinstance(v, float)} for r in rows},
         "results": rows,
-        "worst_ratio_vs_raw": min(ratios), "worst_cpu_ratio_vs_raw": min(cpu_ratios), "target_ratio": 0.7, "target_met": target_met,
+        # Worst over 1 and 2 fronts of ingest and sample by reference (the trainer's path with S3).
+        "worst_ratio_vs_raw": min(ratios), "worst_cpu_ratio_vs_raw": min(cpu_ratios),
+        "worst_in_band_sample_ratio_vs_raw": in_band, "worst_reader_sample_ratio_vs_raw": reader,
+        "target_ratio": 0.7, "target_met": target_met,
         "seconds": round(elapsed, 1)}, indent=2) + "\n")
     print(f"wrote {out}")
     return 0
@@ -474,7 +606,9 @@ def main(argv: list[str] | None = None) -> int:
 def print_row(r: dict) -> None:
     print(f"  {r['backend']:<13} fronts={r['fronts']} ingest {r['ingest_fragments_per_s']:.1f} frag/s "
           f"({r['ingest_mb_per_s']:.0f} MB/s), sample {r['sample_fragments_per_s']:.1f} frag/s "
-          f"({r['sample_mb_per_s']:.0f} MB/s)", flush=True)
+          f"({r['sample_mb_per_s']:.0f} MB/s), by ref {r['sample_refs_fragments_per_s']:.1f} frag/s "
+          f"({r['sample_refs_mb_per_s']:.0f} MB/s), reader {r['sample_reader_fragments_per_s']:.1f} frag/s "
+          f"({r['sample_reader_mb_per_s']:.0f} MB/s)", flush=True)
 
 
 if __name__ == "__main__":
