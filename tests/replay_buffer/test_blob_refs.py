@@ -14,8 +14,8 @@ from prometheus_client import REGISTRY
 from rb_support import insert, sample, stats, wait_until
 
 from overworld.core.blobs import open_blob_store
+from overworld.replay_buffer import client
 from overworld.replay_buffer.sweeper import OrphanSweeper
-from overworld.trainer import prefetch
 from overworld.trainer.prefetch import ChunkReader, sample_chunks
 from overworld.v1 import common_pb2, replay_buffer_pb2
 
@@ -142,10 +142,10 @@ def test_a_chunk_whose_blob_is_gone_is_skipped_and_counted(make_buffer, caplog):
     insert(buf.stub, [buf.fragment(seq=q) for q in range(3)])
     (gone,) = [k for k in buf.blob_keys() if "/000000000001-" in k]
     buf.front.blobs.delete([gone])  # as if it had been deleted after the grace period
-    before = _metric("overworld_trainer_skipped_chunks_total", reason="missing")
+    before = _metric("overworld_replay_buffer_reader_skipped_chunks_total", reason="missing")
     chunks = _sample_until_stopped(buf.stub, 3, 2.0, blob_refs=True)
     assert sorted(c.fragments[0].header.sequence for c in chunks) == [0, 2]
-    assert _metric("overworld_trainer_skipped_chunks_total", reason="missing") - before == 1
+    assert _metric("overworld_replay_buffer_reader_skipped_chunks_total", reason="missing") - before == 1
     assert "is gone" in caplog.text
     assert stats(buf.stub).sampled_chunks == 3  # the claim counted; the reader asked for another in its place
 
@@ -163,9 +163,9 @@ def test_blobs_of_a_chunk_claimed_by_ref_outlive_the_grace_only(make_buffer):
     assert time.monotonic() - claimed >= grace
     assert len(buf.blob_keys()) == 1  # the other chunk's blob is untouched
     # A reader that comes back after the grace finds the blob gone: skipped and counted, no crash.
-    before = _metric("overworld_trainer_skipped_chunks_total", reason="missing")
-    assert prefetch._fetch_refs(buf.stub, store, "late", [ref]) == []
-    assert _metric("overworld_trainer_skipped_chunks_total", reason="missing") - before == 1
+    before = _metric("overworld_replay_buffer_reader_skipped_chunks_total", reason="missing")
+    assert client.fetch_chunks(buf.stub, store, "late", [ref]) == []
+    assert _metric("overworld_replay_buffer_reader_skipped_chunks_total", reason="missing") - before == 1
 
 
 def test_another_fronts_eviction_keeps_blobs_handed_out_by_ref_for_the_grace(make_buffer):
@@ -245,27 +245,27 @@ def test_reader_falls_back_to_in_band_when_it_cannot_use_the_store(make_buffer, 
 
     # The store fails: the claimed chunks are skipped and counted, and the reader samples in-band for a while.
     insert(buf_for_failure.stub, [buf_for_failure.fragment(seq=q) for q in range(10, 14)])
-    prefetch._ref_stores[stub]["store"] = Failing()
-    before = _metric("overworld_trainer_skipped_chunks_total", reason="error")
+    client._ref_stores[stub]["store"] = Failing()
+    before = _metric("overworld_replay_buffer_reader_skipped_chunks_total", reason="error")
     chunks = sample_chunks(stub, 2, 2.0, "failing", blob_refs=True)
     assert len(chunks) == 2 and all(len(c.fragments) == 1 for c in chunks)
-    assert _metric("overworld_trainer_skipped_chunks_total", reason="error") - before == 2  # both of one claim
-    assert prefetch._ref_store(stub, True) is None  # in-band until REF_RETRY_SECONDS passed
+    assert _metric("overworld_replay_buffer_reader_skipped_chunks_total", reason="error") - before == 2  # both of one claim
+    assert client.blob_store_for(stub, True) is None  # in-band until REF_RETRY_SECONDS passed
 
 
 def test_a_store_that_is_not_the_fronts_sends_the_reader_back_in_band(make_buffer, backend, caplog):
     buf = make_buffer(max_chunks=10)
     insert(buf.stub, [buf.fragment(seq=q) for q in range(4)])
-    assert prefetch._ref_store(buf.stub, True) is not None
+    assert client.blob_store_for(buf.stub, True) is not None
     # As if this reader's OVERWORLD_S3_ENDPOINT named another server with the same bucket: nothing is there.
     elsewhere = backend.blobs(f"{buf.run_id}-elsewhere")
-    prefetch._ref_stores[buf.stub]["store"] = elsewhere
-    before = _metric("overworld_trainer_skipped_chunks_total", reason="missing")
+    client._ref_stores[buf.stub]["store"] = elsewhere
+    before = _metric("overworld_replay_buffer_reader_skipped_chunks_total", reason="missing")
     chunks = sample_chunks(buf.stub, 2, 2.0, "misconfigured", blob_refs=True)
     assert len(chunks) == 2 and all(len(c.fragments) == 1 for c in chunks)  # in-band after the first call
-    assert _metric("overworld_trainer_skipped_chunks_total", reason="missing") - before == 2
+    assert _metric("overworld_replay_buffer_reader_skipped_chunks_total", reason="missing") - before == 2
     assert "none of the 2 sampled chunks' blobs were in" in caplog.text
-    assert prefetch._ref_store(buf.stub, True) is None
+    assert client.blob_store_for(buf.stub, True) is None
 
 
 def test_a_front_without_blob_refs_is_sampled_in_band(make_buffer):
@@ -277,6 +277,6 @@ def test_a_front_without_blob_refs_is_sampled_in_band(make_buffer):
             self.Sample = stub.Sample
 
     old = OldStub(buf.stub)
-    assert prefetch._ref_store(old, True) is None
+    assert client.blob_store_for(old, True) is None
     chunks = sample_chunks(old, 2, 2.0, "old", blob_refs=True)
     assert Counter(len(c.fragments) for c in chunks) == {1: 2}
