@@ -14,6 +14,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
+from overworld.core.protowire import read_varint, varint
 from overworld.v1 import model_registry_pb2 as pb
 
 # field number << 3 | wire type
@@ -22,31 +23,8 @@ _CHUNK_DATA = 3 << 3 | 2  # WeightsChunk.data (bytes)
 _PUBLISH_CHUNK = 2 << 3 | 2  # PublishRequest.chunk (bytes)
 
 
-def varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        bits = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(bits | 0x80)
-        else:
-            out.append(bits)
-            return bytes(out)
 
 
-def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
-    result = shift = 0
-    while True:
-        if pos >= len(buf):
-            raise ValueError("truncated varint")
-        byte = buf[pos]
-        pos += 1
-        result |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return result, pos
-        shift += 7
-        if shift >= 64:
-            raise ValueError("varint too long")
 
 
 def _fields(raw: bytes | memoryview) -> list[tuple[int, int | memoryview]]:
@@ -54,13 +32,13 @@ def _fields(raw: bytes | memoryview) -> list[tuple[int, int | memoryview]]:
     buf = memoryview(raw)
     pos, out = 0, []
     while pos < len(buf):
-        key, pos = _read_varint(buf, pos)
+        key, pos = read_varint(buf, pos)
         field, kind = key >> 3, key & 7
         if kind == 0:
-            value, pos = _read_varint(buf, pos)
+            value, pos = read_varint(buf, pos)
             out.append((field, value))
         elif kind == 2:
-            length, pos = _read_varint(buf, pos)
+            length, pos = read_varint(buf, pos)
             if pos + length > len(buf):
                 raise ValueError("truncated length-delimited field")
             out.append((field, buf[pos:pos + length]))

@@ -15,39 +15,18 @@ import struct
 
 import numpy as np
 
+from overworld.core.protowire import WireError, read_varint, varint
+
 # safetensors dtype names -> numpy (BF16 and F8 have no numpy dtype: those take the copying decoder)
 DTYPES = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16, "F16": np.float16,
           "U32": np.uint32, "I32": np.int32, "F32": np.float32, "U64": np.uint64, "I64": np.int64,
           "F64": np.float64}
 
 
-class WireError(ValueError):
-    pass
 
 
-def varint(value: int) -> bytes:
-    out = bytearray()
-    while True:
-        byte = value & 0x7F
-        value >>= 7
-        if value:
-            out.append(byte | 0x80)
-        else:
-            out.append(byte)
-            return bytes(out)
 
 
-def _read_varint(buf: memoryview, pos: int) -> tuple[int, int]:
-    value = shift = 0
-    while True:
-        if pos >= len(buf) or shift > 63:
-            raise WireError("truncated or overlong varint")
-        byte = buf[pos]
-        pos += 1
-        value |= (byte & 0x7F) << shift
-        if not byte & 0x80:
-            return value, pos
-        shift += 7
 
 
 def length_delimited_fields(buf: memoryview) -> dict[int, memoryview]:
@@ -57,11 +36,11 @@ def length_delimited_fields(buf: memoryview) -> dict[int, memoryview]:
     out: dict[int, memoryview] = {}
     pos = 0
     while pos < len(buf):
-        key, pos = _read_varint(buf, pos)
+        key, pos = read_varint(buf, pos)
         number, wire_type = key >> 3, key & 7
         if wire_type != 2:
             raise WireError(f"field {number}: wire type {wire_type}")
-        size, pos = _read_varint(buf, pos)
+        size, pos = read_varint(buf, pos)
         if pos + size > len(buf):
             raise WireError(f"field {number}: {size} bytes past the end")
         if number in out:
