@@ -84,7 +84,9 @@ def test_env_that_raises_is_rebuilt_alone(backend: str) -> None:
                       and min(t["stepped"].values()) > 30)
         assert tally["failed"]["error"] >= 8 and set(tally["failed"]) == {"error"}
         assert min(tally["stepped"].values()) > 30  # every slot keeps stepping
-        assert pool.restarts["error"] == tally["failed"]["error"]
+        # Every reported failure was a restart; a failure counted by the pool may not be reported yet
+        # (at most one per slot) when the loop stops.
+        assert tally["failed"]["error"] <= pool.restarts["error"] <= tally["failed"]["error"] + 4
     finally:
         pool.close()
 

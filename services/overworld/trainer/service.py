@@ -67,6 +67,29 @@ class TrainerStatusService(trainer_pb2_grpc.TrainerServicer):
             self.status.error = error
 
 
+RAY_START_ATTEMPTS = 3
+
+
+def start_ray(address: str) -> None:
+    """Start (or join) Ray, trying again on a start that timed out: on a busy machine the raylet can
+    miss Ray's startup deadline, and one slow start must not fail a run."""
+    import ray
+
+    for attempt in range(1, RAY_START_ATTEMPTS + 1):
+        try:
+            if address:
+                ray.init(address=address, log_to_driver=True)
+            else:
+                ray.init(include_dashboard=False, log_to_driver=True, configure_logging=False)
+            return
+        except Exception as err:
+            ray.shutdown()
+            if attempt == RAY_START_ATTEMPTS:
+                raise
+            log.warning("Ray did not start (attempt %d of %d): %s; trying again", attempt, RAY_START_ATTEMPTS, err)
+            time.sleep(5.0 * attempt)
+
+
 def advertised_host(bind_host: str) -> str:
     """Where Ray Train workers (possibly other pods) reach this driver's status endpoint."""
     if bind_host not in ("0.0.0.0", "::", ""):
@@ -97,15 +120,11 @@ class TrainerDriver:
             # Ray binds its node to the primary interface unless told it is a single-machine cluster:
             # a laptop run keeps every Ray socket on loopback. (Read by Ray at import.)
             os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-        import ray
 
         # Ray nices its workers to 15 by default; the learner must not yield to every other process.
         os.environ.setdefault("RAY_worker_niceness", "0")
         try:
-            if self.ray_address:
-                ray.init(address=self.ray_address, log_to_driver=True)
-            else:
-                ray.init(include_dashboard=False, log_to_driver=True, configure_logging=False)
+            start_ray(self.ray_address)
             name = self.config.trainer_name
             cls = import_object(TRAINERS.get(name, name))
             if not (isinstance(cls, type) and issubclass(cls, BaseTrainer)):
