@@ -27,7 +27,6 @@ import json
 import os
 import shutil
 import signal
-import socket
 import statistics
 import subprocess
 import sys
@@ -45,6 +44,7 @@ sys.path.insert(0, str(ROOT / "services"))
 import numpy as np  # noqa: E402
 
 from overworld.core.fragment import Fragment, expected_tensors  # noqa: E402
+from overworld.core.net import free_port, wait_port  # noqa: E402
 from overworld.core.specs import Spaces, TensorSpec  # noqa: E402
 
 SPACES = Spaces(obs={"rgb": TensorSpec((64, 64, 3), "uint8")}, action={"action": TensorSpec((), "int64")})
@@ -63,21 +63,8 @@ REF_GRACE = 2.0
 # ------------------------------------------------------------------------------------------ helpers
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
-def wait_port(port: int, timeout: float = 30.0) -> None:
-    deadline = time.monotonic() + timeout
-    while time.monotonic() < deadline:
-        try:
-            with socket.create_connection(("127.0.0.1", port), timeout=0.5):
-                return
-        except OSError:
-            time.sleep(0.05)
-    raise TimeoutError(f"nothing listening on {port}")
 
 
 def stop(proc: subprocess.Popen) -> None:

@@ -6,7 +6,6 @@ import contextlib
 import json
 import os
 import signal
-import socket
 import subprocess
 import sys
 import time
@@ -18,6 +17,7 @@ import grpc
 
 from overworld.core.config import ConfigError, RunConfig, load_config, to_yaml
 from overworld.core.grpc_util import channel, wait_healthy
+from overworld.core.net import free_port
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.v1 import trainer_pb2, trainer_pb2_grpc
 
@@ -25,10 +25,6 @@ MAX_RESTARTS = 3  # per service; the trainer resumes from its latest checkpoint 
 RESTARTABLE = ("trainer", "rollout-worker")
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 @dataclass

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import dataclasses
 import os
-import socket
 import subprocess
 import sys
 import time
@@ -21,6 +20,7 @@ from overworld.core.blobs import BlobStore, LocalBlobStore
 from overworld.core.config import ReplayBufferConfig
 from overworld.core.fragment import Fragment, expected_tensors
 from overworld.core.grpc_util import Server, channel, serve
+from overworld.core.net import free_port  # noqa: F401 (used by the tests)
 from overworld.core.specs import Spaces, TensorSpec
 from overworld.replay_buffer.index import MemoryIndex, ReplayIndex
 from overworld.replay_buffer.rate_limiter import RateLimiter
@@ -36,10 +36,6 @@ SERVICE_DEFAULTS: dict[str, Any] = {"delete_delay": 0.1, "ref_grace": 0.0, "swee
                                     "metrics_interval": 0.2, "default_sample_timeout": 5.0}
 
 
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def new_run_id() -> str:
