@@ -17,6 +17,9 @@ COPY pyproject.toml README.md ./
 COPY proto ./proto
 COPY services ./services
 RUN pip install . && overworld --help >/dev/null
+# Compile Crafter's world generation (numba, cache=True) now, into the image's read-only
+# site-packages: a worker pod never compiles it at start.
+RUN SDL_VIDEODRIVER=dummy python -c "from overworld.envs.crafter_cow import make_env; make_env().reset(seed=0)"
 
 FROM python:${PYTHON_VERSION}-slim-bookworm AS runtime
 LABEL org.opencontainers.image.title="overworld-rollout-worker" \
