@@ -1,24 +1,29 @@
 """Learning curves: return against env steps and wall time for several seeds, on CartPole and on the
-Crafter cow task, with a random policy's return measured in the same run.
+Crafter cow task, with the return of policies that do not learn (random; on the cow task also a
+scripted player) measured in the same run.
 
     python bench/bench_learning.py                  -> bench/results/learning.json
     BENCH_TASKS=cartpole BENCH_SEEDS=0 python bench/bench_learning.py
 
 Knobs (environment): BENCH_TASKS (cartpole,crafter_cow), BENCH_SEEDS (0,1,2),
-BENCH_CARTPOLE_STEPS (200000), BENCH_CRAFTER_STEPS (1000000), BENCH_RANDOM_EPISODES (20).
+BENCH_CARTPOLE_STEPS (200000), BENCH_CRAFTER_STEPS (1000000), BENCH_RANDOM_EPISODES (20),
+BENCH_BASELINES_ONLY=1 (re-measure the policies that do not learn into an existing result).
 """
 
 from __future__ import annotations
 
+import json
 import os
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import numpy as np
 
 from bench.runs import RESULTS, overworld_run, write
+from bench.scripted_crafter_cow import ScriptedCowHunter
 from overworld.core.config import load_config
 from overworld.core.imports import call_generator, import_object
 
@@ -32,10 +37,25 @@ TASKS = {
 # cows per episode" comes from; the cow task summons cows next to a player with a sword, as
 # MineStudio's quick start does.
 PLAIN_CRAFTER = {"num_cows": 0, "sword": None}
+Chooser = Callable[[Any, np.random.Generator], int]
 
 
-def random_policy_return(config_path: str, episodes: int, seed: int = 0,
-                         env_overrides: dict[str, Any] | None = None) -> dict[str, float]:
+def random_action(env: Any, rng: np.random.Generator) -> int:
+    return int(rng.integers(env.action_space.n))
+
+
+def random_player(seed: int) -> Chooser:
+    return random_action
+
+
+def scripted_cow_hunter(seed: int) -> Chooser:
+    hunter = ScriptedCowHunter(seed)
+    return lambda env, rng: hunter.act(env)
+
+
+def policy_return(config_path: str, episodes: int, player: Callable[[int], Chooser], seed: int = 0,
+                  env_overrides: dict[str, Any] | None = None) -> dict[str, float]:
+    """Mean return over `episodes` episodes, each played by a new `player(episode seed)`."""
     config = load_config(Path(__file__).resolve().parents[1] / config_path)
     env = call_generator(import_object(config.env_generator), {**config.env_kwargs, **(env_overrides or {})})
     rng = np.random.default_rng(seed)
@@ -43,10 +63,10 @@ def random_policy_return(config_path: str, episodes: int, seed: int = 0,
     started = time.monotonic()
     for episode in range(episodes):
         env.reset(seed=seed + episode)
+        act = player(seed + episode)
         total, length, done = 0.0, 0, False
         while not done:
-            _, reward, terminated, truncated, _ = env.step(env.action_space.sample() if rng is None else
-                                                           int(rng.integers(env.action_space.n)))
+            _, reward, terminated, truncated, _ = env.step(act(env, rng))
             total += float(reward)
             length += 1
             done = terminated or truncated
@@ -58,21 +78,38 @@ def random_policy_return(config_path: str, episodes: int, seed: int = 0,
             "seconds": round(time.monotonic() - started, 1)}
 
 
+def baselines(task: str, config: str, episodes: int) -> dict[str, Any]:
+    """Policies that do not learn, measured in the same run: random, and on the cow task also random
+    on plain Crafter and a scripted player that reads the game's state."""
+    out = {"random_policy": policy_return(config, episodes, random_player)}
+    if task == "crafter_cow":
+        out["random_policy_plain_crafter"] = policy_return(config, episodes, random_player, env_overrides=PLAIN_CRAFTER)
+        out["scripted_policy"] = policy_return(config, episodes, scripted_cow_hunter)
+    for name, value in out.items():
+        print(task, name, value, flush=True)
+    return out
+
+
 def main() -> None:
     tasks = os.environ.get("BENCH_TASKS", "cartpole,crafter_cow").split(",")
     seeds = [int(s) for s in os.environ.get("BENCH_SEEDS", "0,1,2").split(",")]
     episodes = int(os.environ.get("BENCH_RANDOM_EPISODES", 20))
+    baselines_only = os.environ.get("BENCH_BASELINES_ONLY") == "1"
     result: dict[str, Any] = {"tasks": {}}
     for task in tasks:
         config, steps = TASKS[task]
-        entry: dict[str, Any] = {"config": config, "max_env_steps": steps,
-                                 "random_policy": random_policy_return(config, episodes), "seeds": {}}
-        print(task, "random policy:", entry["random_policy"], flush=True)
-        if task == "crafter_cow":
-            entry["random_policy_plain_crafter"] = random_policy_return(config, episodes, env_overrides=PLAIN_CRAFTER)
-            print(task, "random policy, plain Crafter:", entry["random_policy_plain_crafter"], flush=True)
-        result["tasks"][task] = entry
         name = "learning" if set(tasks) == set(TASKS) else "learning_" + "_".join(tasks)
+        if baselines_only:  # re-measure the baselines of an existing result, keeping its seeds
+            path = RESULTS / f"{name}.json"
+            result = json.loads(path.read_text()) if path.exists() else result
+            result.setdefault("tasks", {}).setdefault(task, {}).update(baselines(task, config, episodes))
+            for key in ("benchmark", "date", "cpus"):  # write() stamps them anew
+                result.pop(key, None)
+            write(name, result)
+            continue
+        entry: dict[str, Any] = {"config": config, "max_env_steps": steps, **baselines(task, config, episodes),
+                                 "seeds": {}}
+        result["tasks"][task] = entry
         for seed in seeds:
             with tempfile.TemporaryDirectory() as tmp:
                 summary = overworld_run(config, Path(tmp) / "run", "--max-env-steps", str(steps),
