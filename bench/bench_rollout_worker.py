@@ -105,7 +105,8 @@ def async_vector_env(n: int, seconds: float, kwargs: dict[str, Any]) -> dict[str
 
 # -- the rollout worker -------------------------------------------------------------------------------
 class WorkerBench:
-    def __init__(self, policy_kwargs: dict[str, Any], num_envs: int, workdir: Path, start: bool = True) -> None:
+    def __init__(self, policy_kwargs: dict[str, Any], num_envs: int, workdir: Path, start: bool = True,
+                 batch_size: int | None = None) -> None:
         from overworld.core.blobs import LocalBlobStore
         from overworld.core.config import load_config
         from overworld.core.grpc_util import channel, serve
@@ -126,7 +127,7 @@ class WorkerBench:
         config = load_config(ROOT / "examples/crafter_cow.yaml", [
             "run_id=bench", f"rollout_config.worker_config.num_envs={num_envs}",
             "rollout_config.worker_config.num_env_processes=2", "rollout_config.worker_config.device=cpu",
-            f"rollout_config.worker_config.batch_size={max(1, num_envs // 2)}",
+            f"rollout_config.worker_config.batch_size={batch_size or max(1, num_envs // 2)}",
             "rollout_config.replay_buffer_config.max_chunks=1000000",
             "rollout_config.replay_buffer_config.samples_per_insert=null", "rollout_config.to_send_queue_size=64"])
         config.policy_kwargs = policy_kwargs

@@ -25,11 +25,12 @@ import json
 import logging
 import math
 import multiprocessing as mp
+import select
 import threading
 import time
 from collections import Counter, deque
 from dataclasses import dataclass, field
-from multiprocessing.connection import Connection, wait
+from multiprocessing.connection import Connection
 from typing import Any
 
 import numpy as np
@@ -188,6 +189,7 @@ class _Proc:
     respawn_at: float = 0.0
     generation: int = 0
     deaths_before_hello: int = 0
+    readable: Any = None  # select.poll() on conn alone: "another message?" without building a selector
     backoff: float = 0.0
     fatal: str = ""
 
@@ -214,6 +216,10 @@ class EnvPool(_PoolBase):
         self._proc_of = np.zeros(num_envs, np.int64)
         for p in self.procs:
             self._proc_of[p.slots] = p.index
+        # One poll set for every live process' pipe and sentinel, kept across calls: multiprocessing's
+        # wait() and Connection.poll() build a selector per call, which cost as much as a small step.
+        self._poller = select.poll()
+        self._fd_owner: dict[int, _Proc] = {}
         for p in self.procs:
             self._spawn(p)
 
@@ -227,6 +233,11 @@ class EnvPool(_PoolBase):
         p.proc.start()
         child.close()
         p.conn, p.state, p.started_at, p.fatal = parent, "starting", time.monotonic(), ""
+        p.readable = select.poll()
+        p.readable.register(parent.fileno(), select.POLLIN)
+        for fd in (parent.fileno(), p.proc.sentinel):
+            self._poller.register(fd, select.POLLIN)
+            self._fd_owner[fd] = p
         p.outstanding.clear()
         p.generation += 1
         now = time.monotonic()
@@ -246,6 +257,9 @@ class EnvPool(_PoolBase):
             if p.deaths_before_hello >= MAX_DEATHS_BEFORE_HELLO:
                 raise RuntimeError(f"env process {p.index} died {p.deaths_before_hello} times before starting; "
                                    f"is the env generator {self.env_ref!r} importable?")
+        for fd in [fd for fd, owner in self._fd_owner.items() if owner is p]:
+            self._poller.unregister(fd)
+            del self._fd_owner[fd]
         if p.proc is not None and p.proc.is_alive():
             p.proc.kill()
         if p.proc is not None:
@@ -293,20 +307,22 @@ class EnvPool(_PoolBase):
 
     def _pump(self, timeout: float) -> None:
         """Read every message that is there (waiting up to `timeout` for the first one)."""
-        live = [p for p in self.procs if p.state != "down" and p.conn is not None]
-        if not live:
+        if not self._fd_owner:
             time.sleep(max(0.0, timeout))
             return
-        objects: list[Any] = [p.conn for p in live] + [p.proc.sentinel for p in live]
-        ready = wait(objects, timeout=max(0.0, timeout))
-        for p in live:
-            died = p.proc.sentinel in ready
-            if p.conn in ready or died:
-                try:
-                    while p.state != "down" and p.conn is not None and p.conn.poll():
-                        self._handle(p, p.conn.recv_bytes())
-                except (EOFError, OSError):
-                    died = True
+        events = self._poller.poll(max(0.0, timeout) * 1000.0)
+        touched: dict[int, bool] = {}  # proc index -> its process is gone
+        for fd, _ in events:
+            p = self._fd_owner.get(fd)
+            if p is not None:
+                touched[p.index] = touched.get(p.index, False) or fd == p.proc.sentinel
+        for index, died in touched.items():
+            p = self.procs[index]
+            try:  # every message that is there, also those a dying process wrote before it went
+                while p.state != "down" and p.conn is not None and p.readable.poll(0):
+                    self._handle(p, p.conn.recv_bytes())
+            except (EOFError, OSError):
+                died = True
             if died and p.state != "down":
                 self._fail(p, "died")
 
