@@ -23,9 +23,9 @@ from typing import Any
 import numpy as np
 
 from bench.runs import RESULTS, overworld_run, write
-from bench.scripted_crafter_cow import ScriptedCowHunter
 from overworld.core.config import load_config
 from overworld.core.imports import call_generator, import_object
+from overworld.envs.crafter_cow_scripted import ScriptedCowHunter
 
 TASKS = {
     "cartpole": ("examples/cartpole.yaml", int(os.environ.get("BENCH_CARTPOLE_STEPS", 200_000))),

@@ -211,7 +211,7 @@ def main() -> int:
         bench = WorkerBench(policy_kwargs, n, Path(tmp) / name)
         try:
             rows[name] = {**bench.measure(d), "num_envs": n, "env_processes": 2,
-                          "policy": policy_kwargs or "examples/crafter_cow.yaml (CNN 32,64,64,64, hidden 256)"}
+                          "policy": policy_kwargs or "examples/crafter_cow.yaml's CNN"}
         finally:
             bench.close()
 

@@ -3,7 +3,7 @@
 `step(slots)` steps the slots the worker marked in `act` and writes the outcomes into the slot
 arrays. A finished episode leaves its slot *inactive*: the final observation goes to `final_obs`,
 and the reset happens off the hot path, on this runner's reset thread, while the other slots keep
-stepping (Crafter's reset takes ~0.6 s, Minecraft's far longer). When the reset is done the runner
+stepping (Crafter's world generation takes 20-300 ms, Minecraft's reset far longer). When the reset is done the runner
 writes the new observation into the slot's `obs` row and announces the slot as *joined*; only
 then may the worker act on it again. Resets that prove cheap (< 2 ms, CartPole) run inline.
 
