@@ -133,7 +133,8 @@ class _PoolBase:
             self.active[s] = True
             self._pending[int(self.group_of[s])].joined.append(s)
 
-    def _take(self, g: int) -> GroupResult:
+    def take(self, g: int) -> GroupResult:
+        """What happened to group g since the last take (steps, ended episodes, failures, joins)."""
         result, self._pending[g] = self._pending[g], GroupResult(g)
         return result
 
@@ -168,8 +169,11 @@ class InProcessEnvPool(_PoolBase):
         self._check()
         self._on_message({"group": g, **reply})
 
+    def wait_any(self, groups: list[int], timeout: float, stop: threading.Event | None = None) -> int | None:
+        return groups[0] if groups else None  # send() steps synchronously
+
     def wait(self, g: int, stop: threading.Event | None = None) -> GroupResult:
-        return self._take(g)
+        return self.take(g)
 
     def close(self) -> None:
         self.runner.close()
@@ -343,25 +347,30 @@ class EnvPool(_PoolBase):
                 p.head_since = now
             p.outstanding.append(g)
 
-    def wait(self, g: int, stop: threading.Event | None = None) -> GroupResult:
-        """Until every process stepping group g answered (or failed); returns what happened to g."""
+    def wait_any(self, groups: list[int], timeout: float, stop: threading.Event | None = None) -> int | None:
+        """The first of `groups` (each with a step in flight) that every process answered (or failed), waiting
+        up to `timeout`; None if none did by then. Taking groups in the order they finish, not round-robin,
+        keeps a process that is done from waiting on a slower one."""
+        deadline = time.monotonic() + timeout
         while True:
-            waiting = [p for p in self.procs if p.state == "running" and g in p.outstanding]
             now = time.monotonic()
-            for p in waiting:
-                if now - p.head_since > self.step_timeout:
+            for p in self.procs:
+                if p.state == "running" and p.outstanding and now - p.head_since > self.step_timeout:
                     log.warning("env process %d: no answer in %.1fs (step_timeout)", p.index, self.step_timeout)
                     self._fail(p, "timeout")
-            waiting = [p for p in waiting if p.state == "running"]
-            if not waiting:
-                self._pump(0.0)
-                break
-            deadline = min(p.head_since for p in waiting) + self.step_timeout
-            self._pump(min(0.5, max(0.0, deadline - now)))
-            if stop is not None and stop.is_set():
-                break
-        self._maintain()
-        return self._take(g)
+            busy = {g for p in self.procs if p.state == "running" for g in p.outstanding}
+            done = next((g for g in groups if g not in busy), None)
+            if done is not None or now >= deadline or (stop is not None and stop.is_set()):
+                self._maintain()
+                return done
+            heads = [p.head_since + self.step_timeout for p in self.procs if p.state == "running" and p.outstanding]
+            self._pump(max(0.0, min(deadline, *heads) - now) if heads else deadline - now)
+
+    def wait(self, g: int, stop: threading.Event | None = None) -> GroupResult:
+        """Until every process stepping group g answered (or failed); returns what happened to g."""
+        while self.wait_any([g], 0.5, stop) is None and not (stop is not None and stop.is_set()):
+            pass
+        return self.take(g)
 
     def idle_wait(self, timeout: float) -> None:
         """Nothing to step: wait for a join (or anything else) from any process."""

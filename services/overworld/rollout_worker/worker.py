@@ -260,31 +260,36 @@ class RolloutWorker:
             return
         self.state = {k: v.to(self.device) for k, v in self.policy.initial_state(self.N).items()}
         groups = range(len(self.pool.groups))
-        sent_at = [0.0] * len(self.pool.groups)
+        sent_at = [0.0] * len(self.pool.groups)  # > 0: the group has a step in flight
         rate_started, rate_steps = time.monotonic(), self.env_steps
         while not self.stop_event.is_set():
-            progressed = False
-            for g in groups:
-                self._swap_weights(self.watcher.take())
-                res = self.pool.wait(g, self.stop_event)
-                if sent_at[g]:
-                    STEP_LATENCY.observe(time.monotonic() - sent_at[g])
-                    sent_at[g] = 0.0
-                if self.stop_event.is_set():
-                    break
-                progressed |= not res.empty()
-                self._consume(res)
-                ready = self.pool.ready(g)
-                if ready.size:
-                    self._act(g, ready)
-                    sent_at[g] = time.monotonic()
-                    progressed = True
-            if not progressed:
+            self._swap_weights(self.watcher.take())
+            for g in groups:  # groups with nothing in flight: failures and joins, and envs that became ready
+                if not sent_at[g]:
+                    self._consume(self.pool.take(g))
+                    sent_at[g] = self._act_on(g)
+            flying = [g for g in groups if sent_at[g]]
+            if not flying:
                 self.pool.idle_wait(0.05)
+                continue
+            g = self.pool.wait_any(flying, 0.05, self.stop_event)
+            if g is None or self.stop_event.is_set():
+                continue
+            STEP_LATENCY.observe(time.monotonic() - sent_at[g])
+            self._consume(self.pool.take(g))
+            sent_at[g] = self._act_on(g)
             now = time.monotonic()
             if now - rate_started > 5:
                 self.steps_per_second = (self.env_steps - rate_steps) / (now - rate_started)
                 rate_started, rate_steps = now, self.env_steps
+
+    def _act_on(self, g: int) -> float:
+        """Act on the ready slots of group g; when the step was sent (0.0: nothing to step)."""
+        ready = self.pool.ready(g)
+        if not ready.size:
+            return 0.0
+        self._act(g, ready)
+        return time.monotonic()
 
     def shutdown(self, timeout: float = 30.0) -> None:
         """Flush every complete fragment, deregister, release the environments."""
