@@ -72,6 +72,24 @@ def test_cartpole_steps_every_slot(backend: str) -> None:
         pool.close()
 
 
+@pytest.mark.parametrize(("num_groups", "local"), [(2, False), (4, True)])
+def test_groups_live_whole_in_one_process_when_every_process_holds_two(num_groups: int, local: bool) -> None:
+    from overworld.envs.gym_tasks import make_env
+
+    env = make_env("CartPole-v1")
+    spaces = spaces_from_gym(env.observation_space, env.action_space)
+    pool = EnvPool("overworld.envs.gym_tasks:make_env", {"id": "CartPole-v1"}, spaces, 8, 2, num_groups, seed=0)
+    try:
+        processes_of_group = [set(pool._proc_of[slots].tolist()) for slots in pool.groups]
+        assert pool.process_local_groups is local
+        assert all(len(p) == 1 for p in processes_of_group) is local
+        assert {len(p.groups) for p in pool.procs} == ({2} if local else {num_groups})
+        tally = drive(pool, 20, until=lambda t: len(t["stepped"]) == 8 and min(t["stepped"].values()) > 50)
+        assert sorted(tally["stepped"]) == list(range(8)) and not tally["failed"]
+    finally:
+        pool.close()
+
+
 @pytest.mark.parametrize("backend", ["subprocess", "inprocess"])
 def test_env_that_raises_is_rebuilt_alone(backend: str) -> None:
     kwargs = {"every": 7, "length": 20}
