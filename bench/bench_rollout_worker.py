@@ -3,9 +3,10 @@ next to the same 2 Crafter envs stepped by bare processes with random actions (r
 plain loop does them) and by gymnasium's AsyncVectorEnv, on the same cores in the same run.
 
 The worker runs against an in-process rollout-manager, replay buffer (no rate limiter, large
-max_chunks) and model registry holding a published random policy; nothing trains. Worker rows:
-2 envs (one per process) and 16 envs (crafter_cow.yaml's worker: 8 per process) with a tiny CNN
-policy (the worker's own overhead: what a GPU worker's CPU side costs), and 16 envs with
+max_chunks) and model registry holding a published random policy; nothing trains. Worker rows,
+with a tiny CNN policy (the worker's own overhead: what a GPU worker's CPU side costs): 2 envs (one
+per process, inference batch 1), 16 envs in batches of 4 (crafter_cow.yaml's worker: two groups
+per process, each whole in its process) and 32 envs in batches of 8; and 16 envs with
 crafter_cow.yaml's CNN (on CPU its inference competes with the envs for the same two cores).
 The two bare phases bracket the others, so that a change of load from other processes shows.
 
@@ -207,10 +208,11 @@ def main() -> int:
     tiny = {"channels": [8], "hidden": 32, "recurrent": False}
     rows: dict[str, Any] = {}
 
-    def worker(name: str, policy_kwargs: dict[str, Any], n: int, tmp: str) -> None:
-        bench = WorkerBench(policy_kwargs, n, Path(tmp) / name)
+    def worker(name: str, policy_kwargs: dict[str, Any], n: int, batch_size: int, tmp: str) -> None:
+        bench = WorkerBench(policy_kwargs, n, Path(tmp) / name, batch_size=batch_size)
         try:
-            rows[name] = {**bench.measure(d), "num_envs": n, "env_processes": 2,
+            rows[name] = {**bench.measure(d), "num_envs": n, "env_processes": 2, "batch_size": batch_size,
+                          "process_local_groups": bench.worker.pool.process_local_groups,
                           "policy": policy_kwargs or "examples/crafter_cow.yaml's CNN"}
         finally:
             bench.close()
@@ -218,10 +220,11 @@ def main() -> int:
     with tempfile.TemporaryDirectory() as tmp:
         # the two bare phases bracket the others, so that a change of load from other processes shows
         bare_runs = [bare_processes(2, d, kwargs)]
-        worker("rollout_worker_2_envs_tiny_cnn", tiny, 2, tmp)
-        worker("rollout_worker_16_envs_tiny_cnn", tiny, 16, tmp)
+        worker("rollout_worker_2_envs_tiny_cnn", tiny, 2, 1, tmp)
+        worker("rollout_worker_16_envs_tiny_cnn", tiny, 16, 4, tmp)
+        worker("rollout_worker_32_envs_tiny_cnn", tiny, 32, 8, tmp)
         rows["gymnasium_async_vector_env_2_envs"] = async_vector_env(2, d, kwargs)
-        worker("rollout_worker_16_envs_crafter_cow_cnn", {}, 16, tmp)
+        worker("rollout_worker_16_envs_crafter_cow_cnn", {}, 16, 4, tmp)
         bare_runs.append(bare_processes(2, d, kwargs))
     bare = merge(bare_runs)
     base = bare["env_steps_per_second"]
