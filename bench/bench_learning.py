@@ -7,7 +7,10 @@ scripted player) measured in the same run.
 
 Knobs (environment): BENCH_TASKS (cartpole,crafter_cow), BENCH_SEEDS (0,1,2),
 BENCH_CARTPOLE_STEPS (200000), BENCH_CRAFTER_STEPS (1000000), BENCH_RANDOM_EPISODES (20),
-BENCH_BASELINES_ONLY=1 (re-measure the policies that do not learn into an existing result).
+BENCH_BASELINES_ONLY=1 (re-measure the policies that do not learn into an existing result),
+BENCH_MERGE=1 (keep the other seeds of an existing result), BENCH_WORKDIR (each run's directory,
+logs and checkpoints there instead of in a temporary directory; run again, a finished seed is read
+back and a seed cut short resumes from its latest checkpoint).
 """
 
 from __future__ import annotations
@@ -22,7 +25,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.runs import RESULTS, overworld_run, write
+from bench.runs import RESULTS, overworld_run, read_run, write
 from overworld.core.config import load_config
 from overworld.core.imports import call_generator, import_object
 from overworld.envs.crafter_cow_scripted import ScriptedCowHunter
@@ -95,6 +98,8 @@ def main() -> None:
     seeds = [int(s) for s in os.environ.get("BENCH_SEEDS", "0,1,2").split(",")]
     episodes = int(os.environ.get("BENCH_RANDOM_EPISODES", 20))
     baselines_only = os.environ.get("BENCH_BASELINES_ONLY") == "1"
+    merge = os.environ.get("BENCH_MERGE") == "1"
+    workdir = os.environ.get("BENCH_WORKDIR")
     result: dict[str, Any] = {"tasks": {}}
     for task in tasks:
         config, steps = TASKS[task]
@@ -109,13 +114,23 @@ def main() -> None:
             continue
         entry: dict[str, Any] = {"config": config, "max_env_steps": steps, **baselines(task, config, episodes),
                                  "seeds": {}}
+        if merge:  # keep the seeds of an earlier result that this run does not train again
+            path = RESULTS / f"{name}.json"
+            earlier = json.loads(path.read_text())["tasks"].get(task, {}) if path.exists() else {}
+            entry["seeds"] = {k: v for k, v in earlier.get("seeds", {}).items() if int(k) not in seeds}
         result["tasks"][task] = entry
         for seed in seeds:
             with tempfile.TemporaryDirectory() as tmp:
-                summary = overworld_run(config, Path(tmp) / "run", "--max-env-steps", str(steps),
-                                        "--set", f"seed={seed}")
-            entry["seeds"][str(seed)] = {k: summary.get(k) for k in (
-                "status", "env_steps", "episodes", "mean_return_last_100", "wall_seconds", "env_steps_per_second",
+                run_dir = Path(workdir) / f"{task}-seed{seed}" if workdir else Path(tmp) / "run"
+                if (run_dir / "summary.json").exists() and read_run(run_dir).get("status") == "max_env_steps":
+                    summary = read_run(run_dir)  # finished before: a bench that was cut short goes on from here
+                else:  # a run cut short resumes from its latest checkpoint, counters and curve carried on
+                    resume = ["--resume", "latest"] if (run_dir / "config.yaml").exists() else []
+                    summary = overworld_run(config, run_dir, "--max-env-steps", str(steps), "--set", f"seed={seed}",
+                                            *resume)
+            entry["seeds"][str(seed)] = {"finished": time.strftime("%Y-%m-%dT%H:%M:%S")} | {k: summary.get(k) for k in (
+                "status", "env_steps", "episodes", "mean_return_last_100", "wall_seconds", "wall_seconds_all_segments",
+                "env_steps_per_second", "resumed_from",
                 "model_version", "updates", "tasks")} | {"curve": summary.get("curve", [])}
             print(task, "seed", seed, {k: v for k, v in entry["seeds"][str(seed)].items() if k != "curve"}, flush=True)
             write(name, result)  # after every seed: a long run that is cut short keeps what it measured

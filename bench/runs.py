@@ -17,18 +17,30 @@ RESULTS = ROOT / "bench" / "results"
 def overworld_run(config: str, workdir: Path, *args: str, timeout: float = 7200) -> dict[str, Any]:
     """Train; return the summary with the learning curve (progress.jsonl) under "curve"."""
     workdir.mkdir(parents=True, exist_ok=True)
-    summary_path = workdir / "summary.json"
     cmd = [sys.executable, "-m", "overworld.cli", "run", str(ROOT / config), "--workdir", str(workdir),
-           "--summary", str(summary_path), *args]
+           "--summary", str(workdir / "summary.json"), *args]
     print("$", " ".join(cmd), flush=True)
-    started = time.monotonic()
-    with open(workdir / "stdout.log", "w") as out:
+    with open(workdir / "stdout.log", "a") as out:
         subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, check=False,
                        env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    return read_run(workdir)
+
+
+def read_run(workdir: Path) -> dict[str, Any]:
+    """The summary of the run in `workdir` with its learning curve. A run resumed with --resume appends
+    to progress.jsonl and counts wall time from its own start: the curve's wall time adds them up."""
+    summary_path = workdir / "summary.json"
     summary = json.loads(summary_path.read_text()) if summary_path.exists() else {"status": "no summary"}
-    summary["bench_wall_seconds"] = round(time.monotonic() - started, 1)
     curve_path = workdir / "progress.jsonl"
-    summary["curve"] = [json.loads(line) for line in curve_path.read_text().splitlines()] if curve_path.exists() else []
+    curve = [json.loads(line) for line in curve_path.read_text().splitlines()] if curve_path.exists() else []
+    before, last = 0.0, 0.0
+    for point in curve:
+        if point["wall_seconds"] < last:
+            before += last
+        last = point["wall_seconds"]
+        point["wall_seconds"] = round(last + before, 2)
+    summary["curve"] = curve
+    summary["wall_seconds_all_segments"] = curve[-1]["wall_seconds"] if curve else None
     return summary
 
 
