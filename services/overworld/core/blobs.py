@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import os
 import uuid
+from collections.abc import Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -48,11 +49,24 @@ class LocalBlobStore:
         return self.root / key
 
     def put(self, key: str, data: bytes) -> None:
+        self.put_parts(key, [data])
+
+    def put_parts(self, key: str, parts: Iterable[bytes | bytearray | memoryview]) -> None:
+        """The blob made of `parts` one after the other, written as they come (never assembled).
+        Atomic: written aside, then renamed into place."""
         path = self._path(key)
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_name(f".{path.name}.{uuid.uuid4().hex}.tmp")
-        tmp.write_bytes(data)
-        os.replace(tmp, path)
+        try:
+            with tmp.open("wb", buffering=0) as f:
+                for part in parts:
+                    with memoryview(part) as view:
+                        done = 0
+                        while done < len(view):
+                            done += f.write(view[done:])
+            os.replace(tmp, path)
+        finally:
+            tmp.unlink(missing_ok=True)
 
     def get(self, key: str) -> bytes:
         return self._path(key).read_bytes()
