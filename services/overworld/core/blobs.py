@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import os
 import uuid
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
@@ -73,16 +73,7 @@ class LocalBlobStore:
 
     def get_into(self, key: str, buf: bytearray) -> memoryview:
         with self._path(key).open("rb", buffering=0) as f:
-            size = os.fstat(f.fileno()).st_size
-            reserve(buf, size)
-            with memoryview(buf) as view:
-                got = 0
-                while got < size:
-                    n = f.readinto(view[got:size])
-                    if not n:
-                        raise OSError(f"{key}: file ended after {got} of {size} bytes")
-                    got += n
-        return memoryview(buf)[:size]
+            return read_exactly(f.readinto, buf, os.fstat(f.fileno()).st_size, f"{key}: the file")
 
     def delete(self, keys: list[str]) -> None:
         for key in keys:
@@ -113,6 +104,19 @@ def reserve(buf: bytearray, size: int) -> None:
     """Grow buf to at least size bytes (it must have no views then)."""
     if len(buf) < size:
         buf.extend(bytes(size - len(buf)))
+
+
+def read_exactly(readinto: Callable[[memoryview], int | None], buf: bytearray, size: int, what: str) -> memoryview:
+    """`size` bytes from `readinto` into `buf` (grown when too small); a view of them."""
+    reserve(buf, size)
+    with memoryview(buf) as view:
+        got = 0
+        while got < size:
+            n = readinto(view[got:size])
+            if not n:
+                raise OSError(f"{what} ended after {got} of {size} bytes")
+            got += n
+    return memoryview(buf)[:size]
 
 
 def open_blob_store(url: str) -> BlobStore:

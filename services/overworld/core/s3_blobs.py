@@ -18,7 +18,7 @@ from minio import Minio
 from minio.deleteobjects import DeleteObject
 from minio.error import S3Error
 
-from overworld.core.blobs import BlobInfo, reserve
+from overworld.core.blobs import BlobInfo, read_exactly, reserve
 
 MISSING_CODES = ("NoSuchKey", "NoSuchObject", "NoSuchVersion")
 
@@ -103,14 +103,7 @@ class S3BlobStore:
                 reserve(buf, size)
                 buf[:size] = data
             else:
-                reserve(buf, size)
-                with memoryview(buf) as view:
-                    got = 0
-                    while got < size:
-                        n = fp.readinto(view[got:size])
-                        if not n:
-                            raise OSError(f"{key}: the connection ended after {got} of {size} bytes")
-                        got += n
+                read_exactly(fp.readinto, buf, size, f"{key}: the connection")
         except BaseException:
             response.close()
             raise

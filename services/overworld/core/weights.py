@@ -13,6 +13,7 @@ import json
 import math
 import struct
 import warnings
+from collections.abc import Iterator
 from typing import Any
 
 import torch
@@ -102,6 +103,28 @@ def payload_dtype(buf: bytes | bytearray | memoryview) -> str:
     return dtype_name(names.pop()) if len(names) == 1 else "mixed"
 
 
+def tensor_entries(header: dict[str, Any], start: int, total: int
+                   ) -> Iterator[tuple[str, torch.dtype, list[int], int, int, int, int]]:
+    """(name, dtype, shape, count, itemsize, begin, end) of each tensor of a safetensors header whose
+    data starts at `start` in a payload of `total` bytes; begin/end are offsets in the payload.
+    A malformed entry, or one whose bytes do not fit its shape or the payload, is a ValueError."""
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        try:
+            dtype = DTYPES[meta["dtype"]]
+            shape = [int(d) for d in meta["shape"]]
+            begin, end = (int(x) + start for x in meta["data_offsets"])
+        except (KeyError, TypeError, ValueError) as err:
+            raise ValueError(f"bad safetensors entry for {name!r}: {err}") from None
+        count = math.prod(shape)
+        itemsize = torch.empty((), dtype=dtype).element_size()
+        if end - begin != count * itemsize or begin < start or end > total:
+            raise ValueError(f"bad safetensors offsets for {name!r}: {begin - start}..{end - start} "
+                             f"for {count} x {dtype}")
+        yield name, dtype, shape, count, itemsize, begin, end
+
+
 def from_buffer(buf: bytearray | memoryview, like: dict[str, torch.Tensor] | None = None,
                 size: int | None = None) -> dict[str, torch.Tensor]:
     """Tensors of the safetensors payload in buf[:size], as views into buf (no copy; buf must be
@@ -113,27 +136,14 @@ def from_buffer(buf: bytearray | memoryview, like: dict[str, torch.Tensor] | Non
     if size is not None:
         view = view[:size]
     header, start = read_header(view)
-    total = len(view)
     out: dict[str, torch.Tensor] = {}
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = DTYPES[meta["dtype"]]
-            shape = [int(d) for d in meta["shape"]]
-            begin, end = (int(x) for x in meta["data_offsets"])
-        except (KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"bad safetensors entry for {name!r}: {err}") from None
-        count = math.prod(shape)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if end - begin != count * itemsize or begin < 0 or start + end > total:
-            raise ValueError(f"bad safetensors offsets for {name!r}: {begin}..{end} for {count} x {dtype}")
+    for name, dtype, shape, count, itemsize, begin, end in tensor_entries(header, start, len(view)):
         if count == 0:
             tensor = torch.empty(shape, dtype=dtype)
-        elif (start + begin) % itemsize:  # misaligned (not written by safetensors): copy
-            tensor = torch.frombuffer(bytearray(view[start + begin:start + end]), dtype=dtype).reshape(shape)
+        elif begin % itemsize:  # misaligned (not written by safetensors): copy
+            tensor = torch.frombuffer(bytearray(view[begin:end]), dtype=dtype).reshape(shape)
         else:
-            tensor = torch.frombuffer(view, dtype=dtype, count=count, offset=start + begin).reshape(shape)
+            tensor = torch.frombuffer(view, dtype=dtype, count=count, offset=begin).reshape(shape)
         if like is not None and name in like and like[name].dtype != dtype:
             tensor = tensor.to(like[name].dtype)
         out[name] = tensor
@@ -178,19 +188,7 @@ def from_pieces(pieces: list[tuple[int, memoryview]], like: dict[str, torch.Tens
     with warnings.catch_warnings():
         # a view into bytes is not writable memory: the tensors are documented as read-only
         warnings.filterwarnings("ignore", message="The given buffer is not writable")
-        for name, meta in header.items():
-            if name == "__metadata__":
-                continue
-            try:
-                dtype = DTYPES[meta["dtype"]]
-                shape = [int(d) for d in meta["shape"]]
-                begin, end = (int(x) + start for x in meta["data_offsets"])
-            except (KeyError, TypeError, ValueError) as err:
-                raise ValueError(f"bad safetensors entry for {name!r}: {err}") from None
-            count = math.prod(shape)
-            itemsize = torch.empty((), dtype=dtype).element_size()
-            if end - begin != count * itemsize or begin < start or end > ends[-1]:
-                raise ValueError(f"bad safetensors offsets for {name!r}")
+        for name, dtype, shape, count, itemsize, begin, end in tensor_entries(header, start, ends[-1]):
             if count == 0:
                 tensor = torch.empty(shape, dtype=dtype)
             else:
