@@ -26,7 +26,9 @@ def drive(pool, seconds: float, until=None) -> dict:  # type: ignore[no-untyped-
     while time.monotonic() < deadline:
         progressed = False
         for g in range(len(pool.groups)):
-            res: GroupResult = pool.wait(g)
+            while pool.wait_any([g], 0.5) is None:
+                pass
+            res: GroupResult = pool.take(g)
             tally["results"] += 1
             for s in res.stepped:
                 tally["stepped"][s] += 1

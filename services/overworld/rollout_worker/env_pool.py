@@ -2,9 +2,10 @@
 group overlaps the stepping of the other(s).
 
 Protocol per group g: the worker reads `ready(g)` (slots with an observation to act on), writes
-their actions into the slot arrays and calls `send(g, slots, actions)`; later `wait(g)` returns a
-`GroupResult` (stepped slots with reward/terminated/truncated in the arrays, ended episodes, slots
-that joined after a reset, slots that failed). Observations live in shared memory and are never
+their actions into the slot arrays and calls `send(g, slots, actions)`; later `wait_any(groups)`
+names a group whose step is answered and `take(g)` returns its `GroupResult` (stepped slots with
+reward/terminated/truncated in the arrays, ended episodes, slots that joined after a reset, slots
+that failed). Observations live in shared memory and are never
 pickled; a step command is two bytes, a reply a short JSON line.
 
 Backends: `EnvPool` (spawned env processes; the default) and `InProcessEnvPool` (every env in the
@@ -172,9 +173,6 @@ class InProcessEnvPool(_PoolBase):
     def wait_any(self, groups: list[int], timeout: float, stop: threading.Event | None = None) -> int | None:
         return groups[0] if groups else None  # send() steps synchronously
 
-    def wait(self, g: int, stop: threading.Event | None = None) -> GroupResult:
-        return self.take(g)
-
     def close(self) -> None:
         self.runner.close()
 
@@ -217,8 +215,8 @@ class EnvPool(_PoolBase):
         # Crafter). With fewer groups, slot s lives in process s mod n and a group spans processes.
         self.process_local_groups = len(self.groups) >= 2 * n
         self.procs: list[_Proc] = []
+        owner = self.group_of if self.process_local_groups else np.arange(num_envs)
         for i in range(n):
-            owner = self.group_of if self.process_local_groups else np.arange(num_envs)
             slots = [s for s in range(num_envs) if int(owner[s]) % n == i]
             groups = {g: [s for s in slots if self.group_of[s] == g] for g in range(len(self.groups))}
             self.procs.append(_Proc(i, slots, {g: v for g, v in groups.items() if v}))
@@ -370,12 +368,6 @@ class EnvPool(_PoolBase):
                 return done
             heads = [p.head_since + self.step_timeout for p in self.procs if p.state == "running" and p.outstanding]
             self._pump(max(0.0, min(deadline, *heads) - now) if heads else deadline - now)
-
-    def wait(self, g: int, stop: threading.Event | None = None) -> GroupResult:
-        """Until every process stepping group g answered (or failed); returns what happened to g."""
-        while self.wait_any([g], 0.5, stop) is None and not (stop is not None and stop.is_set()):
-            pass
-        return self.take(g)
 
     def idle_wait(self, timeout: float) -> None:
         """Nothing to step: wait for a join (or anything else) from any process."""
