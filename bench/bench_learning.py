@@ -128,7 +128,9 @@ def main() -> None:
                     resume = ["--resume", "latest"] if (run_dir / "config.yaml").exists() else []
                     summary = overworld_run(config, run_dir, "--max-env-steps", str(steps), "--set", f"seed={seed}",
                                             *resume)
-            entry["seeds"][str(seed)] = {"finished": time.strftime("%Y-%m-%dT%H:%M:%S")} | {k: summary.get(k) for k in (
+                written = run_dir / "summary.json"  # when the seed finished, also for one read back
+                finished = time.localtime(written.stat().st_mtime if written.exists() else None)
+            entry["seeds"][str(seed)] = {"finished": time.strftime("%Y-%m-%dT%H:%M:%S", finished)} | {k: summary.get(k) for k in (
                 "status", "env_steps", "episodes", "mean_return_last_100", "wall_seconds", "wall_seconds_all_segments",
                 "env_steps_per_second", "resumed_from",
                 "model_version", "updates", "tasks")} | {"curve": summary.get("curve", [])}
