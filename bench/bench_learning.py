@@ -134,6 +134,9 @@ def main() -> None:
                 "status", "env_steps", "episodes", "mean_return_last_100", "wall_seconds", "wall_seconds_all_segments",
                 "env_steps_per_second", "resumed_from",
                 "model_version", "updates", "tasks")} | {"curve": summary.get("curve", [])}
+            if summary.get("wall_seconds_all_segments"):  # a seed run in segments: its rate over all of them
+                entry["seeds"][str(seed)]["env_steps_per_second"] = round(
+                    summary["env_steps"] / summary["wall_seconds_all_segments"], 1)
             print(task, "seed", seed, {k: v for k, v in entry["seeds"][str(seed)].items() if k != "curve"}, flush=True)
             write(name, result)  # after every seed: a long run that is cut short keeps what it measured
         finals = [s["mean_return_last_100"] for s in entry["seeds"].values() if s["mean_return_last_100"] is not None]
