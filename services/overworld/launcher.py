@@ -297,7 +297,8 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
                        start_rho=trainer_status.start_rho, latest_checkpoint=trainer_status.latest_checkpoint or None)
     summary["restarts"] = dict(launcher.restarts)
     summary["wall_seconds"] = round(wall, 2)
-    summary["env_steps_per_second"] = round(summary["env_steps"] / wall, 1) if wall > 0 else 0.0
+    run_steps = summary["env_steps"] - summary.get("start_env_steps", 0)  # a resumed run: only its own steps
+    summary["env_steps_per_second"] = round(run_steps / wall, 1) if wall > 0 else 0.0
     if summary_path:
         Path(summary_path).parent.mkdir(parents=True, exist_ok=True)
         Path(summary_path).write_text(json.dumps(summary, indent=2))

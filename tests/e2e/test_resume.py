@@ -80,5 +80,8 @@ def test_trainer_restart_and_resume_continue_from_the_checkpoint(tmp_path: Path)
     assert resumed["start_model_version"] == state["model_version"] > 1
     assert resumed["start_rho"] == pytest.approx(state["rho"]) and state["rho"] < 0.1
     assert resumed["env_steps"] >= state["env_steps"] + 6_000
+    # the rate counts this run's steps only, not those it started from
+    assert resumed["env_steps_per_second"] == pytest.approx(
+        (resumed["env_steps"] - resumed["start_env_steps"]) / resumed["wall_seconds"], rel=0.01)
     assert resumed["model_version"] > state["model_version"]
     assert resumed["iterations"] > state["iteration"]

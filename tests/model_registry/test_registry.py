@@ -69,8 +69,9 @@ def test_hand_encoded_messages_are_what_protobuf_makes(offset: int, size: int) -
     assert wire.encode_publish_chunk(data) == pb.PublishRequest(chunk=data).SerializeToString()
     part = wire.decode_publish(wire.encode_publish_chunk(data))
     assert part.manifest is None and part.chunk is not None and bytes(part.chunk) == data
-    manifest = pb.VersionInfo(version=3, sha256="a" * 64, counters={"updates": 2})
+    manifest = pb.VersionInfo(version=3, counters={"updates": 2})
     assert wire.decode_publish(wire.encode_publish_manifest(manifest)).manifest == manifest
+    assert wire.decode_publish(wire.encode_publish_sha256("a" * 64)) == wire.PublishPart(sha256="a" * 64)
 
 
 def test_weights_views_and_half_precision() -> None:
@@ -231,7 +232,7 @@ def test_watchers_swap_and_the_push_latency_is_measured(reg: Running) -> None:
 def slow_publish(client: ModelRegistryClient, version: int, data: bytes, sent: bytes, gate: threading.Event,
                  errors: list[grpc.RpcError]) -> threading.Thread:
     """Publish `sent` (claiming to be `data`) in two halves, the second once `gate` is set."""
-    manifest = pb.VersionInfo(version=version, sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data))
+    manifest = pb.VersionInfo(version=version, size_bytes=len(data))
 
     def messages() -> Iterator[pb.PublishRequest]:
         yield pb.PublishRequest(manifest=manifest)
@@ -239,6 +240,7 @@ def slow_publish(client: ModelRegistryClient, version: int, data: bytes, sent: b
         yield pb.PublishRequest(chunk=sent[:half])
         gate.wait(10)
         yield pb.PublishRequest(chunk=sent[half:])
+        yield pb.PublishRequest(sha256=hashlib.sha256(data).hexdigest())
 
     def run() -> None:
         try:
@@ -257,7 +259,7 @@ def test_cut_through_streams_a_version_while_it_arrives(tmp_path: Path) -> None:
     try:
         good = weights.to_bytes(model(2.0, 200_000))
         client.publish(1, weights.to_bytes(model(1.0, 200_000)))
-        watcher = WeightsWatcher(running.server.address, "ct", model(0.0, 200_000))
+        watcher = WeightsWatcher(running.server.address, "ct", model(0.0, 200_000), verify=True)
         assert watcher.wait_first(threading.Event())[0] == 1  # type: ignore[index]
         # a corrupted publish: announced at once and streamed, then refused; the watcher never swaps it
         bad = bytearray(good)
@@ -270,6 +272,7 @@ def test_cut_through_streams_a_version_while_it_arrives(tmp_path: Path) -> None:
         stream = client._fetch(pb.FetchRequest(version=2), timeout=30)
         first, second = next(stream), next(stream)  # info, then bytes before the publish is complete
         assert first.info is not None and first.info.version == 2 and second.offset == 0 and len(second.data)
+        assert first.info.sha256 == ""  # not known before the publish ends
         assert client.list_versions()[-1].version == 1  # announced, not listed
         gate.set()
         with pytest.raises(grpc.RpcError) as err:
@@ -281,13 +284,18 @@ def test_cut_through_streams_a_version_while_it_arrives(tmp_path: Path) -> None:
         assert not (tmp_path / "blobs" / weights_key(2)).exists()
         time.sleep(0.3)
         assert watcher.take() is None and watcher.version == 1
-        # the same version published again, correctly: announced again, and swapped in
+        # the same version published again, correctly: announced again, and swapped in (the watcher
+        # checks the sha256 that ends the stream)
         gate, errors = threading.Event(), []
         publisher = slow_publish(client, 2, good, good, gate, errors)
         time.sleep(0.2)
+        stream = client._fetch(pb.FetchRequest(version=2), timeout=30)
+        assert next(stream).info.sha256 == ""
         gate.set()
         publisher.join(10)
         assert not errors
+        last = list(stream)[-1]
+        assert last.info is not None and last.info.sha256 == hashlib.sha256(good).hexdigest() and not len(last.data)
         deadline = time.monotonic() + 10
         while (got := watcher.take()) is None and time.monotonic() < deadline:
             time.sleep(0.02)
@@ -299,7 +307,7 @@ def test_cut_through_streams_a_version_while_it_arrives(tmp_path: Path) -> None:
 
 def test_a_publisher_that_goes_away_stores_nothing(reg: Running) -> None:
     data = b"x" * 300_000
-    manifest = pb.VersionInfo(version=1, sha256=hashlib.sha256(data).hexdigest(), size_bytes=len(data))
+    manifest = pb.VersionInfo(version=1, size_bytes=len(data))
     gate = threading.Event()
 
     def messages() -> Iterator[pb.PublishRequest]:

@@ -58,16 +58,23 @@ def test_fetch_resumes_from_an_offset(registry) -> None:
 def test_corrupted_chunk_is_refused_and_nothing_is_stored(registry) -> None:
     _, client = registry
     good = b"weights" * 1000
-    manifest = pb.VersionInfo(version=1, sha256=hashlib.sha256(good).hexdigest(), size_bytes=len(good))
+    manifest = pb.VersionInfo(version=1, size_bytes=len(good))
+    sha256 = pb.PublishRequest(sha256=hashlib.sha256(good).hexdigest())
     corrupted = bytearray(good)
     corrupted[10] ^= 0xFF
-    with pytest.raises(grpc.RpcError) as err:
-        client.stub.Publish(iter([pb.PublishRequest(manifest=manifest), pb.PublishRequest(chunk=bytes(corrupted))]))
-    assert err.value.code() == grpc.StatusCode.DATA_LOSS
+
+    def publish(*messages: pb.PublishRequest) -> grpc.StatusCode:
+        with pytest.raises(grpc.RpcError) as err:
+            client.stub.Publish(iter([pb.PublishRequest(manifest=manifest), *messages]))
+        return err.value.code()
+
+    assert publish(pb.PublishRequest(chunk=bytes(corrupted)), sha256) == grpc.StatusCode.DATA_LOSS
     assert list(client.stub.ListVersions(pb.ListVersionsRequest()).versions) == []
-    with pytest.raises(grpc.RpcError) as err:
-        client.stub.Publish(iter([pb.PublishRequest(manifest=manifest), pb.PublishRequest(chunk=good[:-1])]))
-    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert publish(pb.PublishRequest(chunk=good[:-1]), sha256) == grpc.StatusCode.INVALID_ARGUMENT
+    assert publish(pb.PublishRequest(chunk=good)) == grpc.StatusCode.INVALID_ARGUMENT  # no sha256
+    assert publish(pb.PublishRequest(chunk=good), pb.PublishRequest(sha256="short")) == grpc.StatusCode.INVALID_ARGUMENT
+    assert publish(pb.PublishRequest(chunk=good), sha256, sha256) == grpc.StatusCode.INVALID_ARGUMENT
+    assert list(client.stub.ListVersions(pb.ListVersionsRequest()).versions) == []
     assert client.publish(1, good).version == 1
 
 
@@ -129,7 +136,7 @@ def test_restart_keeps_versions_and_retention_drops_old_ones(tmp_path: Path) -> 
 
 def test_bad_manifest_is_invalid_argument(registry) -> None:
     _, client = registry
-    for manifest in (pb.VersionInfo(version=0, sha256="0" * 64), pb.VersionInfo(version=1, sha256="short")):
+    for manifest in (pb.VersionInfo(version=0), pb.VersionInfo(version=1, sha256="0" * 64)):
         with pytest.raises(grpc.RpcError) as err:
             client.stub.Publish(iter([pb.PublishRequest(manifest=manifest)]))
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

@@ -49,14 +49,17 @@ class ModelRegistryClient:
         """Publish `data` (safetensors bytes) as `version`. Retried on transient errors; publishing the
         same bytes again is idempotent. `dtype` defaults to the payload's floating dtype."""
         view = memoryview(data)
-        manifest = pb.VersionInfo(version=version, parent=parent, sha256=hashlib.sha256(view).hexdigest(),
-                                  size_bytes=len(view), dtype=dtype or weights.payload_dtype(view),
-                                  counters=counters or {}, config_hash=config_hash, tags=tags or [])
+        manifest = pb.VersionInfo(version=version, parent=parent, size_bytes=len(view),
+                                  dtype=dtype or weights.payload_dtype(view), counters=counters or {},
+                                  config_hash=config_hash, tags=tags or [])
 
         def messages() -> Iterator[bytes]:
             yield wire.encode_publish_manifest(manifest)
+            digest = hashlib.sha256()  # hashed while gRPC sends the chunk before (hashlib drops the GIL)
             for i in range(0, len(view), chunk_size):
+                digest.update(view[i:i + chunk_size])
                 yield wire.encode_publish_chunk(view[i:i + chunk_size])
+            yield wire.encode_publish_sha256(digest.hexdigest())
 
         return retry(lambda: self._publish(messages(), timeout=timeout), "registry.Publish", timeout)
 
@@ -77,9 +80,10 @@ class ModelRegistryClient:
             stream = self._fetch(request, timeout=timeout)
             for chunk in stream:
                 if chunk.info is not None:
-                    if info is None:
+                    # a version still being published comes without its sha256, then ends with the whole info
+                    if info is None or not info.sha256:
                         info = chunk.info
-                    elif chunk.info.sha256 != info.sha256:
+                    elif chunk.info.sha256 and chunk.info.sha256 != info.sha256:
                         raise FetchBroken(f"version {info.version} changed while fetching")
                 n = len(chunk.data)
                 if not n:

@@ -460,18 +460,26 @@ class ModelRegistryService(model_registry_pb2_grpc.ModelRegistryServicer):
         if manifest.size_bytes > self.max_model_bytes:
             self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
                          f"size_bytes {manifest.size_bytes} exceeds the registry limit {self.max_model_bytes}")
-        if not SHA_RE.match(manifest.sha256):
-            self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "sha256 must be 64 lowercase hex digits")
+        if manifest.sha256:
+            self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
+                         "leave the manifest's sha256 empty: the sha256 goes in the last Publish message")
         bad = [t for t in manifest.tags if t not in RESERVED_TAGS and not TAG_RE.match(t)]
         if bad:
             self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"invalid tags {bad}")
 
     def _receive(self, manifest: pb.VersionInfo, parts: Iterator[wire.PublishPart], context: grpc.ServicerContext,
-                 sink: Callable[[memoryview, int], None]) -> None:
-        """Read every chunk, hand each to sink(chunk, offset), and check the size and the sha256."""
+                 sink: Callable[[memoryview, int], None]) -> str:
+        """Read every chunk, hand each to sink(chunk, offset), check the size and the sha256 sent last,
+        and return it."""
         digest = hashlib.sha256()
         size = 0
+        declared: str | None = None
         for part in parts:
+            if declared is not None:
+                raise PayloadFailed(grpc.StatusCode.INVALID_ARGUMENT, "nothing may follow the sha256 message")
+            if part.sha256 is not None:
+                declared = part.sha256
+                continue
             if part.chunk is None:
                 raise PayloadFailed(grpc.StatusCode.INVALID_ARGUMENT, "only one manifest per Publish")
             n = len(part.chunk)
@@ -487,18 +495,22 @@ class ModelRegistryService(model_registry_pb2_grpc.ModelRegistryServicer):
         if size != manifest.size_bytes:
             raise PayloadFailed(grpc.StatusCode.INVALID_ARGUMENT,
                                 f"received {size} bytes, manifest declares {manifest.size_bytes}")
-        if digest.hexdigest() != manifest.sha256:
-            raise PayloadFailed(grpc.StatusCode.DATA_LOSS, f"sha256 mismatch: received {digest.hexdigest()}, "
-                                f"manifest declares {manifest.sha256}; nothing stored")
+        if declared is None or not SHA_RE.match(declared):
+            raise PayloadFailed(grpc.StatusCode.INVALID_ARGUMENT, "the last Publish message must be the sha256 of "
+                                f"the bytes, 64 lowercase hex digits (got {declared!r}); nothing stored")
+        if digest.hexdigest() != declared:
+            raise PayloadFailed(grpc.StatusCode.DATA_LOSS, f"sha256 mismatch: received bytes hash to "
+                                f"{digest.hexdigest()}, the publisher declared {declared}; nothing stored")
+        return declared
 
     def _republish(self, existing: pb.VersionInfo, manifest: pb.VersionInfo, parts: Iterator[wire.PublishPart],
                    context: grpc.ServicerContext) -> pb.VersionInfo:
         """A retried publish of a stored version: idempotent when the bytes are the same."""
         try:
-            self._receive(manifest, parts, context, lambda chunk, offset: None)
+            sha256 = self._receive(manifest, parts, context, lambda chunk, offset: None)
         except PayloadFailed as err:
             self._refuse(context, err.code, str(err))
-        if existing.sha256 != manifest.sha256:
+        if existing.sha256 != sha256:
             self._refuse(context, grpc.StatusCode.ALREADY_EXISTS, f"version {manifest.version} exists with other weights")
         with self._lock:
             return self._info(manifest.version)
@@ -523,7 +535,7 @@ class ModelRegistryService(model_registry_pb2_grpc.ModelRegistryServicer):
 
         try:
             try:
-                self._receive(manifest, parts, context, lambda chunk, offset: payload.feed(chunk))
+                info.sha256 = self._receive(manifest, parts, context, lambda chunk, offset: payload.feed(chunk))
             except grpc.RpcError as err:  # the request stream broke
                 raise PayloadFailed(grpc.StatusCode.ABORTED, f"the publish stream broke: {err}") from None
             payload.mark(VERIFIED)  # watchers may swap it in from here on
@@ -632,6 +644,7 @@ class ModelRegistryService(model_registry_pb2_grpc.ModelRegistryServicer):
             info = self._info(version) if version in self._versions else payload.info
         if precision:
             info = payload.info
+        sent_without_sha256 = not info.sha256
         yield wire.encode_info_chunk(info, offset)
         try:
             index = payload.index_of(offset, context.is_active) if request.chunk_size in (0, step) else None
@@ -649,6 +662,8 @@ class ModelRegistryService(model_registry_pb2_grpc.ModelRegistryServicer):
                     yield wire.encode_chunk(start, data)
             # the stream ends OK only once the whole version is verified: a watcher swaps only then
             payload.wait_verified(context.is_active)
+            if sent_without_sha256:  # the info went out before the publish ended (cut-through): all of it now
+                yield wire.encode_info_chunk(payload.info, size)
         except PayloadFailed as err:
             abort(context, err.code, str(err))
 

@@ -129,20 +129,32 @@ def encode_publish_manifest(manifest: pb.VersionInfo) -> bytes:
     return pb.PublishRequest(manifest=manifest).SerializeToString()
 
 
+def encode_publish_sha256(sha256: str) -> bytes:
+    return pb.PublishRequest(sha256=sha256).SerializeToString()
+
+
 class PublishPart(NamedTuple):
-    manifest: pb.VersionInfo | None
-    chunk: memoryview | None
+    """One PublishRequest: exactly one of the three is set (none for an empty message)."""
+
+    manifest: pb.VersionInfo | None = None
+    chunk: memoryview | None = None
+    sha256: str | None = None
 
 
 def decode_publish(raw: bytes) -> PublishPart:
-    """A PublishRequest as (manifest, None) or (None, chunk view); the last field present wins, as in
-    protobuf's oneof."""
-    part = PublishPart(None, None)
+    """A PublishRequest as a PublishPart with a view of the chunk (no copy); the last field present
+    wins, as in protobuf's oneof."""
+    part = PublishPart()
     for field, value in _fields(raw):
         if field == 1 and isinstance(value, memoryview):
-            part = PublishPart(pb.VersionInfo.FromString(bytes(value)), None)
+            part = PublishPart(manifest=pb.VersionInfo.FromString(bytes(value)))
         elif field == 2 and isinstance(value, memoryview):
-            part = PublishPart(None, value)
+            part = PublishPart(chunk=value)
+        elif field == 3 and isinstance(value, memoryview):
+            try:
+                part = PublishPart(sha256=bytes(value).decode())
+            except UnicodeDecodeError:
+                raise ValueError("PublishRequest.sha256 is not UTF-8") from None
     return part
 
 
@@ -150,7 +162,9 @@ def publish_part(request: pb.PublishRequest) -> PublishPart:
     """The same view of a PublishRequest parsed by the generated classes."""
     kind = request.WhichOneof("kind")
     if kind == "manifest":
-        return PublishPart(request.manifest, None)
+        return PublishPart(manifest=request.manifest)
     if kind == "chunk":
-        return PublishPart(None, memoryview(request.chunk))
-    return PublishPart(None, None)
+        return PublishPart(chunk=memoryview(request.chunk))
+    if kind == "sha256":
+        return PublishPart(sha256=request.sha256)
+    return PublishPart()

@@ -36,12 +36,14 @@ class VersionInfo(_message.Message):
     def __init__(self, version: _Optional[int] = ..., parent: _Optional[int] = ..., sha256: _Optional[str] = ..., size_bytes: _Optional[int] = ..., dtype: _Optional[str] = ..., counters: _Optional[_Mapping[str, int]] = ..., config_hash: _Optional[str] = ..., created_unix: _Optional[float] = ..., tags: _Optional[_Iterable[str]] = ...) -> None: ...
 
 class PublishRequest(_message.Message):
-    __slots__ = ("manifest", "chunk")
+    __slots__ = ("manifest", "chunk", "sha256")
     MANIFEST_FIELD_NUMBER: _ClassVar[int]
     CHUNK_FIELD_NUMBER: _ClassVar[int]
+    SHA256_FIELD_NUMBER: _ClassVar[int]
     manifest: VersionInfo
     chunk: bytes
-    def __init__(self, manifest: _Optional[_Union[VersionInfo, _Mapping]] = ..., chunk: _Optional[bytes] = ...) -> None: ...
+    sha256: str
+    def __init__(self, manifest: _Optional[_Union[VersionInfo, _Mapping]] = ..., chunk: _Optional[bytes] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
     __slots__ = ("version", "tag", "offset", "chunk_size", "precision")

@@ -75,7 +75,8 @@ class ModelRegistryServicer:
     """Missing associated documentation comment in .proto file."""
 
     def Publish(self, request_iterator, context):
-        """First message: the manifest (version, parent, sha256, size, ...); then the bytes in chunks.
+        """First message: the manifest (version, parent, size, ...; sha256 left empty); then the bytes in
+        chunks; last, their sha256 (so that the publisher hashes while it sends).
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
