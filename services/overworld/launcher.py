@@ -18,6 +18,7 @@ import grpc
 from overworld.core.config import ConfigError, RunConfig, load_config, to_yaml
 from overworld.core.grpc_util import channel, wait_healthy
 from overworld.core.net import free_port
+from overworld.core.service import PARENT_PID_ENV
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.v1 import trainer_pb2, trainer_pb2_grpc
 
@@ -54,7 +55,8 @@ class Launcher:
         log_path = self.workdir / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
-        env = {**os.environ, "OVERWORLD_LOG_FORMAT": "text", "PYTHONUNBUFFERED": "1"}
+        # PARENT_PID_ENV: a service stops when this launcher dies, even by SIGKILL (core/service.py)
+        env = {**os.environ, "OVERWORLD_LOG_FORMAT": "text", "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid())}
         service = name.split("#")[0]
         cmd = [sys.executable, "-m", "overworld.cli", "serve", service, "--host", "127.0.0.1", "--port", str(port),
                "--metrics-port", "0", "--workdir", str(self.workdir), *flags]

@@ -89,7 +89,7 @@ def test_second_worker_joins_and_leaves_mid_run(tmp_path: Path) -> None:
         if run.poll() is None:
             os.killpg(run.pid, signal.SIGINT)
             try:
-                run.wait(120)
+                run.wait(300)  # the launcher's graceful stop: workers 40 s, trainer 150 s, the rest 40 s
             except subprocess.TimeoutExpired:
                 os.killpg(run.pid, signal.SIGKILL)
                 run.wait()
