@@ -203,11 +203,13 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
     print(f"overworld run {config.run_id}: workdir {work}", flush=True)
     launcher = Launcher(config, work, resolved)
 
-    def on_sigterm(signum: int, _frame: object) -> None:
+    def on_signal(signum: int, _frame: object) -> None:
         raise KeyboardInterrupt  # one graceful path for Ctrl-C, SIGTERM and SIGHUP: no orphans
 
-    for sig in (signal.SIGTERM, signal.SIGHUP):
-        signal.signal(sig, on_sigterm)
+    # SIGINT too: a shell starts a background command (`overworld run ... &` in a script, CI) with
+    # SIGINT ignored, and Python then leaves it ignored instead of raising KeyboardInterrupt
+    for sig in (signal.SIGINT, signal.SIGTERM, signal.SIGHUP):
+        signal.signal(sig, on_signal)
     started = time.monotonic()
     summary: dict[str, Any] = {"status": "failed", "run_id": config.run_id, "workdir": str(work), "env_steps": 0,
                                "episodes": 0, "mean_return_last_100": None, "model_version": 0, "updates": 0,

@@ -5,6 +5,7 @@ without stalling training; `overworld status` shows the fleet both times."""
 
 from __future__ import annotations
 
+import json
 import os
 import re
 import signal
@@ -32,7 +33,7 @@ def test_second_worker_joins_and_leaves_mid_run(tmp_path: Path) -> None:
                             "--max-env-steps", "50000000", "--workdir", str(tmp_path / "run"),
                             "--summary", str(tmp_path / "summary.json")],
                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True, env=env,
-                           start_new_session=True)
+                           start_new_session=True, preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_IGN))
     lines: list[str] = []
     reader = threading.Thread(target=lambda: lines.extend(iter(run.stdout.readline, "")), daemon=True)  # type: ignore[union-attr]
     reader.start()
@@ -83,6 +84,11 @@ def test_second_worker_joins_and_leaves_mid_run(tmp_path: Path) -> None:
         left = updates()
         wait_for(lambda: updates() > left + 2, 120, "training to go on after the second worker left")
         assert run.poll() is None
+        # Ctrl-C stops the run gracefully, even when it was started with SIGINT ignored (as a shell
+        # starts a background command; pytest may run so)
+        os.killpg(run.pid, signal.SIGINT)
+        run.wait(300)
+        assert json.loads((tmp_path / "summary.json").read_text())["status"] == "interrupted"
     finally:
         if second is not None and second.poll() is None:
             second.kill()
