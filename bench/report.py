@@ -24,7 +24,7 @@ def flatten(prefix: str, value: object, out: dict[str, object]) -> None:
 def learning_rows(name: str, data: dict[str, Any]) -> list[str]:
     rows = []
     for task, entry in data.get("tasks", {}).items():
-        baselines = ", ".join(f"{k.removesuffix('_policy').replace('_policy', '')} {v['mean_return']}"
+        baselines = ", ".join(f"{k.replace('_policy', '')} {v['mean_return']}"
                               for k, v in entry.items() if isinstance(v, dict) and "mean_return" in v)
         for seed, run in sorted(entry.get("seeds", {}).items()):
             wall = run.get("wall_seconds_all_segments") or run.get("wall_seconds")

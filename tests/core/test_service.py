@@ -10,7 +10,7 @@ import sys
 import time
 from pathlib import Path
 
-from tests.support import free_port, stop_process, wait_port
+from tests.support import alive, free_port, stop_process, wait_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -24,14 +24,6 @@ child = launcher.start("gae", port=int(sys.argv[3]))
 print("SERVICE", child.proc.pid, flush=True)
 time.sleep(600)
 """
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = Path(f"/proc/{pid}/stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_a_service_stops_when_its_launcher_is_killed(tmp_path: Path) -> None:

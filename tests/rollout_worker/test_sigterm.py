@@ -15,7 +15,7 @@ from overworld.core.grpc_util import channel
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.v1 import rollout_worker_pb2, rollout_worker_pb2_grpc
 from tests.rollout_worker.test_worker import wait_for
-from tests.support import free_port, wait_port
+from tests.support import alive, free_port, wait_port
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,14 +31,6 @@ def children(pid: int) -> set[int]:
             if int(fields[1]) == pid:
                 out.add(int(proc.name))
     return out
-
-
-def alive(pid: int) -> bool:
-    try:
-        state = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[0]
-    except OSError:
-        return False
-    return state != "Z"
 
 
 def test_sigterm_flushes_complete_fragments_and_deregisters(make_cluster, tmp_path: Path) -> None:

@@ -57,8 +57,9 @@ class ModelRegistryClient:
             yield wire.encode_publish_manifest(manifest)
             digest = hashlib.sha256()  # hashed while gRPC sends the chunk before (hashlib drops the GIL)
             for i in range(0, len(view), chunk_size):
-                digest.update(view[i:i + chunk_size])
-                yield wire.encode_publish_chunk(view[i:i + chunk_size])
+                chunk = view[i:i + chunk_size]
+                digest.update(chunk)
+                yield wire.encode_publish_chunk(chunk)
             yield wire.encode_publish_sha256(digest.hexdigest())
 
         return retry(lambda: self._publish(messages(), timeout=timeout), "registry.Publish", timeout)

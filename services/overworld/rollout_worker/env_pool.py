@@ -5,8 +5,8 @@ Protocol per group g: the worker reads `ready(g)` (slots with an observation to 
 their actions into the slot arrays and calls `send(g, slots, actions)`; later `wait_any(groups)`
 names a group whose step is answered and `take(g)` returns its `GroupResult` (stepped slots with
 reward/terminated/truncated in the arrays, ended episodes, slots that joined after a reset, slots
-that failed). Observations live in shared memory and are never
-pickled; a step command is two bytes, a reply a short JSON line.
+that failed). Observations live in shared memory and are never pickled; a step command is two
+bytes, a reply a short JSON line.
 
 Backends: `EnvPool` (spawned env processes; the default) and `InProcessEnvPool` (every env in the
 worker's own process, stepped when sent: for envs so cheap that a process hop costs more than the
