@@ -57,6 +57,9 @@ class TaskRecord:
     lengths: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     discounted: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     extras: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    total_return: float = 0.0
+    total_discounted: float = 0.0
+    total_length: int = 0
 
 
 class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
@@ -169,6 +172,9 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                 t.lengths.append(ep.length)
                 t.discounted.append(ep.discounted_reward)
                 t.extras.append(dict(ep.extras))
+                t.total_return += ep.sum_reward
+                t.total_discounted += ep.discounted_reward
+                t.total_length += ep.length
                 self._all_returns.append(ep.sum_reward)
                 self._episodes += 1
                 EPISODES.labels(task).inc()
@@ -203,7 +209,9 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                 tasks.append(rollout_manager_pb2.TaskStats(
                     task=name, episodes=t.episodes, mean_return_last_100=float(np.mean(t.returns)),
                     mean_length_last_100=float(np.mean(t.lengths)),
-                    mean_discounted_return_last_100=float(np.mean(t.discounted)), mean_extras_last_100=extras))
+                    mean_discounted_return_last_100=float(np.mean(t.discounted)), mean_extras_last_100=extras,
+                    total_return=t.total_return, total_discounted_return=t.total_discounted,
+                    total_length=t.total_length))
             return rollout_manager_pb2.FleetStatus(
                 run_id=self.run_id, workers=workers,
                 env_steps=self._departed_steps + sum(w.env_steps for w in self._workers.values()),

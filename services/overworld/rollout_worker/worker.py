@@ -21,6 +21,7 @@ from overworld.core.specs import Spaces
 from overworld.policies.factory import run_spaces
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.rollout_worker.env_pool import EnvPool, GroupResult, InProcessEnvPool, num_groups_for
+from overworld.rollout_worker.env_runner import TASK_KEY
 from overworld.rollout_worker.episodes import EpisodeTracker
 from overworld.rollout_worker.fragments import FragmentCutter
 from overworld.rollout_worker.metrics import (
@@ -34,6 +35,7 @@ from overworld.rollout_worker.metrics import (
     QUEUE_DEPTH,
     STEP_LATENCY,
 )
+from overworld.rollout_worker.pipeline_report import PipelineReport
 from overworld.rollout_worker.sender import FragmentSender
 from overworld.rollout_worker.video import VideoRecorder, image_key
 from overworld.rollout_worker.weights import WeightsWatcher
@@ -110,6 +112,7 @@ class RolloutWorker:
         self.cutter = FragmentCutter(self.spaces, self.N, self.T)
         task = self.config.task_name or self.config.env_generator.rsplit(":", 1)[-1]
         self.episodes = EpisodeTracker(self.N, self.config.train_config.discount, task)
+        self.pipeline = PipelineReport(wc.log_interval, wc.moving_stat_duration, wc.max_fast_reset)
         self.video = VideoRecorder(image_key(self.spaces), wc.video_fps, self._upload_video)
         self.first = np.ones(self.N, np.bool_)
         self.state: dict[str, torch.Tensor] = {}
@@ -183,6 +186,7 @@ class RolloutWorker:
         action = {k: v.cpu().numpy() for k, v in action_t.items()}
         INFER_BATCH.observe(len(slots))
         INFER_LATENCY.observe(time.monotonic() - started)
+        self.pipeline.update("inference", time.monotonic() - started)
         for k, v in after.items():
             self.state[k][idx] = v
         starting = self.cutter.t[slots] == 0
@@ -223,7 +227,8 @@ class RolloutWorker:
                 source = self.pool.final_obs if int(slot) in res.ended else self.pool.obs
                 self._emit(int(slot), {k: v[slot] for k, v in source.items()})
             for slot, extras in res.ended.items():
-                stats = self.episodes.ended(slot, self.model_version, extras)
+                task = extras.pop(TASK_KEY, None)
+                stats = self.episodes.ended(slot, self.model_version, extras, task)
                 if slot == self.video.slot and self.video.key is not None:
                     self.video.finish(slot, self.pool.final_obs[self.video.key][slot], mpb.VideoInfo(
                         env_slot=slot, task=stats.task, sum_reward=stats.sum_reward, length=stats.length,
@@ -276,8 +281,12 @@ class RolloutWorker:
             if g is None or self.stop_event.is_set():
                 continue
             STEP_LATENCY.observe(time.monotonic() - sent_at[g])
+            self.pipeline.update("env_step", time.monotonic() - sent_at[g])
             self._consume(self.pool.take(g))
             sent_at[g] = self._act_on(g)
+            if self.pipeline.log_interval is not None:
+                self.pipeline.update("queue_size_after_inference", sum(int(self.pool.ready(x).size) for x in groups))
+                self.pipeline.maybe_log()
             now = time.monotonic()
             if now - rate_started > 5:
                 self.steps_per_second = (self.env_steps - rate_steps) / (now - rate_started)
