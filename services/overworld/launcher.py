@@ -22,7 +22,7 @@ from overworld.core.service import PARENT_PID_ENV
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.v1 import trainer_pb2, trainer_pb2_grpc
 
-MAX_RESTARTS = 3  # per service; the trainer resumes from its latest checkpoint by itself
+MAX_RESTARTS = 3  # per service; a restarted trainer continues from this run's latest checkpoint
 RESTARTABLE = ("trainer", "rollout-worker")
 
 
@@ -84,7 +84,10 @@ class Launcher:
         port = int(child.address.rsplit(":", 1)[1])
         print(f"\n{child.name} exited with code {child.proc.returncode}; restarting it "
               f"({self.restarts[child.name]} of {MAX_RESTARTS})", flush=True)
-        return self.start(child.name, *self.flags[child.name], port=port)
+        flags = self.flags[child.name]
+        if child.name == "trainer" and "--resume" not in flags:
+            flags = (*flags, "--resume", "auto")  # continue this run, not start it over
+        return self.start(child.name, *flags, port=port)
 
     def start_all(self, resume: str | None = None) -> None:
         a = self.addresses

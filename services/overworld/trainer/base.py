@@ -54,7 +54,7 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
 
 def checkpoint_store(config: RunConfig, workdir: str) -> CheckpointStore:
     """`train_config.save_path`: s3://BUCKET/PREFIX, or a directory (relative to the workdir)."""
-    path = config.train_config.save_path
+    path = config.train_config.save_path or "output"  # null: the default location
     location = path if path.startswith("s3://") or Path(path).is_absolute() else str(Path(workdir) / path)
     return CheckpointStore(open_blob_store(location), prefix=f"{config.run_id or 'run'}/checkpoints")
 
@@ -137,7 +137,8 @@ class BaseTrainer:
             "config_yaml": to_yaml(self.config),
             "addresses": {"rollout_manager": self.rollout_manager, "replay_buffer": self.replay_buffer,
                           "gae": self.gae, "model_registry": self.model_registry,
-                          "status_address": self.status_address, "workdir": self.workdir},
+                          "status_address": self.status_address, "workdir": self.workdir,
+                          **({"continue_run": True} if self.extra.get("continue_run") else {})},
         }
         resources = {"CPU": 1, **({"GPU": t.num_gpus_per_worker} if use_gpu else {})}
         trainer = TorchTrainer(
@@ -217,10 +218,20 @@ class BaseTrainer:
         return ckpt_id
 
     def restore(self) -> None:
-        """Resume from `resume` (see TrainConfig.resume) on every rank: model, optimizer, scaler,
-        counters, KL coefficient, RNG, model version."""
-        which = (self.resume or "auto").strip()
+        """Resume on every rank: model, optimizer, scaler, counters, KL coefficient, RNG, model version.
+        A restarted trainer (`--resume auto`: `continue_run`) continues this run's latest checkpoint if
+        there is one; otherwise `resume` decides (see TrainConfig.resume)."""
+        from overworld.trainer.minestudio_checkpoint import import_checkpoint, is_minestudio_checkpoint
+
+        which = (self.resume or "never").strip()
+        if self.extra.get("continue_run") and self.checkpoints.resolve("latest") is not None:
+            which = "latest"
         if which == "never":
+            return
+        if is_minestudio_checkpoint(which):
+            import_checkpoint(which, self.unwrapped_model, self.optimizer if self.resume_optimizer else None,
+                              getattr(self, "scaler", None))
+            self.resumed_from = which
             return
         ckpt_id = self.checkpoints.resolve("latest" if which == "auto" else which)
         if ckpt_id is None:

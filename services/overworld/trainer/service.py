@@ -104,11 +104,13 @@ class TrainerDriver:
         self.server: Server = serve([(trainer_pb2_grpc.add_TrainerServicer_to_server, self.status,
                                       "overworld.v1.Trainer")], host, port)
         self.config = RolloutManagerClient(rollout_manager).run_config()
-        if resume:
+        if resume and resume != "auto":
             self.config.train_config.resume = resume
         self.addresses = {"rollout_manager": rollout_manager, "replay_buffer": replay_buffer, "gae": gae,
                           "model_registry": model_registry, "status_address": f"{advertised_host(host)}:{self.server.port}",
                           "workdir": workdir}
+        if resume == "auto":  # a restarted trainer: this run's latest checkpoint, else the config's `resume`
+            self.addresses["continue_run"] = True
         self.ray_address = ray_address
         self.done = done
         self.failed = False
