@@ -47,6 +47,7 @@ class Launcher:
         self.flags: dict[str, tuple[str, ...]] = {}
         self.restarts: dict[str, int] = {}
         self.family: dict[int, list[tuple[int, str]]] = {}
+        self.extra_env: dict[str, str] = {}  # for every service started (overworld.online's import path)
 
     def start(self, name: str, *flags: str, port: int | None = None) -> Child:
         port = port or free_port()
@@ -56,7 +57,8 @@ class Launcher:
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
         # PARENT_PID_ENV: a service stops when this launcher dies, even by SIGKILL (core/service.py)
-        env = {**os.environ, "OVERWORLD_LOG_FORMAT": "text", "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid())}
+        env = {**os.environ, **self.extra_env, "OVERWORLD_LOG_FORMAT": "text", "PYTHONUNBUFFERED": "1",
+               PARENT_PID_ENV: str(os.getpid())}
         service = name.split("#")[0]
         cmd = [sys.executable, "-m", "overworld.cli", "serve", service, "--host", "127.0.0.1", "--port", str(port),
                "--metrics-port", "0", "--workdir", str(self.workdir), *flags]
@@ -90,8 +92,14 @@ class Launcher:
         return self.start(child.name, *flags, port=port)
 
     def start_all(self, resume: str | None = None) -> None:
-        a = self.addresses
         print("starting services:", flush=True)
+        self.start_rollout_side(workers=False)
+        self.start_trainer(resume)
+        self.start_workers()
+
+    def start_rollout_side(self, workers: bool = True) -> None:
+        """Everything but the trainer (what overworld.online.start_rolloutmanager keeps running)."""
+        a = self.addresses
         self.start("model-registry")
         self.start("gae")
         self.start("rollout-manager", "--config", str(self.config_path))
@@ -99,8 +107,17 @@ class Launcher:
             self.wait(name, 60)
         self.start("replay-buffer", "--rollout-manager", a["rollout-manager"])
         self.wait("replay-buffer", 60)
-        self.start("trainer", "--rollout-manager", a["rollout-manager"], "--replay-buffer", a["replay-buffer"],
-                   "--gae", a["gae"], "--model-registry", a["model-registry"], *(["--resume", resume] if resume else []))
+        if workers:
+            self.start_workers()
+
+    def start_trainer(self, resume: str | None = None, *extra: str) -> Child:
+        a = self.addresses
+        return self.start("trainer", "--rollout-manager", a["rollout-manager"], "--replay-buffer", a["replay-buffer"],
+                          "--gae", a["gae"], "--model-registry", a["model-registry"],
+                          *(["--resume", resume] if resume else []), *extra)
+
+    def start_workers(self) -> None:
+        a = self.addresses
         for i in range(self.config.rollout_config.num_rollout_workers):
             self.start(f"rollout-worker#{i}", "--rollout-manager", a["rollout-manager"],
                        "--replay-buffer", a["replay-buffer"], "--model-registry", a["model-registry"])

@@ -101,7 +101,8 @@ def trainer(args: argparse.Namespace, done: threading.Event) -> Any:
     from overworld.trainer.service import TrainerDriver
 
     return TrainerDriver(args.rollout_manager, args.replay_buffer, args.gae, args.model_registry, args.host,
-                         args.port, args.ray_address, str(Path(args.workdir).resolve()), args.resume, done)
+                         args.port, args.ray_address, str(Path(args.workdir).resolve()), args.resume, done,
+                         config_path=args.config)
 
 
 def rollout_worker(args: argparse.Namespace, done: threading.Event) -> Any:

@@ -20,7 +20,6 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
-
 log = logging.getLogger("overworld.config")
 
 

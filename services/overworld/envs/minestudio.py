@@ -23,7 +23,6 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-
 log = logging.getLogger("overworld.envs.minestudio")
 _warned_keys: set[str] = set()
 

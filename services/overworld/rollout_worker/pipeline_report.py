@@ -54,10 +54,10 @@ class PipelineReport:
         if self.log_interval is None or now - self.last < self.log_interval:
             return None
         self.last = now
-        line = ("pipeline (moving averages over %.0fs): env_step %.2f ms, inference %.2f ms, queue size after "
-                "inference %.2f; max_fast_reset %d") % (
-            self.stats["env_step"].duration, 1000 * self.stats["env_step"].average(now),
-            1000 * self.stats["inference"].average(now), self.stats["queue_size_after_inference"].average(now),
-            self.max_fast_reset)
+        env_step, inference = self.stats["env_step"], self.stats["inference"]
+        line = (f"pipeline (moving averages over {env_step.duration:.0f}s): env_step "
+                f"{1000 * env_step.average(now):.2f} ms, inference {1000 * inference.average(now):.2f} ms, "
+                f"queue size after inference {self.stats['queue_size_after_inference'].average(now):.2f}; "
+                f"max_fast_reset {self.max_fast_reset}")
         log.info(line)
         return line

@@ -9,6 +9,7 @@ from typing import Any
 from overworld.core.config import as_dict
 from overworld.trainer.evaluation import evaluate
 from overworld.trainer.loggers import build_loggers
+from overworld.trainer.minestudio_metrics import MineStudioMetrics
 
 log = logging.getLogger("overworld.trainer")
 
@@ -91,6 +92,7 @@ def register_builtin_hooks(trainer: Any) -> LogMetrics:
     trainer.hooks.register("post_iteration", save_checkpoint)
     trainer.hooks.register("post_iteration", run_evaluation)
     trainer.hooks.register("post_iteration", request_video)
+    trainer.hooks.register("post_iteration", MineStudioMetrics())
     logger = LogMetrics(trainer)
     trainer.hooks.register("post_iteration", logger)
     return logger

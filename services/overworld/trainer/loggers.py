@@ -13,9 +13,9 @@ import math
 import netrc
 import os
 import sys
-from urllib.parse import urlparse
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlparse
 
 from overworld.core.config import LoggerConfig
 
