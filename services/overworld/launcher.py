@@ -15,7 +15,7 @@ from typing import IO, Any
 
 import grpc
 
-from overworld.core.config import ConfigError, RunConfig, load_config, to_yaml
+from overworld.core.config import ConfigError, RunConfig, check_generators, load_config, to_yaml
 from overworld.core.grpc_util import channel, wait_healthy
 from overworld.core.net import free_port
 from overworld.core.service import PARENT_PID_ENV
@@ -209,6 +209,7 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
         workdir: str | None, target_return: float | None, resume: str | None = None,
         progress_interval: float = 2.0) -> dict[str, Any]:
     config = load_config(config_source, overrides)
+    check_generators(config)
     previous = Path(workdir, "config.yaml") if workdir else None
     if resume and previous is not None and previous.exists():
         config.run_id = load_config(previous).run_id  # same run: its checkpoints, its blobs

@@ -377,6 +377,20 @@ def validate(config: RunConfig) -> None:
             raise ConfigError(f"config key rollout_config.replay_buffer_config.samples_per_insert: {err}") from None
 
 
+def check_generators(config: RunConfig) -> None:
+    """Import the generators here, before any service starts: an import error in the user's file is one
+    ConfigError line (the CLI's `error:`), not a traceback in a worker's log."""
+    from overworld.core.imports import import_object
+
+    for key in GENERATORS:
+        ref = getattr(config, key)
+        try:
+            import_object(ref)
+        except Exception as err:  # the user's code: any error becomes one line naming the file
+            message = str(err).splitlines()[0] if str(err) else ""
+            raise ConfigError(f"config key {key}: {ref}: {type(err).__name__}: {message}") from None
+
+
 def check_rate_limit(samples_per_insert: float, error: float, max_reuse: int) -> None:
     """Reject samples-per-insert settings under which inserters and samplers can block each other forever.
 

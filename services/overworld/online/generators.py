@@ -52,7 +52,7 @@ def generator_ref(obj: Any, what: str) -> str:
     name = getattr(obj, "__qualname__", None)
     if not callable(obj) or name is None:
         raise GeneratorError(f"{what} must be a function defined with `def` at module level, got {obj!r}")
-    why = ("a lambda" if name == "<lambda>" else
+    why = ("a lambda" if name.endswith("<lambda>") else
            "defined inside another function" if "<locals>" in name else
            "a method or nested definition" if "." in name else "")
     module_name = getattr(obj, "__module__", None)
