@@ -50,7 +50,14 @@ STOP_TIMEOUT_SECONDS = 200.0
 
 
 def _in_service() -> bool:
-    return bool(os.environ.get(IN_SERVICE_ENV))
+    if os.environ.get(IN_SERVICE_ENV):
+        return True
+    if not logging.getLogger().handlers and not log.handlers:  # a plain script: show what we do
+        handler = logging.StreamHandler()
+        handler.setFormatter(logging.Formatter("%(asctime)s %(name)s %(levelname)s %(message)s"))
+        log.addHandler(handler)
+        log.setLevel(logging.INFO)
+    return False
 
 
 def _workdir(workdir: str | os.PathLike | None) -> Path:
