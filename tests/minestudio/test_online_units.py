@@ -138,3 +138,27 @@ def test_pipeline_report_every_log_interval_seconds() -> None:
     assert line is not None and "env_step 4.00 ms" in line and "inference 2.00 ms" in line
     assert "queue size after inference 3.00" in line and "max_fast_reset 7" in line
     assert PipelineReport(None, 300.0, 1).maybe_log(now=1e9) is None  # log_interval null: MineStudio's default
+
+
+def test_a_video_trigger_records_the_configured_episodes_with_vpred_drawn(tmp_path: Path) -> None:
+    from overworld.core.blobs import open_blob_store
+    from overworld.rollout_manager.videos import VideoBook
+    from overworld.rollout_worker.video import draw_vpred
+
+    book = VideoBook(open_blob_store(str(tmp_path)), str(tmp_path), "r", interval=2, episodes=4)
+    book.request(iteration=2)
+    assert book.pending() == 4 and {book.assign(w) for w in ("a", "b", "c", "d")} != {""}
+    frame = np.zeros((64, 64, 3), np.uint8)
+    drawn = draw_vpred(frame, 1.234)
+    assert drawn.shape == frame.shape and drawn.dtype == np.uint8 and drawn[:16].any() and not drawn[40:].any()
+
+
+def test_fragments_per_report_logs_minestudios_replay_buffer_report(caplog: pytest.LogCaptureFixture) -> None:
+    from overworld.replay_buffer.server import InsertReport
+
+    stats = SimpleNamespace(chunks=5, model_version=2)
+    report = InsertReport(3, SimpleNamespace(stats=lambda: stats))  # type: ignore[arg-type]
+    lines = [report.inserted() for _ in range(6)]
+    assert lines[:2] == [None, None] and lines[3:5] == [None, None]
+    assert lines[2] is not None and "replay_buffer_size (chunk) 5, model_version 2" in lines[2]
+    assert InsertReport(0, SimpleNamespace()).inserted() is None  # type: ignore[arg-type]

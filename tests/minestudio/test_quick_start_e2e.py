@@ -27,12 +27,31 @@ pytestmark = [pytest.mark.minestudio, pytest.mark.slow]
 ROOT = Path(__file__).resolve().parents[2]
 
 QUICK_START = '''
+import os
 from omegaconf import OmegaConf
 from overworld.online import start_rolloutmanager          # was: from minestudio.online.rollout.start_manager import start_rolloutmanager
 from overworld.online import start_trainer                 # was: from minestudio.online.trainer.start_trainer import start_trainer
+from overworld.online import PPOTrainer                    # was: from minestudio.online.trainer import PPOTrainer
+
+
+class KillCowTrainer(PPOTrainer):
+    """A subclass written against MineStudio's PPOTrainer API."""
+
+    def train_iteration(self):
+        result = super().train_iteration()
+        self.note(f"train_iteration {self.num_updates} rho {self.kl_divergence_coef_rho:.6f}")
+        return result
+
+    def ppo_update(self, records, td_targets, advantages, old_logps, old_vpreds, rewards):
+        self.note(f"ppo_update advantages {tuple(advantages.shape)} lr {self.learning_rate} clip {self.ppo_clip}")
+        return super().ppo_update(records, td_targets, advantages, old_logps, old_vpreds, rewards)
+
+    def note(self, line):
+        with open(os.path.join(os.environ["OVERWORLD_WORKDIR"], "subclass.log"), "a") as f:
+            f.write(line + "\n")
 
 online_dict = {
-    "trainer_name": "PPOTrainer",
+    "trainer_name": "KillCowTrainer",
     "detach_rollout_manager": True,
     "rollout_config": {
         "num_rollout_workers": 1,
@@ -160,6 +179,10 @@ def test_minestudio_quick_start_runs_through_every_service(tmp_path: Path) -> No
                     "episode_statistics/4train/sum_reward", "episode_statistics/4train/episode_length"):
             assert key in summary, (key, sorted(summary))
         assert "no API key" in (work / "logs" / "trainer.log").read_text()
+        # the subclass ran under trainer_name, with MineStudio's method names, arguments and attributes
+        calls = (work / "subclass.log").read_text().splitlines()
+        assert calls[0].startswith("ppo_update advantages (2, 16) lr 2e-05 clip 0.2"), calls
+        assert calls[1] == "train_iteration 1 rho 0.199900" and calls[3] == "train_iteration 2 rho 0.199800", calls
 
         side = read_state(work)
         again = _run(tmp_path, "again.py", 16, train=False)  # same config: the detached side is reused

@@ -69,6 +69,7 @@ class WorkerConfig:
     restart_interval: float | None = 3600.0
     video_fps: int = 20
     video_output_dir: str = "output/videos"
+    video_episodes: int = 4  # episodes recorded per video trigger (MineStudio records 4)
     num_env_processes: int = 0  # 0: one process per env, capped at the CPU count
     step_timeout: float = 60.0
     device: str = "auto"  # auto | cpu | cuda

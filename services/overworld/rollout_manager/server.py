@@ -82,7 +82,9 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         self._episodes = 0
         self._registrations = 0
         url = video_store_url(config.rollout_config.worker_config.video_output_dir, workdir, blobs)
-        self.videos = VideoBook(video_store, url, self.run_id, config.train_config.record_video_interval)
+        wc = config.rollout_config.worker_config
+        self.videos = VideoBook(video_store, url, self.run_id, config.train_config.record_video_interval,
+                                wc.video_episodes, video_store_url(wc.video_output_dir, workdir))
 
     def _expire(self) -> None:
         now = time.monotonic()

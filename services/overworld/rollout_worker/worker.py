@@ -45,10 +45,15 @@ from overworld.v1 import rollout_manager_pb2 as mpb
 log = logging.getLogger("overworld.rollout_worker")
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+def pick_device(name: str, num_gpus: float = 1.0) -> torch.device:
+    """`device: auto`: CUDA when rollout_config.num_gpus_per_worker asks for a GPU and one is there
+    (said out loud when it is not), else the CPU."""
+    if name != "auto":
+        return torch.device(name)
+    if num_gpus > 0 and not torch.cuda.is_available():
+        log.warning("rollout_config.num_gpus_per_worker=%s but this worker sees no CUDA device: inference runs on "
+                    "the CPU", num_gpus)
+    return torch.device("cuda" if num_gpus > 0 and torch.cuda.is_available() else "cpu")
 
 
 def make_pool(config: RunConfig, spaces: Spaces, seed: int, backend: str | None = None) -> EnvPool | InProcessEnvPool:
@@ -90,7 +95,7 @@ class RolloutWorker:
         wc = rc.worker_config
         self.T, self.N = rc.fragment_length, wc.num_envs
         self.spaces, self.policy, _, _ = run_spaces(self.config)
-        self.device = pick_device(wc.device)
+        self.device = pick_device(wc.device, rc.num_gpus_per_worker)
         self.policy.to(self.device).eval()
         self.address = address
         reply = retry(lambda: self.manager.stub.Register(self._register_request(), timeout=10), "Register", 120)
@@ -180,7 +185,8 @@ class RolloutWorker:
         obs_t = {k: torch.as_tensor(v).to(self.device, non_blocking=True).unsqueeze(1) for k, v in obs.items()}
         first_t = torch.as_tensor(first).to(self.device).unsqueeze(1)
         out, after = self.policy(obs_t, before, first_t)
-        action_t, logp_t = sample_with_log_prob(out.logits)
+        sample = getattr(self.policy, "sample_actions", sample_with_log_prob)  # a MinePolicy: its pi_head.sample
+        action_t, logp_t = sample(out.logits)
         logp = logp_t.cpu().numpy()
         value = self.policy.value(out)[:, 0].float().cpu().numpy()
         action = {k: v.cpu().numpy() for k, v in action_t.items()}
@@ -195,7 +201,7 @@ class RolloutWorker:
         if self.video.slot is not None and self.video.key is not None:
             where = np.flatnonzero(slots == self.video.slot)
             if where.size:
-                self.video.frame({self.video.slot: obs[self.video.key][where[0]]})
+                self.video.frame({self.video.slot: obs[self.video.key][where[0]]}, float(value[where[0]]))
         self.pool.send(g, slots, action)
         self.first[slots] = False
 
@@ -258,7 +264,8 @@ class RolloutWorker:
     # -- the loop ----------------------------------------------------------------------------------
     def run(self) -> None:
         if self.device.type == "cpu":
-            torch.set_num_threads(1)  # the env processes need the cores
+            # MineStudio's num_cpus_per_worker: the worker's own share; the env processes need the rest
+            torch.set_num_threads(max(1, int(self.config.rollout_config.num_cpus_per_worker)))
         self._heartbeat.start()
         self._swap_weights(self.watcher.wait_first(self.stop_event))
         if self.stop_event.is_set():
