@@ -48,7 +48,7 @@ class KillCowTrainer(PPOTrainer):
 
     def note(self, line):
         with open(os.path.join(os.environ["OVERWORLD_WORKDIR"], "subclass.log"), "a") as f:
-            f.write(line + "\n")
+            f.write(line + "\\n")
 
 online_dict = {
     "trainer_name": "KillCowTrainer",
@@ -125,15 +125,21 @@ online_dict = {
 }
 
 
+def _standin():
+    import importlib.util
+    spec = importlib.util.spec_from_file_location("standin", STANDIN)
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    return module
+
+
 def env_generator():
-    from tests.minestudio.standin import StandInSim
-    return StandInSim()
+    return _standin().StandInSim()  # MinecraftSim's observation and action dictionaries, no engine
 
 
 def policy_generator():
     from minestudio.models import VPTPolicy
-    from tests.minestudio.standin import SMALL_VPT
-    return VPTPolicy(policy_kwargs=SMALL_VPT)
+    return VPTPolicy(policy_kwargs=_standin().SMALL_VPT)  # the real VPT architecture, random weights
 
 
 if __name__ == "__main__":
@@ -149,7 +155,7 @@ if __name__ == "__main__":
 def _run(tmp_path: Path, name: str, fragment_length: int, train: bool) -> subprocess.CompletedProcess:
     script = tmp_path / name
     script.write_text(textwrap.dedent(QUICK_START).replace("FRAGMENT_LENGTH", str(fragment_length))
-                      .replace("TRAIN", str(train)))
+                      .replace("TRAIN", str(train)).replace("STANDIN", repr(str(ROOT / "tests/minestudio/standin.py"))))
     env = {**os.environ, "OVERWORLD_WORKDIR": str(tmp_path / "work"), "WANDB_SILENT": "true",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "services"), str(ROOT)])}
     env.pop("WANDB_API_KEY", None)

@@ -8,7 +8,7 @@ method has no such address: that is an error that says what to do.
 
 from __future__ import annotations
 
-import importlib.util
+import importlib.machinery
 import inspect
 import sys
 from pathlib import Path
@@ -33,12 +33,14 @@ def _importable(module: str) -> bool:
     top = module.split(".")[0]
     if top == "__main__":
         return False
-    try:
-        spec = importlib.util.find_spec(top)
+    try:  # search sys.path, as a fresh interpreter would; sys.modules may hold files loaded by path
+        spec = importlib.machinery.PathFinder.find_spec(top)
     except (ImportError, ValueError):
         return False
-    if spec is None or spec.origin is None:
-        return spec is not None
+    if spec is None:
+        return top in sys.builtin_module_names
+    if spec.origin is None:  # a namespace package
+        return True
     script_dir = Path(sys.argv[0]).resolve().parent if sys.argv and sys.argv[0] else None
     return script_dir is None or script_dir not in Path(spec.origin).resolve().parents
 

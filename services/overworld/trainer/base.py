@@ -215,10 +215,12 @@ class BaseTrainer:
         from ray.train import ScalingConfig
         from ray.train.torch import TorchTrainer
 
+        from overworld.online.generators import generator_ref
+
         t = self.config.train_config
         use_gpu = t.num_gpus_per_worker > 0 and torch.cuda.is_available()
         loop_config = {
-            "trainer_class": f"{type(self).__module__}:{type(self).__qualname__}",
+            "trainer_class": generator_ref(type(self), "trainer_name"),  # a class from a user's file: by its path
             "config_yaml": to_yaml(self.config),
             "addresses": {"rollout_manager": self.rollout_manager, "replay_buffer": self.replay_buffer,
                           "gae": self.gae, "model_registry": self.model_registry,
