@@ -106,7 +106,7 @@ def test_an_exported_overworld_checkpoint_resumes_minestudios_trainer(tmp_path: 
             torch.testing.assert_close(value, policy.state_dict()[f"mine.{name}"])
     assert float(inner_model.value_head.normalizer.running_mean) == 0.25
     by_name = dict(inner_model.named_parameters())
-    for i, (name, p) in enumerate((n, p) for n, p in policy.named_parameters() if p.requires_grad):
+    for i, name in enumerate(n for n, p in policy.named_parameters() if p.requires_grad):
         torch.testing.assert_close(mine_optimizer.state[by_name[name.removeprefix("mine.")]]["exp_avg"],
                                    optimizer.state_dict()["state"][i]["exp_avg"])
     _step(inner_model, mine_optimizer)  # and it trains on from there

@@ -225,6 +225,7 @@ def start_trainer(policy_generator: Any, env_generator: Any, online_cfg: Mapping
     try:
         while True:
             time.sleep(1.0)
+            launcher.remember_families()  # Ray's processes, to be stopped with the trainer
             dead = launcher.dead()
             if dead:
                 if status is not None and status.state == "finished":
