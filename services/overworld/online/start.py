@@ -93,7 +93,7 @@ def _trainer_ref(name: str, policy_generator: Any) -> str:
     the generators (a subclass in the user's quick start file)."""
     from overworld.trainer.service import TRAINERS
 
-    if ":" in name or name in TRAINERS or callable(policy_generator) is False:
+    if ":" in name or name in TRAINERS or not callable(policy_generator):
         return name
     module = sys.modules.get(getattr(policy_generator, "__module__", ""))
     cls = getattr(module, name, None)
