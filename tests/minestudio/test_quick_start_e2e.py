@@ -81,7 +81,7 @@ online_dict = {
     "train_config": {
         "num_workers": 1,
         "num_gpus_per_worker": 0.0,
-        "num_iterations": 4,
+        "num_iterations": 6,
         "vf_warmup": 0,
         "learning_rate": 0.00002,
         "anneal_lr_linearly": False,
@@ -133,7 +133,9 @@ def _standin():
 
 
 def env_generator():
-    return _standin().StandInSim()  # MinecraftSim's observation and action dictionaries, no engine
+    # MinecraftSim's observation and action dictionaries, no engine; steps slow enough that episodes end
+    # and are reported (workers heartbeat every 2 s) while the trainer iterates
+    return _standin().StandInSim(time_limit=10, step_seconds=0.02)
 
 
 def policy_generator():
@@ -168,12 +170,12 @@ def test_minestudio_quick_start_runs_through_every_service(tmp_path: Path) -> No
         out = _run(tmp_path, "run.py", 16, train=True)
         assert out.returncode == 0, out.stdout[-3000:] + out.stderr[-5000:]
         result = [line for line in out.stdout.splitlines() if line.startswith("RESULT")]
-        assert result and "'state': 'finished'" in result[0] and "'iteration': 4" in result[0], out.stdout[-2000:]
+        assert result and "'state': 'finished'" in result[0] and "'iteration': 6" in result[0], out.stdout[-2000:]
         config = (work / "trainer-config.yaml").read_text()
         run_id = read_state(work)["run_id"]  # type: ignore[index]
         assert "enable_ref_update" not in config and "kl_divergence_coef_rho: 0.2" in config
         checkpoints = work / "output" / run_id / "checkpoints"
-        assert (checkpoints / "iter-00000004" / "COMMITTED").exists()
+        assert (checkpoints / "iter-00000006" / "COMMITTED").exists()
         assert "from overworld.online import start_trainer" in (work / "whole_config.py").read_text()
         # W&B on (logger_config given), offline without a key, with MineStudio's metric names
         runs = list(work.glob("logs/*/wandb/offline-run-*/run-*.wandb"))
@@ -191,11 +193,11 @@ def test_minestudio_quick_start_runs_through_every_service(tmp_path: Path) -> No
         assert calls[1] == "train_iteration 1 rho 0.199900" and calls[3] == "train_iteration 2 rho 0.199800", calls
 
         side = read_state(work)
-        again = _run(tmp_path, "again.py", 16, train=False)  # same config: the detached side is reused
+        again = _run(tmp_path, "run.py", 16, train=False)  # the same script and config: the detached side is reused
         assert again.returncode == 0, again.stderr[-3000:]
         assert "Reusing existing rollout manager" in again.stderr
         assert read_state(work)["pid"] == side["pid"]  # type: ignore[index]
-        changed = _run(tmp_path, "changed.py", 32, train=False)  # rollout_config changed: restarted
+        changed = _run(tmp_path, "run.py", 32, train=False)  # rollout_config changed: restarted
         assert changed.returncode == 0, changed.stderr[-3000:]
         assert "config changed, killing and restarting" in changed.stderr
         assert read_state(work)["pid"] != side["pid"]  # type: ignore[index]
