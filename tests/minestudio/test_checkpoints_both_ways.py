@@ -7,8 +7,6 @@ from __future__ import annotations
 
 import os
 import pickle
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
@@ -17,6 +15,7 @@ pytest.importorskip("minestudio", reason="`make test-minestudio` installs minest
 
 import torch  # noqa: E402
 
+from overworld.cli import main  # noqa: E402
 from overworld.core.blobs import open_blob_store  # noqa: E402
 from overworld.core.config import as_dict, load_config  # noqa: E402
 from overworld.core.weights import to_bytes  # noqa: E402
@@ -26,7 +25,6 @@ from overworld.trainer.minestudio_checkpoint import import_checkpoint  # noqa: E
 from tests.minestudio import standin  # noqa: E402
 
 pytestmark = pytest.mark.minestudio
-ROOT = Path(__file__).resolve().parents[2]
 
 
 def _vpt(seed: int):  # type: ignore[no-untyped-def]
@@ -86,11 +84,8 @@ def test_an_exported_overworld_checkpoint_resumes_minestudios_trainer(tmp_path: 
                {"model.safetensors": to_bytes(policy.state_dict()),
                 "optimizer.pt": tensors_to_bytes(optimizer.state_dict())})
     out = tmp_path / "for_minestudio"
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "services"), str(ROOT)])}
-    done = subprocess.run([sys.executable, "-m", "overworld.cli", "export-minestudio",
-                           str(tmp_path / "ckpts/run/checkpoints/iter-00000004"), str(out)], env=env,
-                          capture_output=True, text=True, timeout=300, cwd=ROOT)
-    assert done.returncode == 0, done.stderr[-3000:]
+    assert main(["export-minestudio", str(tmp_path / "ckpts/run/checkpoints/iter-00000004"), str(out)]) == 0
+    assert main(["export-minestudio", str(tmp_path / "nowhere"), str(out)]) == 2  # one `error:` line
     assert pickle.loads((out / "whole_config.pkl").read_bytes()).startswith("trainer_name")
 
     # MineStudio's BaseTrainer._train_func, resume branch, line for line:
