@@ -34,7 +34,7 @@ def rollout_key(config: RunConfig) -> dict[str, Any]:
     t = d.pop("train_config")
     for key in ("run_id", "logger_config", "trainer_name", "detach_rollout_manager"):
         d.pop(key)
-    d["train_config"] = {k: t[k] for k in ("resume", "discount", "use_normalized_vf", "record_video_interval")}
+    d["train_config"] = {k: t[k] for k in ("resume", "discount", "use_normalized_vf")}
     return d
 
 
