@@ -164,7 +164,12 @@ def start_rolloutmanager(policy_generator: Any, env_generator: Any, online_cfg: 
             raise RuntimeError(f"the rollout side failed: {s['error']} (see {log_path})")
         return s if s and s.get("ready") and s.get("pid") == proc.pid else None
 
-    state = _wait(proc, ready, "the rollout side", log_path, READY_TIMEOUT_SECONDS)
+    try:
+        state = _wait(proc, ready, "the rollout side", log_path, READY_TIMEOUT_SECONDS)
+    except BaseException:
+        proc.terminate()  # it stops what it started
+        proc.wait(STOP_TIMEOUT_SECONDS)
+        raise
     _stop_with_script(state, config)
     log.info("rollout side of run %s started in %s: %s", config.run_id, work, state["addresses"])
     return state["addresses"]
