@@ -85,3 +85,16 @@ def test_actions_come_from_pi_head_sample_with_its_nucleus_setting() -> None:
         head.nucleus_prob = None  # vanilla sampling: not always the most likely action
     samples = [policy.sample_actions(out.logits)[0]["camera"] for _ in range(20)]
     assert any(not torch.equal(s, out.logits["camera"][:, 0].argmax(-1)) for s in samples)
+
+
+@pytest.mark.parametrize("name", ["config_shoot", "gate", "gate_kl"])
+def test_every_online_config_minestudio_ships_loads_verbatim(name: str) -> None:
+    import importlib.util
+
+    from overworld.core.config import load_config
+
+    package = Path(importlib.util.find_spec("minestudio").origin).parent  # type: ignore[union-attr, arg-type]
+    path = package / "online" / "run" / "config" / f"{name}.py"  # importing it would need cv2, ray, hydra
+    config = load_config(path)  # config_shoot.py imports ray, hydra and wandb at the top: not run to read it
+    assert config.train_config.kl_divergence_coef_rho == 0.2 and config.train_config.resume is None
+    assert config.env_generator == f"{path.resolve()}:env_generator" and config.logger_config.wandb is True
