@@ -19,6 +19,7 @@ from overworld.core.config import ConfigError, RunConfig, check_generators, load
 from overworld.core.grpc_util import channel, wait_healthy
 from overworld.core.net import free_port
 from overworld.core.service import PARENT_PID_ENV
+from overworld.envs.crafter_score import score_summary
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.v1 import trainer_pb2, trainer_pb2_grpc
 
@@ -312,7 +313,9 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
                        mean_return_last_100=fleet.mean_return_last_100 if fleet.episodes else None,
                        tasks={t.task: {"episodes": t.episodes, "mean_return_last_100": t.mean_return_last_100,
                                        "mean_length_last_100": t.mean_length_last_100,
-                                       **dict(t.mean_extras_last_100)} for t in fleet.tasks})
+                                       **dict(t.mean_extras_last_100),
+                                       **({"crafter": c} if (c := score_summary(t.total_extras, t.episodes)) else {})}
+                                   for t in fleet.tasks})
     if trainer_status is not None:
         summary.update(model_version=trainer_status.model_version, updates=trainer_status.updates,
                        iterations=trainer_status.iteration, samples_trained=trainer_status.samples_trained,
@@ -338,7 +341,9 @@ def record_progress(path: Path, elapsed: float, env_steps: int, fleet: Any, trai
              "mean_return_last_100": fleet.mean_return_last_100 if fleet.episodes else None,
              "model_version": trainer.model_version, "updates": trainer.updates,
              **{f"{t.task}/{k}": v for t in fleet.tasks for k, v in t.mean_extras_last_100.items()
-                if k in ("cows_eaten", "achievement_eat_cow")}}
+                if k in ("cows_eaten", "achievement_eat_cow")},
+             **{f"{t.task}/crafter_score": c["score"] for t in fleet.tasks
+                if (c := score_summary(t.total_extras, t.episodes))}}
     with path.open("a") as f:
         f.write(json.dumps(entry) + "\n")
 

@@ -46,3 +46,12 @@ def crafter_score(rates_percent: Mapping[str, float]) -> float:
     if ((rates < 0) | (rates > 100)).any():
         raise ValueError("success rates must be percentages in [0, 100]")
     return float(np.exp(np.mean(np.log1p(rates))) - 1.0)
+
+
+def score_summary(total_extras: Mapping[str, float], episodes: int) -> dict[str, object] | None:
+    """The benchmark's view of a task's statistics (the sums of its episodes' `achievement_*` flags
+    over all `episodes` of the run), or None for a task that reports no Crafter achievements."""
+    if episodes <= 0 or not any(k.startswith("achievement_") for k in total_extras):
+        return None
+    rates = success_rates({k: v / episodes for k, v in total_extras.items()})
+    return {"score": crafter_score(rates), "success_rates": rates, "episodes": episodes}

@@ -60,6 +60,7 @@ class TaskRecord:
     total_return: float = 0.0
     total_discounted: float = 0.0
     total_length: int = 0
+    total_extras: dict[str, float] = field(default_factory=dict)
 
 
 class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
@@ -177,6 +178,8 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                 t.total_return += ep.sum_reward
                 t.total_discounted += ep.discounted_reward
                 t.total_length += ep.length
+                for k, v in ep.extras.items():
+                    t.total_extras[k] = t.total_extras.get(k, 0.0) + v
                 self._all_returns.append(ep.sum_reward)
                 self._episodes += 1
                 EPISODES.labels(task).inc()
@@ -213,7 +216,8 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                     mean_length_last_100=float(np.mean(t.lengths)),
                     mean_discounted_return_last_100=float(np.mean(t.discounted)), mean_extras_last_100=extras,
                     total_return=t.total_return, total_discounted_return=t.total_discounted,
-                    total_length=t.total_length))
+                    total_length=t.total_length,
+                    total_extras=t.total_extras))
             return rollout_manager_pb2.FleetStatus(
                 run_id=self.run_id, workers=workers,
                 env_steps=self._departed_steps + sum(w.env_steps for w in self._workers.values()),
