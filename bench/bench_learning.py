@@ -87,7 +87,7 @@ def policy_return(config_path: str, episodes: int, player: Callable[[int], Choos
                            "mean_length": float(np.mean(lengths)), "episodes": episodes,
                            "seconds": round(time.monotonic() - started, 1)}
     keys = {k for a in achievements for k in a}
-    crafter = score_summary({k: float(np.mean([a.get(k, 0.0) for a in achievements])) for k in keys})
+    crafter = score_summary({k: float(sum(a.get(k, 0.0) for a in achievements)) for k in keys}, episodes)
     if crafter is not None and config_path == TASKS["crafter"][0]:
         out["crafter"] = crafter
     return out
