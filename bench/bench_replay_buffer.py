@@ -479,6 +479,54 @@ def measure(name: str, index_url: str, blobs_url: str, fronts: int, count: int, 
     return row
 
 
+def measure_tls(count: int, rounds: int, env: dict[str, str], work: Path) -> dict:
+    """Ingest through one front with mutual TLS and one without (memory + local backend, so the
+    difference is the transport), rounds alternating between the two: fragments/s and the cost."""
+    from overworld.core import tls
+
+    identities = tls.write_run_credentials(work / "tls", "bench")
+    run_id = f"bench-{uuid.uuid4().hex[:8]}"
+    template = template_fragment(run_id)
+
+    def request(worker: str, seq: int) -> bytes:
+        from overworld.v1 import replay_buffer_pb2
+
+        f = type(template)()
+        f.CopyFrom(template)
+        f.header.worker_id, f.header.env_slot, f.header.sequence = worker, 0, seq
+        return replay_buffer_pb2.InsertRequest(fragment=f).SerializeToString()
+
+    fronts = {}
+    procs: list[subprocess.Popen] = []
+    try:
+        for mode, front_env, client in (("plaintext", env, None),
+                                        ("tls", {**env, "OVERWORLD_TLS_DIR": str(identities["replay-buffer"])},
+                                         identities["rollout-worker"])):
+            tls.use(client)
+            started, addresses = start_fronts("memory", str(work / f"tls-blobs-{mode}"), run_id, 1, True, front_env)
+            procs += started
+            fronts[mode] = (addresses, client)
+        rates: dict[str, list[float]] = {"plaintext": [], "tls": []}
+        total = 3 * count
+        for r in range(rounds + 1):  # round 0 warms both up
+            for mode, (addresses, client) in fronts.items():
+                tls.use(client)
+                requests = [request(f"{mode}r{r}w{i % 8}", i // 8) for i in range(total)]
+                rate = total / run_ingest(addresses, requests)
+                if r:
+                    rates[mode].append(rate)
+    finally:
+        tls.reset()
+        for p in procs:
+            stop(p)
+    plain, secure = statistics.median(rates["plaintext"]), statistics.median(rates["tls"])
+    cost = 1 - secure / plain
+    return {"backend": "memory+local", "fronts": 1, "fragments_per_round": total, "rounds": rounds,
+            "plaintext_ingest_fragments_per_s": plain, "tls_ingest_fragments_per_s": secure,
+            "plaintext_rounds": rates["plaintext"], "tls_rounds": rates["tls"],
+            "throughput_cost": cost, "target_max_cost": 0.10, "within_target": cost <= 0.10}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command")
@@ -529,6 +577,11 @@ def main(argv: list[str] | None = None) -> int:
             print_row(rows[-1])
             rows.append(measure("redis+s3", redis_url, f"s3://{BUCKET}/RUN", fronts, count, rounds, env, servers, raw))
             print_row(rows[-1])
+        tls_row = measure_tls(count, rounds, env, work)
+        print(f"  ingest with mutual TLS: {tls_row['tls_ingest_fragments_per_s']:.1f} frag/s, plaintext "
+              f"{tls_row['plaintext_ingest_fragments_per_s']:.1f} frag/s (alternating rounds): "
+              f"{tls_row['throughput_cost']:.0%} of the throughput (target <= 10%: "
+              f"{'met' if tls_row['within_target'] else 'NOT met'})", flush=True)
     finally:
         stop(redis_proc)
         stop(s3_proc)
@@ -581,6 +634,7 @@ def main(argv: list[str] | None = None) -> int:
         "summary": {f"{r['backend']} {r['fronts']} front{'s' if r['fronts'] > 1 else ''}": {
             k: round(v, 3) for k, v in r.items() if isinstance(v, float)} for r in rows},
         "results": rows,
+        "tls_ingest": tls_row,
         # Worst over 1 and 2 fronts of ingest and sample by reference (the trainer's path with S3).
         "worst_ratio_vs_raw": min(ratios), "worst_cpu_ratio_vs_raw": min(cpu_ratios),
         "worst_in_band_sample_ratio_vs_raw": in_band, "worst_reader_sample_ratio_vs_raw": reader,
