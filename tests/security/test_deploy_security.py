@@ -20,7 +20,15 @@ from overworld.core.grpc_util import channel, serve
 from overworld.gae.server import GaeService
 from overworld.run_controller.rayjob import build_rayjob
 from overworld.v1 import gae_pb2, gae_pb2_grpc
-from tests.deploy.deploy_support import CHART, CI_VALUES, REPO, by_kind, render, validate_object, values_from_files
+from tests.deploy.deploy_support import (
+    CHART,
+    CI_VALUES,
+    REPO,
+    by_kind,
+    render,
+    validate_object,
+    values_from_files,
+)
 
 IDENTITIES = ("rollout-manager", "rollout-worker", "replay-buffer", "gae", "model-registry", "trainer",
               "run-controller", "operator")
