@@ -182,3 +182,14 @@ def test_the_run_controller_reads_trainer_progress_over_mutual_tls(fleet: Fleet,
     with pytest.raises(grpc.aio.AioRpcError) as err:
         asyncio.run(read_progress(fleet.addresses["trainer"], timeout=3))
     assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_documented_table_is_the_code() -> None:
+    """docs/operations.md's "Who may call what" is core/authz.py's table."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    documented = {}
+    for line in text.split("### Who may call what", 1)[1].split("###", 1)[0].splitlines():
+        cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and "/" in cells[0]:
+            documented[f"/overworld.v1.{cells[0]}"] = [c.strip() for c in cells[1].split(",")]
+    assert documented == {rpc.path: authz.callers(rpc.path) for rpc in RPCS}
