@@ -41,14 +41,21 @@ def _tls_flags(p: argparse.ArgumentParser) -> None:
 
 
 def use_tls_flags(args: argparse.Namespace, log: bool = True) -> None:
-    """--tls-dir / --insecure to this process's credentials (core/tls.py)."""
+    """--tls-dir / --insecure to this process's credentials (core/tls.py), through the environment so
+    that what it starts (the trainer's Ray workers) has the same identity."""
     import logging
+    import os
+    from pathlib import Path
 
     from overworld.core import tls
 
     if args.tls_dir and args.insecure:
         raise SystemExit("--tls-dir and --insecure exclude each other")
-    tls.use(args.tls_dir or None)
+    if args.tls_dir:
+        os.environ[tls.TLS_DIR_ENV] = str(Path(args.tls_dir).resolve())
+    else:
+        os.environ.pop(tls.TLS_DIR_ENV, None)
+    tls.reset()
     if not args.tls_dir and log and not args.insecure:
         logging.getLogger("overworld").warning(
             "no --tls-dir (OVERWORLD_TLS_DIR): plaintext gRPC, any client may call every method")
