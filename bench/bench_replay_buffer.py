@@ -125,6 +125,16 @@ def template_fragment(run_id: str) -> Any:
     return Fragment(run_id, "bench", 0, 0, data).to_proto()
 
 
+def insert_request(template: Any, worker: str, seq: int) -> bytes:
+    """A serialized InsertRequest of `template` as fragment `seq` of `worker`'s env slot 0."""
+    from overworld.v1 import replay_buffer_pb2
+
+    f = type(template)()
+    f.CopyFrom(template)
+    f.header.worker_id, f.header.env_slot, f.header.sequence = worker, 0, seq
+    return replay_buffer_pb2.InsertRequest(fragment=f).SerializeToString()
+
+
 # ------------------------------------------------------------------------------------------ the front process
 
 
@@ -387,12 +397,7 @@ def measure(name: str, index_url: str, blobs_url: str, fronts: int, count: int, 
     template = template_fragment(run_id)
 
     def request(worker: str, seq: int) -> bytes:
-        from overworld.v1 import replay_buffer_pb2
-
-        f = type(template)()
-        f.CopyFrom(template)
-        f.header.worker_id, f.header.env_slot, f.header.sequence = worker, 0, seq
-        return replay_buffer_pb2.InsertRequest(fragment=f).SerializeToString()
+        return insert_request(template, worker, seq)
 
     nbytes = template.ByteSize()
     procs, addresses = start_fronts(index_url, blobs_url.replace("RUN", run_id), run_id, fronts,
@@ -489,12 +494,7 @@ def measure_tls(count: int, rounds: int, env: dict[str, str], work: Path) -> dic
     template = template_fragment(run_id)
 
     def request(worker: str, seq: int) -> bytes:
-        from overworld.v1 import replay_buffer_pb2
-
-        f = type(template)()
-        f.CopyFrom(template)
-        f.header.worker_id, f.header.env_slot, f.header.sequence = worker, 0, seq
-        return replay_buffer_pb2.InsertRequest(fragment=f).SerializeToString()
+        return insert_request(template, worker, seq)
 
     fronts = {}
     procs: list[subprocess.Popen] = []
