@@ -62,6 +62,51 @@ class Server:
 HEALTH_PORT_ENV = "OVERWORLD_HEALTH_PORT"
 
 
+class _Malformed:
+    def __init__(self, error: Exception) -> None:
+        self.error = error
+
+
+class RequestValidation(grpc.ServerInterceptor):
+    """Bytes that do not parse as the method's request are answered INVALID_ARGUMENT naming the method
+    and the parser's complaint. Left to gRPC they get INTERNAL "Exception deserializing request!", and
+    that path leaks about 19 KB of the server's memory per call (grpcio 1.85; tests/fuzz found it)."""
+
+    def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
+        handler = continuation(details)
+        if handler is None or handler.request_deserializer is None:
+            return handler
+        parse, method = handler.request_deserializer, details.method
+
+        def tolerant(data: bytes) -> Any:
+            try:
+                return parse(data)
+            except Exception as err:  # noqa: BLE001 - any parser's complaint becomes the caller's error
+                return _Malformed(err)
+
+        def reject(context: grpc.ServicerContext, request: _Malformed) -> NoReturn:
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                  f"{method}: the request is not a valid message ({str(request.error)[:200] or type(request.error).__name__})")
+
+        kind = ("unary_unary" if handler.unary_unary else "unary_stream" if handler.unary_stream
+                else "stream_unary" if handler.stream_unary else "stream_stream")
+        behaviour = getattr(handler, kind)
+        if handler.request_streaming:
+            def checked(requests: Any, context: grpc.ServicerContext) -> Any:
+                def parsed() -> Any:
+                    for request in requests:
+                        if isinstance(request, _Malformed):
+                            reject(context, request)
+                        yield request
+                return behaviour(parsed(), context)
+        else:
+            def checked(request: Any, context: grpc.ServicerContext) -> Any:
+                if isinstance(request, _Malformed):
+                    reject(context, request)
+                return behaviour(request, context)
+        return handler._replace(request_deserializer=tolerant, **{kind: checked})
+
+
 def _address(host: str, port: int) -> str:
     return f"[{host}]:{port}" if ":" in host else f"{host}:{port}"
 
@@ -88,7 +133,8 @@ def serve(
     against core/authz.py; without, plaintext. $OVERWORLD_HEALTH_PORT adds a plaintext port serving
     only the health service (the chart's probes)."""
     files = tls.credentials()
-    interceptors = [authz.Authorizer(files.run())] if files else []
+    # Authorization first: a caller who may not call a method learns nothing about its requests.
+    interceptors = [*([authz.Authorizer(files.run())] if files else []), RequestValidation()]
     server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS,
                          interceptors=interceptors)
     names = []
