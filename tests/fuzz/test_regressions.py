@@ -41,3 +41,28 @@ def test_undecodable_requests_get_invalid_argument_and_leak_no_memory(fleet: Fle
             assert grown < 24 << 20, f"6,000 undecodable requests kept {grown >> 20} MiB"
     finally:
         tls.reset()
+
+
+def test_a_fetch_cannot_ask_for_a_message_per_byte(fleet: Fleet) -> None:
+    """FetchRequest(chunk_size=1) made the registry send the version one byte per message (37,849
+    messages, 12 s, for the CartPole policy; hours for a large model): now INVALID_ARGUMENT saying
+    which chunk sizes work, and the registry's own chunking is untouched."""
+    from overworld.v1 import model_registry_pb2 as pb
+    from tests.fuzz.goods import model_registry as publish_a_version
+
+    publish_a_version(fleet)
+    assert fleet.credentials is not None
+    tls.use(fleet.credentials["rollout-worker"])
+    try:
+        with channel(fleet.addresses["model-registry"]) as ch:
+            fetch = ch.unary_stream("/overworld.v1.ModelRegistry/Fetch", request_serializer=pb.FetchRequest.SerializeToString,
+                                    response_deserializer=pb.WeightsChunk.FromString)
+            try:
+                list(fetch(pb.FetchRequest(chunk_size=1), timeout=10))
+                raise AssertionError("a message per byte was sent")
+            except grpc.RpcError as err:
+                assert err.code() == grpc.StatusCode.INVALID_ARGUMENT, err
+                assert "chunk_size 1" in (err.details() or "") and "use 0" in (err.details() or "")
+            assert len(list(fetch(pb.FetchRequest(chunk_size=4096), timeout=30))) > 2  # a workable size
+    finally:
+        tls.reset()
