@@ -8,7 +8,7 @@ import pytest
 from tests.security.fleet import Fleet, start_fleet
 
 
-@pytest.fixture(scope="module")
+@pytest.fixture(scope="session")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    """One fleet process (every service, mutual TLS) for a module's fuzzing: its RSS is measured."""
+    """One fleet process (every service, mutual TLS) for all the fuzzing: its RSS is measured."""
     yield from start_fleet(Path(tmp_path_factory.mktemp("fuzz-fleet")))

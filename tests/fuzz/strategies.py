@@ -131,17 +131,41 @@ def messages(descriptor: d.Descriptor, depth: int = 0) -> st.SearchStrategy[Any]
     return build()
 
 
-def request_bytes(descriptor: d.Descriptor) -> st.SearchStrategy[bytes]:
-    """One request on the wire: structured, truncated structured, or random bytes."""
-    structured = messages(descriptor).map(lambda m: m.SerializeToString())
-    truncated = st.tuples(structured, st.floats(0, 1)).map(lambda t: t[0][: int(len(t[0]) * t[1])])
-    return st.one_of(structured, structured, truncated, st.binary(max_size=512))
+BATCH = 8  # cases derived from one drawn message
 
 
-def cases(descriptor: d.Descriptor, client_streaming: bool) -> st.SearchStrategy[tuple[list[bytes], bool]]:
-    """(messages, cancel): one message for a unary request, 0-4 for a stream; cancel cuts the call
-    right after it started (a client gone mid-stream)."""
-    one = request_bytes(descriptor)
-    if client_streaming:
-        return st.tuples(st.lists(one, max_size=4), st.booleans())
-    return st.tuples(one.map(lambda b: [b]), st.sampled_from([False, False, False, True]))
+def _flip(data: bytes, flips: list[tuple[int, int]]) -> bytes:
+    if not data:
+        return bytes(v for _, v in flips)
+    out = bytearray(data)
+    for at, value in flips:
+        out[at % len(out)] = value
+    return bytes(out)
+
+
+@st.composite
+def _variants(draw: Any, descriptor: d.Descriptor) -> list[bytes]:
+    """BATCH requests on the wire from one drawn message (the costly draw): the message, two
+    truncations, two corruptions, trailing garbage, the message twice (fields merge), random bytes."""
+    whole = draw(messages(descriptor)).SerializeToString()
+    cuts = draw(st.lists(st.floats(0, 1), min_size=2, max_size=2))
+    flips = st.lists(st.tuples(st.integers(0, 2**20), st.integers(0, 255)), min_size=1, max_size=4)
+    noise = draw(st.binary(max_size=512))
+    return [whole, *(whole[: int(len(whole) * c)] for c in cuts), _flip(whole, draw(flips)),
+            _flip(whole, draw(flips)), whole + noise[:16], whole + whole, noise]
+
+
+def batches(descriptor: d.Descriptor, client_streaming: bool) -> st.SearchStrategy[list[tuple[list[bytes], bool]]]:
+    """BATCH cases (messages, cancel): one message for a unary request, 0-4 for a stream; cancel cuts
+    the call right after it started (a client gone mid-stream), one case in eight."""
+
+    @st.composite
+    def build(draw: Any) -> list[tuple[list[bytes], bool]]:
+        variants = draw(_variants(descriptor))
+        cancelled = draw(st.integers(0, BATCH - 1))
+        if not client_streaming:
+            return [([v], i == cancelled) for i, v in enumerate(variants)]
+        picks = st.lists(st.sampled_from(variants), max_size=4)
+        return [(draw(picks), i == cancelled) for i in range(BATCH)]
+
+    return build()

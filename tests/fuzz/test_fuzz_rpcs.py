@@ -5,8 +5,10 @@ status a person can act on (never UNKNOWN, an unhandled exception), the service 
 accept good data afterwards, and the fleet's memory must stay bounded.
 
 Profiles: a quick one (QUICK_CASES per RPC) in `make test-fast`; the full one (FULL_CASES per RPC,
-marked slow). Calls are pipelined (IN_FLIGHT at once), so RPCs that wait by design (Watch, Sample,
-GetPushStatus) cost their short deadline once per batch, not per case.
+marked slow). A case is one call; Hypothesis draws a message per BATCH cases and derives the rest from
+it (truncations, corrupted bytes, trailing garbage, repeats, random bytes). Calls are pipelined
+(IN_FLIGHT at once), so RPCs that wait by design (Watch, Sample, GetPushStatus) cost their short
+deadline once per batch, not per case.
 """
 
 from __future__ import annotations
@@ -28,7 +30,7 @@ from overworld.core import authz, tls
 from overworld.core.grpc_util import channel, wait_healthy
 from overworld.v1 import replay_buffer_pb2
 from tests.fuzz.goods import GOOD_DATA
-from tests.fuzz.strategies import cases
+from tests.fuzz.strategies import BATCH, batches
 from tests.security.fleet import Fleet
 from tests.security.rpcs import RPCS, Rpc
 
@@ -104,7 +106,7 @@ def rss_baseline(fleet: Fleet, _cache: dict[int, int] = {}) -> int:  # noqa: B00
     return _cache.setdefault(fleet.proc.pid, fleet.rss_bytes())
 
 
-def fuzz(fleet: Fleet, rpc: Rpc, examples: int) -> Pipeline:
+def fuzz(fleet: Fleet, rpc: Rpc, cases: int) -> Pipeline:
     assert fleet.credentials is not None
     baseline = rss_baseline(fleet)
     caller = authz.callers(rpc.path)[0]
@@ -112,11 +114,13 @@ def fuzz(fleet: Fleet, rpc: Rpc, examples: int) -> Pipeline:
     ch = channel(fleet.addresses[rpc.service])
     pipeline = Pipeline(ch, rpc)
 
-    @settings(max_examples=examples, deadline=None, database=None, derandomize=True, phases=[Phase.generate],
-              suppress_health_check=list(HealthCheck))
-    @given(case=cases(rpc.request_type, rpc.client_streaming))
-    def one(case: tuple[list[bytes], bool]) -> None:
-        pipeline.submit(*case)
+    # Each example is a batch of BATCH cases derived from one drawn message (the draw is the costly part).
+    @settings(max_examples=-(-cases // BATCH), deadline=None, database=None, derandomize=True,
+              phases=[Phase.generate], suppress_health_check=list(HealthCheck))
+    @given(batch=batches(rpc.request_type, rpc.client_streaming))
+    def one(batch: list[tuple[list[bytes], bool]]) -> None:
+        for case in batch:
+            pipeline.submit(*case)
 
     try:
         one()
