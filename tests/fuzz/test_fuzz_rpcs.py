@@ -153,7 +153,7 @@ def test_full(fleet: Fleet, rpc: Rpc) -> None:
 
 @pytest.mark.slow
 @pytest.mark.parametrize("path", ["/overworld.v1.ReplayBuffer/Insert", "/overworld.v1.ModelRegistry/Watch",
-                                  "/overworld.v1.ReplayBuffer/Sample", "/overworld.v1.RolloutManager/UploadVideo"])
+                                  "/overworld.v1.ReplayBuffer/Sample"])
 def test_thousands_of_concurrent_streams_from_one_client(fleet: Fleet, path: str) -> None:
     """2,000 streams at once on one channel, each left open (nothing sent, nothing read): every one
     ends with a status by its deadline, and the service is healthy and useful afterwards."""
@@ -163,7 +163,7 @@ def test_thousands_of_concurrent_streams_from_one_client(fleet: Fleet, path: str
     tls.use(fleet.credentials[authz.callers(path)[0]])
     ch = channel(fleet.addresses[rpc.service])
     pipeline = Pipeline(ch, rpc)
-    pipeline.deadline = 5.0
+    pipeline.deadline = 3.0
     never = threading.Event()
 
     def silent() -> Any:
