@@ -16,7 +16,7 @@ from typing import IO, Any
 
 import grpc
 
-from overworld.core import tls
+from overworld.core import authz, tls
 from overworld.core.config import ConfigError, RunConfig, check_generators, load_config, to_yaml
 from overworld.core.grpc_util import channel, wait_healthy
 from overworld.core.net import free_port
@@ -182,6 +182,15 @@ class RunSecurity:
     every start (a resumed run's old services are gone), the CA's key never written."""
     identities: dict[str, Path]
     ray_token: Path
+
+    @classmethod
+    def load(cls, workdir: Path) -> RunSecurity | None:
+        """The credentials a launcher made earlier in `workdir` (the rollout side's, for the trainer that
+        start_trainer adds to it); None when that launcher ran --insecure."""
+        root = workdir / "tls"
+        if not (root / "operator" / tls.CERT).exists():
+            return None
+        return cls({i: root / i for i in authz.IDENTITIES}, root / "ray-auth-token")
 
     @classmethod
     def create(cls, workdir: Path, run_id: str) -> RunSecurity:
