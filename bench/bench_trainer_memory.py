@@ -5,10 +5,11 @@ context windows with the KL term to a frozen reference, as in MineStudio's quick
 of 1, 2, 4, 8 chains of 128x128 frames, and records the peak memory of each: RSS on the CPU (the
 high-water mark, reset before each iteration through /proc/self/clear_refs), max_memory_allocated on
 a GPU. Beside it, in the same process, the value recomputation as it was before (the whole batch
-through the model in one pass): its peak grows with the batch, the trainer's stays flat.
+through the model in one pass).
 
-The batch itself lives in host memory (frames and the recorded recurrent states, ~8.4 MB per chain
-for VPT-2x), so the RSS rows also give the batch's own bytes; what must not grow is the rest.
+Each row gives the memory held before (model, optimizer, reference, and the batch itself, which
+lives in host memory: ~8.4 MB of recurrent state and 49 KB per frame for VPT-2x) and the peak above
+it: the trainer's working memory, which must not grow with the batch.
 
 VPT needs MineStudio, which has its own venv (`make test-minestudio` builds .venv-minestudio; or
 BENCH_MINESTUDIO_PYTHON names its python): run from any other Python, this script runs itself there.
@@ -53,13 +54,18 @@ def in_minestudio_venv() -> bool:
     return True
 
 
-def rerun_in_minestudio_venv() -> int:
-    if not MINESTUDIO_PYTHON.exists():
-        print(f"{MINESTUDIO_PYTHON} is missing: `make test-minestudio` builds MineStudio's venv", file=sys.stderr)
+# glibc serves large blocks from mmap only up to a threshold that grows as blocks are freed; then freed
+# tensors stay resident and RSS stops following live memory. A fixed threshold keeps every tensor
+# mmapped, so the peak RSS is the peak of live memory.
+MALLOC_ENV = {"MALLOC_MMAP_THRESHOLD_": "131072"}
+
+
+def rerun(python: Path) -> int:
+    if not python.exists():
+        print(f"{python} is missing: `make test-minestudio` builds MineStudio's venv", file=sys.stderr)
         return 1
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "services"), str(ROOT)])}
-    return subprocess.call([str(MINESTUDIO_PYTHON), "-m", "bench.bench_trainer_memory", *sys.argv[1:]], cwd=ROOT,
-                           env=env)
+    env = {**os.environ, **MALLOC_ENV, "PYTHONPATH": os.pathsep.join([str(ROOT / "services"), str(ROOT)])}
+    return subprocess.call([str(python), "-m", "bench.bench_trainer_memory", *sys.argv[1:]], cwd=ROOT, env=env)
 
 
 def rss_mb(field: str = "VmRSS") -> float:
@@ -170,8 +176,9 @@ def one_iteration(trainer: Any, chains: int, steps: int) -> dict[str, float]:
     trainer.estimate_advantages(batch)
     trainer.train_iteration(batch)
     seconds = time.monotonic() - started
+    peak = peak_mb(trainer.device)
     return {"chains": chains, "steps": steps, "batch_mb": round(batch_mb(batch), 1), "before_mb": round(before, 1),
-            "peak_mb": round(peak_mb(trainer.device), 1), "seconds": round(seconds, 1),
+            "peak_mb": round(peak, 1), "peak_above_before_mb": round(peak - before, 1), "seconds": round(seconds, 1),
             "samples_per_second": round(chains * steps / seconds, 2)}
 
 
@@ -184,8 +191,7 @@ def whole_batch_recomputation(trainer: Any, chains: int, steps: int) -> dict[str
         reset_peak(trainer.device)
         before = current_mb(trainer.device)
         trainer.compute_values(batch)
-        return {"chains": chains, "steps": steps, "batch_mb": round(batch_mb(batch), 1),
-                "before_mb": round(before, 1), "peak_mb": round(peak_mb(trainer.device), 1)}
+        return recomputation_row(trainer, batch, before)
     finally:
         trainer.inference_batch_size_per_gpu, trainer.context_length = saved
 
@@ -195,14 +201,20 @@ def chunked_recomputation(trainer: Any, chains: int, steps: int) -> dict[str, fl
     reset_peak(trainer.device)
     before = current_mb(trainer.device)
     trainer.compute_values(batch)
-    return {"chains": chains, "steps": steps, "batch_mb": round(batch_mb(batch), 1), "before_mb": round(before, 1),
-            "peak_mb": round(peak_mb(trainer.device), 1)}
+    return recomputation_row(trainer, batch, before)
 
 
-def growth(rows: list[dict[str, float]], key: str = "peak_mb") -> float:
-    """MB of peak per extra chain, beyond the batch's own bytes, between the smallest and largest batch."""
+def recomputation_row(trainer: Any, batch: Any, before: float) -> dict[str, float]:
+    peak = peak_mb(trainer.device)
+    return {"chains": batch.size, "steps": batch.length, "batch_mb": round(batch_mb(batch), 1),
+            "before_mb": round(before, 1), "peak_mb": round(peak, 1), "peak_above_before_mb": round(peak - before, 1)}
+
+
+def growth(rows: list[dict[str, float]]) -> float:
+    """MB of peak above the memory held before the iteration, per extra chain, between the smallest and
+    the largest batch (the batch itself is made before: its bytes are not in it)."""
     lo, hi = rows[0], rows[-1]
-    return round(((hi[key] - hi["batch_mb"]) - (lo[key] - lo["batch_mb"])) / (hi["chains"] - lo["chains"]), 1)
+    return round((hi["peak_above_before_mb"] - lo["peak_above_before_mb"]) / (hi["chains"] - lo["chains"]), 1)
 
 
 def main() -> int:
@@ -212,7 +224,9 @@ def main() -> int:
     parser.add_argument("--context", type=int, default=4, help="context_length")
     args = parser.parse_args()
     if not in_minestudio_venv():
-        return rerun_in_minestudio_venv()
+        return rerun(MINESTUDIO_PYTHON)
+    if any(os.environ.get(k) != v for k, v in MALLOC_ENV.items()):
+        return rerun(Path(sys.executable))
     import torch
 
     torch.set_num_threads(os.cpu_count() or 1)
@@ -243,13 +257,13 @@ def main() -> int:
                      "kl_divergence_coef_rho": t.kl_divergence_coef_rho, "use_amp": t.use_amp,
                      "image": "128x128x3 uint8"},
         "rows": rows,
-        "peak_growth_mb_per_chain_beyond_batch": {k: growth(v) for k, v in rows.items()},
+        "peak_growth_mb_per_chain": {k: growth(v) for k, v in rows.items()},
         "host": {"cpus": os.cpu_count(), "platform": platform.platform(), "torch": torch.__version__},
         "wall_seconds": round(time.monotonic() - started, 1),
     }
     RESULT.parent.mkdir(parents=True, exist_ok=True)
     RESULT.write_text(json.dumps(result, indent=2) + "\n")
-    print(json.dumps(result["peak_growth_mb_per_chain_beyond_batch"]), f"-> {RESULT}")
+    print(json.dumps(result["peak_growth_mb_per_chain"]), f"-> {RESULT}")
     return 0
 
 

@@ -59,9 +59,9 @@ def headline_rows(name: str, data: dict[str, Any]) -> list[str]:
                 for key in data if key.startswith("worst_") and isinstance(data[key], (int, float))
                 ] + tls_rows(name, "ingest", {"1 front": data["tls_ingest"]} if "tls_ingest" in data else {})
     if name == "trainer_memory":
-        growth = data["peak_growth_mb_per_chain_beyond_batch"]
+        growth = data["peak_growth_mb_per_chain"]
         sizes = [row["chains"] for row in data["rows"]["iteration"]]
-        return [f"| trainer_memory | {data['memory']} per extra chain beyond the batch's own bytes, {sizes} chains "
+        return [f"| trainer_memory | {data['memory']} above the held memory, growth per extra chain, {sizes} chains "
                 f"of VPT-2x: iteration / recomputation / recomputation as before | {growth['iteration']} / "
                 f"{growth['recomputation_chunked']} / {growth['recomputation_whole_batch_before']} MB | flat |"]
     if name == "e2e_cartpole":
