@@ -275,6 +275,7 @@ class PPOTrainer(BaseTrainer):
         self.hooks.run("post_optim_step", self, skipped=False)
         return 0
 
+
 def wrap_ddp(policy: Policy) -> torch.nn.Module:
     """DDP (Ray Train's prepare_model) that survives every policy.
 
