@@ -9,8 +9,8 @@ from typing import Any
 import pytest
 
 from overworld.run_controller.rayjob import build_rayjob
-from tests.deploy.deploy_support import KUSTOMIZE, by_kind, render
-from tests.deploy.test_kustomize import OVERLAYS, build
+from tests.deploy.deploy_support import by_kind, render
+from tests.deploy.test_kustomize import OVERLAYS, built  # noqa: F401 (the tree as a user builds it, secrets made)
 
 
 def assert_trainer_saves_to_the_object_store(objects: list[dict[str, Any]]) -> None:
@@ -35,5 +35,5 @@ def test_chart_points_save_path_at_the_object_store(values: dict[str, Any]) -> N
 
 
 @pytest.mark.parametrize("overlay", OVERLAYS)
-def test_every_overlay_points_save_path_at_the_object_store(overlay: str) -> None:
-    assert_trainer_saves_to_the_object_store(build(KUSTOMIZE / "overlays" / overlay))
+def test_every_overlay_points_save_path_at_the_object_store(overlay: str, built: dict[str, Any]) -> None:  # noqa: F811
+    assert_trainer_saves_to_the_object_store(built[overlay])
