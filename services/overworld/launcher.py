@@ -17,7 +17,7 @@ import grpc
 
 from overworld.core.config import ConfigError, RunConfig, load_config, to_yaml
 from overworld.core.grpc_util import channel, wait_healthy
-from overworld.core.net import free_port
+from overworld.core.net import free_port, reserve_port
 from overworld.core.service import PARENT_PID_ENV
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.v1 import trainer_pb2, trainer_pb2_grpc
@@ -81,26 +81,35 @@ class Launcher:
         child.log_file.close()
         self.children.remove(child)
         self.restarts[child.name] = self.restarts.get(child.name, 0) + 1
-        port = int(child.address.rsplit(":", 1)[1])
+        port = port_of(child.address)
         print(f"\n{child.name} exited with code {child.proc.returncode}; restarting it "
               f"({self.restarts[child.name]} of {MAX_RESTARTS})", flush=True)
         return self.start(child.name, *self.flags[child.name], port=port)
 
     def start_all(self, resume: str | None = None) -> None:
-        a = self.addresses
+        """Every service at once, on ports chosen here: each waits for the ones it needs by itself
+        (the trainer starts Ray meanwhile), so nobody idles while another imports. Then wait until
+        all of them answer their health checks."""
+        held = {name: reserve_port() for name in ("model-registry", "gae", "rollout-manager", "replay-buffer",
+                                                  "trainer")}  # Ray, starting meanwhile, binds ports too
+        a = {name: f"127.0.0.1:{sock.getsockname()[1]}" for name, sock in held.items()}
         print("starting services:", flush=True)
-        self.start("model-registry")
-        self.start("gae")
-        self.start("rollout-manager", "--config", str(self.config_path))
-        for name in ("model-registry", "gae", "rollout-manager"):
-            self.wait(name, 60)
-        self.start("replay-buffer", "--rollout-manager", a["rollout-manager"])
-        self.wait("replay-buffer", 60)
         self.start("trainer", "--rollout-manager", a["rollout-manager"], "--replay-buffer", a["replay-buffer"],
-                   "--gae", a["gae"], "--model-registry", a["model-registry"], *(["--resume", resume] if resume else []))
+                   "--gae", a["gae"], "--model-registry", a["model-registry"], *(["--resume", resume] if resume else []),
+                   port=port_of(a["trainer"]))
+        self.start("rollout-manager", "--config", str(self.config_path), port=port_of(a["rollout-manager"]))
+        self.start("model-registry", port=port_of(a["model-registry"]))
+        self.start("replay-buffer", "--rollout-manager", a["rollout-manager"], port=port_of(a["replay-buffer"]))
+        self.start("gae", port=port_of(a["gae"]))
         for i in range(self.config.rollout_config.num_rollout_workers):
             self.start(f"rollout-worker#{i}", "--rollout-manager", a["rollout-manager"],
                        "--replay-buffer", a["replay-buffer"], "--model-registry", a["model-registry"])
+        try:
+            for name in ("rollout-manager", "model-registry", "replay-buffer", "gae", "trainer"):
+                self.wait(name, 120)
+        finally:
+            for sock in held.values():
+                sock.close()
 
     def wait(self, name: str, timeout: float) -> None:
         child = next(c for c in self.children if c.name == name)
@@ -146,6 +155,10 @@ class Launcher:
                     c.proc.kill()
                 c.proc.wait()
                 c.log_file.close()
+
+
+def port_of(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
 
 
 def _stat(pid: int) -> list[str] | None:
@@ -272,6 +285,7 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
             if reached:
                 summary["status"] = "target_reached"
                 summary["steps_to_target"] = offset(trainer_status) + fleet.env_steps
+                summary["target_reached_unix"] = time.time()
                 break
             if max_env_steps is not None and offset(trainer_status) + fleet.env_steps >= max_env_steps:
                 summary["status"] = "max_env_steps"
@@ -317,7 +331,8 @@ def record_progress(path: Path, elapsed: float, env_steps: int, fleet: Any, trai
              "mean_return_last_100": fleet.mean_return_last_100 if fleet.episodes else None,
              "model_version": trainer.model_version, "updates": trainer.updates,
              **{f"{t.task}/{k}": v for t in fleet.tasks for k, v in t.mean_extras_last_100.items()
-                if k in ("cows_eaten", "achievement_eat_cow")}}
+                if k in ("cows_eaten", "achievement_eat_cow")},
+             **{k: round(v, 4) for k, v in trainer.metrics.items() if k.endswith("_seconds")}}  # the last iteration's
     with path.open("a") as f:
         f.write(json.dumps(entry) + "\n")
 

@@ -8,6 +8,7 @@ version to the model registry. Everything around the update is a hook (trainer/h
 
 from __future__ import annotations
 
+import hashlib
 import logging
 import time
 from pathlib import Path
@@ -103,6 +104,7 @@ class BaseTrainer:
         self.resumed_from: str | None = None
         self.start = {"model_version": 0, "env_steps": 0, "rho": self.rho}
         self.latest_checkpoint = ""
+        self.timings: dict[str, float] = {}  # seconds of each part of the last iteration (trainer/*_seconds)
 
     @classmethod
     def from_config(cls, config: RunConfig, **addresses: Any) -> BaseTrainer:
@@ -151,6 +153,7 @@ class BaseTrainer:
         """Publish the current weights as `new_version`; workers watching the registry swap them in."""
         if self.rank != 0:
             return
+        started = time.monotonic()
         data = to_bytes(self.unwrapped_model.state_dict())
         counters = {"iteration": self.iteration, "updates": self.updates, "samples_trained": self.samples_trained,
                     "env_steps": self.env_steps}
@@ -159,12 +162,15 @@ class BaseTrainer:
         self.model_version = new_version
         retry(lambda: self.buffer.SetModelVersion(
             replay_buffer_pb2.SetModelVersionRequest(model_version=new_version), timeout=30), "SetModelVersion", 60)
+        self.timings["publish"] = time.monotonic() - started
 
     def fetch_fragments_and_estimate_advantages(self) -> Batch:
         """This rank's share of an iteration: chunks from the replay buffer, values recomputed by the
         learner, advantages and value targets from the gae service (V-trace if configured)."""
         t = self.config.train_config
+        started = time.monotonic()
         batch = chains_from_chunks(self.reader.next(), self.device)
+        sampled = time.monotonic()
         vpred, next_value, target_logp = self.compute_values(batch)
         value = self.unwrapped_model.value_normalizer.denormalize(vpred)
         request = {
@@ -175,7 +181,9 @@ class BaseTrainer:
         if t.vtrace:
             request["behaviour_logp"] = batch.behaviour_logp.cpu().numpy()
             request["target_logp"] = target_logp.cpu().numpy().astype(np.float32)
+        valued = time.monotonic()
         adv, target = self.gae_client.estimate(request, self.discount, self.gae_lambda, vtrace=t.vtrace)
+        self.timings.update(sample=sampled - started, values=valued - sampled, gae=time.monotonic() - valued)
         batch.advantage = torch.as_tensor(adv, device=self.device)
         batch.value_target = torch.as_tensor(target, device=self.device)
         batch.old_vpred = vpred
@@ -252,14 +260,47 @@ class BaseTrainer:
         log.info("rank %d resumed from %s: iteration %d, model version %d, env steps %d, rho %.4g",
                  self.rank, ckpt_id, self.iteration, self.model_version, self.env_steps, self.rho)
 
+    def publish_first_version(self) -> None:
+        """On the driver, while Ray starts: a fresh run's starting weights as version 1, tagged
+        `reference`, so that the workers step their envs with the learner's policy seconds after
+        `overworld run` instead of after Ray Train is up. The learner builds the same weights from the
+        same seed and does not publish them again (`publish_initial_version`). Nothing when the
+        registry already has a version or a checkpoint will be resumed: the learner publishes those."""
+        registry = ModelRegistryClient(self.model_registry)
+        try:
+            if registry.list_versions(timeout=60) or self._checkpoint_to_resume():
+                return
+            torch.manual_seed(self.config.seed)
+            self.model, self.optimizer = self.setup_model_and_optimizer()
+            registry.publish(1, to_bytes(self.unwrapped_model.state_dict()), config_hash=config_hash(self.config))
+            registry.set_tag("reference", 1)
+            log.info("published the starting weights as version 1 (before Ray Train)")
+        finally:
+            registry.close()
+            self.model = self.optimizer = None  # type: ignore[assignment]
+
+    def _checkpoint_to_resume(self) -> bool:
+        which = (self.resume or "auto").strip()
+        return which != "never" and checkpoint_store(self.config, self.workdir).resolve(
+            "latest" if which == "auto" else which) is not None
+
     def publish_initial_version(self) -> None:
         """Rank 0: publish the starting weights (version 1 on a fresh run, the next free version on a
-        resume) so every worker acts with the learner's policy from its first step."""
+        resume) so every worker acts with the learner's policy from its first step. When the driver
+        published these very weights already (`publish_first_version`), only adopt its version."""
         if self.rank != 0:
             return
         versions = self.registry.stub.ListVersions(model_registry_pb2.ListVersionsRequest(), timeout=30).versions
         latest = max((v.version for v in versions), default=0)
         has_reference = any("reference" in v.tags for v in versions)
+        if self.resumed_from is None and latest == 1 and self.model_version == 0:
+            data = to_bytes(self.unwrapped_model.state_dict())
+            if next(v for v in versions if v.version == 1).sha256 == hashlib.sha256(data).hexdigest():
+                self.model_version = 1
+                retry(lambda: self.buffer.SetModelVersion(
+                    replay_buffer_pb2.SetModelVersionRequest(model_version=1), timeout=30), "SetModelVersion", 60)
+                return
+            log.warning("version 1 in the registry is not this learner's starting weights: publishing them anew")
         self.broadcast_model_to_rollout_workers(max(latest, self.model_version) + 1)
         if not has_reference:
             self.registry.stub.SetTag(model_registry_pb2.SetTagRequest(tag="reference", version=self.model_version),

@@ -80,17 +80,23 @@ class PPOTrainer(BaseTrainer):
                 fetched = time.monotonic()
                 updates_before = self.updates
                 metrics = self.train_iteration(batch)
+                updated = time.monotonic()
+                self.timings["update"] = updated - fetched
+                if self.iteration == 1 and self.rank == 0:
+                    log.info("first update done: %d optimizer steps", self.updates)  # bench/bench_e2e.py's timeline
                 fleet_steps = self._fleet_env_steps()
                 new_steps = max(0, fleet_steps - last_env_steps)
                 last_env_steps = fleet_steps
                 self.env_steps += new_steps
                 metrics.update({
                     "trainer/fetch_seconds": fetched - started,
-                    "trainer/iteration_seconds": time.monotonic() - started,
                     "trainer/utd_ratio": (self.updates - updates_before) / new_steps if new_steps else math.nan,
                     "trainer/env_steps_all_workers": float(self.env_steps),
                 })
                 self.hooks.run("post_iteration", self, metrics=metrics)
+                self.timings["post_iteration"] = time.monotonic() - updated
+                metrics.update({f"trainer/{k}_seconds": v for k, v in self.timings.items()})
+                metrics["trainer/iteration_seconds"] = time.monotonic() - started
                 if self.report("running", metrics):
                     log.info("stop requested: checkpointing iteration %d and finishing", self.iteration)
                     break

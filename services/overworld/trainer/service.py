@@ -8,6 +8,7 @@ import os
 import socket
 import threading
 import time
+from concurrent.futures import ThreadPoolExecutor
 
 from prometheus_client import Counter, Gauge
 
@@ -68,19 +69,38 @@ class TrainerStatusService(trainer_pb2_grpc.TrainerServicer):
 
 
 RAY_START_ATTEMPTS = 3
+# A Ray of its own for one run on this machine gets only what the trainer uses: no dashboard, no usage
+# report, no metrics agent work, a small object store (weights and batches travel over gRPC, not
+# through Ray), no Ray Train preemption watcher or metrics callbacks. bench/bench_startup.py measures
+# each knob; a variable already set in the environment wins.
+LOCAL_RAY_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # every Ray socket on loopback (read by Ray at import)
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    "RAY_TRAIN_METRICS_ENABLED": "0",
+}
+LOCAL_RAY_INIT = {"include_dashboard": False, "object_store_memory": 128 * 2**20,
+                  "_system_config": {"enable_metrics_collection": False}}
 
 
 def start_ray(address: str) -> None:
-    """Start (or join) Ray, trying again on a start that timed out: on a busy machine the raylet can
-    miss Ray's startup deadline, and one slow start must not fail a run."""
+    """Start a local Ray (`address` empty) or join a cluster, trying again on a start that timed out:
+    on a busy machine the raylet can miss Ray's startup deadline, and one slow start must not fail a run."""
+    if not address:
+        for key, value in LOCAL_RAY_ENV.items():
+            os.environ.setdefault(key, value)
+    # Ray nices its workers to 15 by default; the learner must not yield to every other process.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     import ray
 
+    started = time.monotonic()
     for attempt in range(1, RAY_START_ATTEMPTS + 1):
         try:
             if address:
                 ray.init(address=address, log_to_driver=True)
             else:
-                ray.init(include_dashboard=False, log_to_driver=True, configure_logging=False)
+                ray.init(log_to_driver=True, configure_logging=False, **LOCAL_RAY_INIT)  # type: ignore[arg-type]
+            log.info("Ray started in %.1fs", time.monotonic() - started)
             return
         except Exception as err:
             ray.shutdown()
@@ -103,33 +123,30 @@ class TrainerDriver:
         self.status = TrainerStatusService()
         self.server: Server = serve([(trainer_pb2_grpc.add_TrainerServicer_to_server, self.status,
                                       "overworld.v1.Trainer")], host, port)
+        # Ray starts at once, while the other services come up and the config is fetched.
+        starter = ThreadPoolExecutor(1, thread_name_prefix="ray-start")
+        self._ray_started = starter.submit(start_ray, ray_address)
+        starter.shutdown(wait=False)
         self.config = RolloutManagerClient(rollout_manager).run_config()
         if resume:
             self.config.train_config.resume = resume
         self.addresses = {"rollout_manager": rollout_manager, "replay_buffer": replay_buffer, "gae": gae,
                           "model_registry": model_registry, "status_address": f"{advertised_host(host)}:{self.server.port}",
                           "workdir": workdir}
-        self.ray_address = ray_address
         self.done = done
         self.failed = False
         self._thread = threading.Thread(target=self._fit, name="trainer-fit", daemon=True)
         self._thread.start()
 
     def _fit(self) -> None:
-        if not self.ray_address:
-            # Ray binds its node to the primary interface unless told it is a single-machine cluster:
-            # a laptop run keeps every Ray socket on loopback. (Read by Ray at import.)
-            os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-
-        # Ray nices its workers to 15 by default; the learner must not yield to every other process.
-        os.environ.setdefault("RAY_worker_niceness", "0")
         try:
-            start_ray(self.ray_address)
             name = self.config.trainer_name
             cls = import_object(TRAINERS.get(name, name))
             if not (isinstance(cls, type) and issubclass(cls, BaseTrainer)):
                 raise TypeError(f"trainer_name {name!r} is not a BaseTrainer subclass")
             trainer = cls.from_config(self.config, **self.addresses)
+            trainer.publish_first_version()  # the workers start stepping while Ray starts
+            self._ray_started.result()
             self.status.set_state("running")
             trainer.fit()
             self.status.set_state("finished")
