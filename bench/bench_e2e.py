@@ -145,25 +145,7 @@ def median_of(runs: list[dict[str, Any]], key: str) -> float | None:
     return statistics.median(values) if values else None
 
 
-def main() -> None:
-    from bench.bench_rollout_worker import bare_processes, crafter_kwargs
-
-    seeds = [int(s) for s in os.environ.get("BENCH_SEEDS", "0,1,2").split(",")]
-    target = float(os.environ.get("BENCH_TARGET", 450))
-    max_steps = int(os.environ.get("BENCH_CARTPOLE_STEPS", 200_000))
-    sb3: dict[str, Any] = {}
-    overworld: dict[str, Any] = {}
-    with tempfile.TemporaryDirectory() as tmp:
-        for seed in seeds:  # alternating, so that a change in the machine's load hits both alike
-            sb3[str(seed)] = sb3_seed(seed, target)
-            print("sb3 seed", seed, sb3[str(seed)], flush=True)
-            overworld[str(seed)] = overworld_seed(seed, target, max_steps, Path(tmp))
-            print("overworld seed", seed, {k: v for k, v in overworld[str(seed)].items() if k != "curve"}, flush=True)
-        crafter = crafter_pipeline(int(os.environ.get("BENCH_CRAFTER_STEPS", 40_000)), Path(tmp))
-    bare_crafter = bare_processes(2, 20.0, crafter_kwargs())
-    crafter["bare_processes_2_env_steps_per_second"] = round(bare_crafter["env_steps_per_second"], 1)
-    crafter["pipeline_vs_bare"] = ratio(crafter["env_steps_per_second_training"], bare_crafter["env_steps_per_second"])
-    bare = bare_loop_steps_per_second()
+def summarize(sb3: dict[str, Any], overworld: dict[str, Any], seeds: int) -> dict[str, Any]:
     ow_runs, sb3_runs = list(overworld.values()), list(sb3.values())
     summary = {
         "overworld_wall_seconds_to_target_median": median_of(ow_runs, "wall_seconds_to_target"),
@@ -171,7 +153,7 @@ def main() -> None:
         "overworld_env_steps_to_target_median": median_of(ow_runs, "env_steps_to_target"),
         "sb3_env_steps_to_target_median": median_of(sb3_runs, "env_steps_to_target"),
         "seeds_reaching_target": {"overworld": sum(r["reached"] for r in ow_runs),
-                                  "sb3": sum(r["reached"] for r in sb3_runs), "of": len(seeds)},
+                                  "sb3": sum(r["reached"] for r in sb3_runs), "of": seeds},
         "startup_median": {k: median_of([r["startup"] for r in ow_runs], k) for k, _, _ in MILESTONES},
         "iteration_median": {k: median_of([r["iteration"] for r in ow_runs], k)
                              for k in [*TIMINGS, "publish_to_swapped_in_at_workers"]},
@@ -180,10 +162,34 @@ def main() -> None:
                                                    summary["sb3_wall_seconds_to_target_median"])
     summary["env_steps_ratio_overworld_to_sb3"] = ratio(summary["overworld_env_steps_to_target_median"],
                                                         summary["sb3_env_steps_to_target_median"])
-    result = {"target_return": target, "summary": summary, "sb3": sb3, "overworld": overworld,
-              "crafter_cow": crafter, "cartpole_bare_loop_env_steps_per_second": round(bare, 1),
-              "sb3_hyperparameters": "rl-baselines3-zoo hyperparams/ppo.yml CartPole-v1 (bench/sb3_cartpole.py)"}
-    print(json.dumps(summary, indent=2))
+    return summary
+
+
+def main() -> None:
+    from bench.bench_rollout_worker import bare_processes, crafter_kwargs
+
+    seeds = [int(s) for s in os.environ.get("BENCH_SEEDS", "0,1,2").split(",")]
+    target = float(os.environ.get("BENCH_TARGET", 450))
+    max_steps = int(os.environ.get("BENCH_CARTPOLE_STEPS", 200_000))
+    result: dict[str, Any] = {"target_return": target, "summary": {}, "sb3": {}, "overworld": {},
+                              "sb3_hyperparameters": "rl-baselines3-zoo hyperparams/ppo.yml CartPole-v1 "
+                                                     "(bench/sb3_cartpole.py)"}
+    sb3, overworld = result["sb3"], result["overworld"]
+    with tempfile.TemporaryDirectory() as tmp:
+        for seed in seeds:  # alternating, so that a change in the machine's load hits both alike
+            sb3[str(seed)] = sb3_seed(seed, target)
+            print("sb3 seed", seed, sb3[str(seed)], flush=True)
+            overworld[str(seed)] = overworld_seed(seed, target, max_steps, Path(tmp))
+            print("overworld seed", seed, {k: v for k, v in overworld[str(seed)].items() if k != "curve"}, flush=True)
+            result["summary"] = summarize(sb3, overworld, len(seeds))
+            write("e2e", result)  # after every seed: a run cut short keeps what it measured
+        crafter = crafter_pipeline(int(os.environ.get("BENCH_CRAFTER_STEPS", 40_000)), Path(tmp))
+    bare_crafter = bare_processes(2, 20.0, crafter_kwargs())
+    crafter["bare_processes_2_env_steps_per_second"] = round(bare_crafter["env_steps_per_second"], 1)
+    crafter["pipeline_vs_bare"] = ratio(crafter["env_steps_per_second_training"], bare_crafter["env_steps_per_second"])
+    result["crafter_cow"] = crafter
+    result["cartpole_bare_loop_env_steps_per_second"] = round(bare_loop_steps_per_second(), 1)
+    print(json.dumps(result["summary"], indent=2), crafter, flush=True)
     write("e2e", result)
 
 

@@ -51,7 +51,7 @@ def headline_rows(name: str, data: dict[str, Any]) -> list[str]:
                 f"{'≥ ' + str(data['target_ratio']) if key in judged else '(reported beside)'} |"
                 for key in data if key.startswith("worst_") and isinstance(data[key], (int, float))]
     if name == "e2e":
-        s, crafter = data["summary"], data["crafter_cow"]
+        s, crafter = data["summary"], data.get("crafter_cow", {})
         return [f"| e2e | CartPole to a 100-episode mean of {data['target_return']:.0f}, wall seconds from process "
                 f"start (median of seeds): Overworld vs Stable-Baselines3 (rl-zoo) | "
                 f"{s['overworld_wall_seconds_to_target_median']} vs {s['sb3_wall_seconds_to_target_median']} "
@@ -63,8 +63,8 @@ def headline_rows(name: str, data: dict[str, Any]) -> list[str]:
                 f"first update (median) | {s['startup_median']['first_version_swapped_in_at_workers']} / "
                 f"{s['startup_median']['first_update']} | |",
                 f"| e2e | Crafter cow: whole pipeline env steps/s while training vs 2 bare Crafter processes | "
-                f"{crafter['env_steps_per_second_training']} vs {crafter['bare_processes_2_env_steps_per_second']} "
-                f"({crafter['pipeline_vs_bare']}) | |"]
+                f"{crafter.get('env_steps_per_second_training')} vs "
+                f"{crafter.get('bare_processes_2_env_steps_per_second')} ({crafter.get('pipeline_vs_bare')}) | |"]
     if name == "startup":
         return [f"| startup | {row['knob']}: seconds to Ray Train's first step | {row['first_train_step']} | |"
                 for row in data["rows"]]
