@@ -34,6 +34,7 @@ KNOBS: list[tuple[str, dict[str, str], dict[str, Any]]] = [
     ("no Train metrics callbacks", {"RAY_TRAIN_METRICS_ENABLED": "0"}, {}),
     ("no prestarted idle workers", {}, {"_system_config": {"enable_metrics_collection": False,
                                                            "prestart_worker_first_driver": False}}),
+    ("Ray Train V1 (deprecated; fewer actors)", {"RAY_TRAIN_V2_ENABLED": "0"}, {}),
 ]
 
 

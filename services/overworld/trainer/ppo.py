@@ -220,8 +220,10 @@ class PPOTrainer(BaseTrainer):
         params = [p for p in self.model.parameters() if p.requires_grad]
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        finite = torch.tensor(float(all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params)),
-                              device=self.device)
+        grads = [p.grad for p in params if p.grad is not None]
+        # One norm over every gradient (non-finite iff one of them is): a few ops, not one check per tensor.
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
+        finite = torch.isfinite(norm).float()
         if is_distributed():
             finite = all_reduce_sum(finite)
         if finite.item() < self.world_size:
@@ -233,8 +235,9 @@ class PPOTrainer(BaseTrainer):
             return 1
         if t.max_grad_value is not None:
             torch.nn.utils.clip_grad_value_(params, t.max_grad_value)
+            norm = torch.nn.utils.get_total_norm(grads) if grads else norm  # the values changed
         if t.max_grad_norm and t.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
+            torch.nn.utils.clip_grads_with_norm_(params, t.max_grad_norm, norm)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
