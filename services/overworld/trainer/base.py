@@ -277,7 +277,7 @@ class BaseTrainer:
             log.info("published the starting weights as version 1 (before Ray Train)")
         finally:
             registry.close()
-            self.model = self.optimizer = None  # type: ignore[assignment]
+            self.model = self.optimizer = self.reference = None  # type: ignore[assignment]  # the learner builds its own
 
     def _checkpoint_to_resume(self) -> bool:
         which = (self.resume or "auto").strip()
