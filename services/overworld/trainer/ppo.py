@@ -16,6 +16,7 @@ import math
 import time
 from collections.abc import Iterator
 
+import grpc
 import torch
 
 from overworld.core.imports import import_object
@@ -25,6 +26,7 @@ from overworld.trainer.builtin_hooks import register_builtin_hooks
 from overworld.trainer.checkpoint import checkpoint_id
 from overworld.trainer.data import Batch
 from overworld.trainer.loss import LossConfig, LossTerms, ppo_loss
+from overworld.v1 import rollout_manager_pb2
 
 log = logging.getLogger("overworld.trainer.ppo")
 
@@ -69,11 +71,12 @@ class PPOTrainer(BaseTrainer):
             import_object(ref)(self)
         self.publish_initial_version()
         self.report("running", {})
-        last_env_steps = self._fleet_env_steps()
+        last_env_steps = self._fleet_env_steps(self._ask_fleet())
         try:
             while self.iteration < t.num_iterations:
                 self.iteration += 1
                 started = time.monotonic()
+                fleet = self._ask_fleet()  # answered while this iteration runs: no round trip of its own
                 self.hooks.run("pre_collect", self)
                 batch = self.fetch_fragments_and_estimate_advantages()
                 self.hooks.run("post_collect", self, batch=batch)
@@ -84,7 +87,7 @@ class PPOTrainer(BaseTrainer):
                 self.timings["update"] = updated - fetched
                 if self.iteration == 1 and self.rank == 0:
                     log.info("first update done: %d optimizer steps", self.updates)  # bench/bench_e2e.py's timeline
-                fleet_steps = self._fleet_env_steps()
+                fleet_steps = self._fleet_env_steps(fleet)
                 new_steps = max(0, fleet_steps - last_env_steps)
                 last_env_steps = fleet_steps
                 self.env_steps += new_steps
@@ -106,9 +109,16 @@ class PPOTrainer(BaseTrainer):
             self.save_checkpoint()
         self.report("finished", {})
 
-    def _fleet_env_steps(self) -> int:
+    def _ask_fleet(self) -> grpc.Future | None:
         try:
-            return int(self.manager.fleet_status(timeout=5).env_steps)
+            return self.manager.stub.GetFleetStatus.future(rollout_manager_pb2.GetFleetStatusRequest(), timeout=5)
+        except Exception:  # statistics only: never stall training on the manager
+            return None
+
+    @staticmethod
+    def _fleet_env_steps(asked: grpc.Future | None) -> int:
+        try:
+            return int(asked.result().env_steps) if asked is not None else 0
         except Exception:  # statistics only: never stall training on the manager
             return 0
 
