@@ -8,7 +8,6 @@ import os
 import socket
 import threading
 import time
-from concurrent.futures import ThreadPoolExecutor
 
 from prometheus_client import Counter, Gauge
 
@@ -123,32 +122,44 @@ class TrainerDriver:
         self.status = TrainerStatusService()
         self.server: Server = serve([(trainer_pb2_grpc.add_TrainerServicer_to_server, self.status,
                                       "overworld.v1.Trainer")], host, port)
-        # Ray starts at once, while the other services come up and the config is fetched.
-        starter = ThreadPoolExecutor(1, thread_name_prefix="ray-start")
-        self._ray_started = starter.submit(start_ray, ray_address)
-        starter.shutdown(wait=False)
-        self.config = RolloutManagerClient(rollout_manager).run_config()
-        if resume:
-            self.config.train_config.resume = resume
         self.addresses = {"rollout_manager": rollout_manager, "replay_buffer": replay_buffer, "gae": gae,
                           "model_registry": model_registry, "status_address": f"{advertised_host(host)}:{self.server.port}",
                           "workdir": workdir}
+        self.ray_address = ray_address
         self.done = done
         self.failed = False
+        self._trainer: BaseTrainer | None = None
+        self._started = threading.Event()  # the config is here and the first version published (or failed)
+        self._startup_error: Exception | None = None
+        # Ray starts at once in the thread that trains, while this one fetches the config and publishes
+        # the first version. That thread lives as long as training: Ray's processes are bound to the
+        # thread that started them (PR_SET_PDEATHSIG) and die with it.
         self._thread = threading.Thread(target=self._fit, name="trainer-fit", daemon=True)
         self._thread.start()
-
-    def _fit(self) -> None:
         try:
+            self.config = RolloutManagerClient(rollout_manager).run_config()
+            if resume:
+                self.config.train_config.resume = resume
             name = self.config.trainer_name
             cls = import_object(TRAINERS.get(name, name))
             if not (isinstance(cls, type) and issubclass(cls, BaseTrainer)):
                 raise TypeError(f"trainer_name {name!r} is not a BaseTrainer subclass")
-            trainer = cls.from_config(self.config, **self.addresses)
-            trainer.publish_first_version()  # the workers start stepping while Ray starts
-            self._ray_started.result()
+            self._trainer = cls.from_config(self.config, **self.addresses)
+            self._trainer.publish_first_version()  # the workers start stepping while Ray starts
+        except Exception as err:
+            self._startup_error = err
+        finally:
+            self._started.set()
+
+    def _fit(self) -> None:
+        try:
+            start_ray(self.ray_address)
+            self._started.wait()
+            if self._startup_error is not None:
+                raise self._startup_error
+            assert self._trainer is not None
             self.status.set_state("running")
-            trainer.fit()
+            self._trainer.fit()
             self.status.set_state("finished")
             log.info("training finished")
         except Exception as err:
