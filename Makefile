@@ -61,7 +61,8 @@ protos: $(STAMP)
 # pins numpy 2 and omegaconf 2.4; MineStudio's gym3 needs numpy<2, its hydra-core omegaconf<2.4), so:
 # torch 2.14.1 + torchvision 0.29.1 first (PyPI's torchvision does not import beside the 2.13.0 CPU
 # torch), minestudio without its dependencies, the ones its VPT import path needs plus Overworld's
-# runtime deps from .ci/minestudio-requirements.txt, Overworld itself without dependencies.
+# runtime deps from .ci/minestudio-requirements.txt (ray[train] and wandb included: the quick start runs
+# through every service, trainer and W&B logger too), Overworld itself without dependencies.
 # The stamp skips the installs until the requirements file changes. The marked tests all live in
 # tests/minestudio/ (the rest of tests/ needs ray, kubernetes tools etc. just to be collected).
 test-minestudio:

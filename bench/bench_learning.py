@@ -1,12 +1,16 @@
-"""Learning curves: return against env steps and wall time for several seeds, on CartPole and on the
-Crafter cow task, with the return of policies that do not learn (random; on the cow task also a
-scripted player) measured in the same run.
+"""Learning curves: return against env steps and wall time for several seeds, on CartPole, on the
+Crafter cow task and on the Crafter benchmark, with the return of policies that do not learn
+(random; on the cow task also a scripted player) measured in the same run. The Crafter benchmark is
+scored as its paper scores it (overworld.envs.crafter_score): each seed's score over all its training
+episodes up to 1M env steps, the mean and spread over seeds, a random policy's score measured here,
+and the published scores beside them.
 
     python bench/bench_learning.py                  -> bench/results/learning.json
     BENCH_TASKS=cartpole BENCH_SEEDS=0 python bench/bench_learning.py
 
-Knobs (environment): BENCH_TASKS (cartpole,crafter_cow), BENCH_SEEDS (0,1,2),
-BENCH_CARTPOLE_STEPS (200000), BENCH_CRAFTER_STEPS (1000000), BENCH_RANDOM_EPISODES (20),
+Knobs (environment): BENCH_TASKS (cartpole,crafter_cow,crafter), BENCH_SEEDS (0,1,2),
+BENCH_CARTPOLE_STEPS (200000), BENCH_CRAFTER_STEPS (1000000, both Crafter tasks),
+BENCH_RANDOM_EPISODES (20; on the Crafter benchmark 10x as many, for its success rates),
 BENCH_BASELINES_ONLY=1 (re-measure the policies that do not learn into an existing result),
 BENCH_MERGE=1 (keep the other seeds of an existing result), BENCH_WORKDIR (each run's directory,
 logs and checkpoints there instead of in a temporary directory; run again, a finished seed is read
@@ -29,10 +33,12 @@ from bench.runs import RESULTS, overworld_run, read_run, write
 from overworld.core.config import load_config
 from overworld.core.imports import call_generator, import_object
 from overworld.envs.crafter_cow_scripted import ScriptedCowHunter
+from overworld.envs.crafter_score import PUBLISHED_SCORES, score_summary
 
 TASKS = {
     "cartpole": ("examples/cartpole.yaml", int(os.environ.get("BENCH_CARTPOLE_STEPS", 200_000))),
     "crafter_cow": ("examples/crafter_cow.yaml", int(os.environ.get("BENCH_CRAFTER_STEPS", 1_000_000))),
+    "crafter": ("examples/crafter.yaml", int(os.environ.get("BENCH_CRAFTER_STEPS", 1_000_000))),
 }
 
 
@@ -62,28 +68,36 @@ def policy_return(config_path: str, episodes: int, player: Callable[[int], Choos
     config = load_config(Path(__file__).resolve().parents[1] / config_path)
     env = call_generator(import_object(config.env_generator), {**config.env_kwargs, **(env_overrides or {})})
     rng = np.random.default_rng(seed)
-    returns, lengths = [], []
+    returns, lengths, achievements = [], [], []
     started = time.monotonic()
     for episode in range(episodes):
         env.reset(seed=seed + episode)
         act = player(seed + episode)
-        total, length, done = 0.0, 0, False
+        total, length, done, info = 0.0, 0, False, {}
         while not done:
-            _, reward, terminated, truncated, _ = env.step(act(env, rng))
+            _, reward, terminated, truncated, info = env.step(act(env, rng))
             total += float(reward)
             length += 1
             done = terminated or truncated
         returns.append(total)
         lengths.append(length)
+        achievements.append(info.get("achievements", {}))
     env.close()
-    return {"mean_return": float(np.mean(returns)), "std_return": float(np.std(returns)),
-            "mean_length": float(np.mean(lengths)), "episodes": episodes,
-            "seconds": round(time.monotonic() - started, 1)}
+    out: dict[str, Any] = {"mean_return": float(np.mean(returns)), "std_return": float(np.std(returns)),
+                           "mean_length": float(np.mean(lengths)), "episodes": episodes,
+                           "seconds": round(time.monotonic() - started, 1)}
+    keys = {k for a in achievements for k in a}
+    crafter = score_summary({k: float(sum(a.get(k, 0.0) for a in achievements)) for k in keys}, episodes)
+    if crafter is not None and config_path == TASKS["crafter"][0]:
+        out["crafter"] = crafter
+    return out
 
 
 def baselines(task: str, config: str, episodes: int) -> dict[str, Any]:
     """Policies that do not learn, measured in the same run: random, and on the cow task also random
     on plain Crafter and a scripted player that reads the game's state."""
+    if task == "crafter":  # success rates need many episodes; a random one lasts ~200 steps
+        episodes *= 10
     out = {"random_policy": policy_return(config, episodes, random_player)}
     if task == "crafter_cow":
         out["random_policy_plain_crafter"] = policy_return(config, episodes, random_player, env_overrides=PLAIN_CRAFTER)
@@ -93,8 +107,20 @@ def baselines(task: str, config: str, episodes: int) -> dict[str, Any]:
     return out
 
 
+def crafter_scores(entry: dict[str, Any]) -> dict[str, Any]:
+    """Each seed's Crafter score (over all its training episodes), their mean and standard deviation
+    over seeds as Crafter's analysis reports them, beside the published table."""
+    scores = {seed: s["tasks"]["crafter"]["crafter"]["score"] for seed, s in entry["seeds"].items()
+              if (s.get("tasks") or {}).get("crafter", {}).get("crafter")}
+    values = list(scores.values())
+    return {"crafter_score_per_seed": scores,
+            "crafter_score_mean": float(np.mean(values)) if values else None,
+            "crafter_score_std": float(np.std(values)) if values else None,
+            "published_scores_at_1m_steps": PUBLISHED_SCORES}
+
+
 def main() -> None:
-    tasks = os.environ.get("BENCH_TASKS", "cartpole,crafter_cow").split(",")
+    tasks = os.environ.get("BENCH_TASKS", ",".join(TASKS)).split(",")
     seeds = [int(s) for s in os.environ.get("BENCH_SEEDS", "0,1,2").split(",")]
     episodes = int(os.environ.get("BENCH_RANDOM_EPISODES", 20))
     baselines_only = os.environ.get("BENCH_BASELINES_ONLY") == "1"
@@ -141,6 +167,8 @@ def main() -> None:
             write(name, result)  # after every seed: a long run that is cut short keeps what it measured
         finals = [s["mean_return_last_100"] for s in entry["seeds"].values() if s["mean_return_last_100"] is not None]
         entry["final_mean_return_over_seeds"] = float(np.mean(finals)) if finals else None
+        if task == "crafter":
+            entry.update(crafter_scores(entry))
         write(name, result)
     print("results in", RESULTS)
 

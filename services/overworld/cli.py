@@ -67,6 +67,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--resume", default=None, metavar="latest|CHECKPOINT_ID",
                    help="continue the run in --workdir from a checkpoint")
     _serve_parser(sub)
+    e = sub.add_parser("export-minestudio", help="write an Overworld checkpoint as one MineStudio's PPOTrainer resumes")
+    e.add_argument("checkpoint", help="a local checkpoint directory: <save_path>/<run_id>/checkpoints/iter-N")
+    e.add_argument("out", help="directory for model.ckpt, optimizer.ckpt (scaler.ckpt) and whole_config.pkl")
     s = sub.add_parser("status", help="print the fleet status of a running run")
     s.add_argument("--rollout-manager", default=env_default("rollout-manager", "127.0.0.1:50051"))
     args = parser.parse_args(argv)
@@ -84,6 +87,15 @@ def main(argv: list[str] | None = None) -> int:
         return 0 if summary["status"] in ("completed", "target_reached", "max_env_steps") else 1
     if args.command == "serve":
         return serve_main(args)
+    if args.command == "export-minestudio":
+        from overworld.trainer.minestudio_checkpoint import export_checkpoint
+
+        try:
+            print(export_checkpoint(args.checkpoint, args.out))
+        except (ValueError, OSError) as err:
+            print(f"error: {err}", file=sys.stderr)
+            return 2
+        return 0
     if args.command == "status":
         from overworld.status import print_status
 

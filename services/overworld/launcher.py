@@ -6,6 +6,7 @@ import contextlib
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,14 +16,16 @@ from typing import IO, Any
 
 import grpc
 
-from overworld.core.config import ConfigError, RunConfig, load_config, to_yaml
+from overworld.core.config import ConfigError, RunConfig, check_generators, load_config, to_yaml
 from overworld.core.grpc_util import channel, wait_healthy
 from overworld.core.net import free_port, reserve_port
 from overworld.core.service import PARENT_PID_ENV
+from overworld.envs.crafter_score import score_summary
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.v1 import trainer_pb2, trainer_pb2_grpc
 
-MAX_RESTARTS = 3  # per service; the trainer resumes from its latest checkpoint by itself
+ROLLOUT_SIDE = ("rollout-manager", "model-registry", "replay-buffer", "gae")
+MAX_RESTARTS = 3  # per service; a restarted trainer continues from this run's latest checkpoint
 RESTARTABLE = ("trainer", "rollout-worker")
 
 
@@ -47,16 +50,18 @@ class Launcher:
         self.flags: dict[str, tuple[str, ...]] = {}
         self.restarts: dict[str, int] = {}
         self.family: dict[int, list[tuple[int, str]]] = {}
+        self.extra_env: dict[str, str] = {}  # for every service started (overworld.online's import path)
 
     def start(self, name: str, *flags: str, port: int | None = None) -> Child:
-        port = port or free_port()
+        port = port or (port_of(self.addresses[name]) if name in self.addresses else free_port())
         self.flags[name] = flags
         address = f"127.0.0.1:{port}"
         log_path = self.workdir / "logs" / f"{name}.log"
         log_path.parent.mkdir(parents=True, exist_ok=True)
         log_file = open(log_path, "ab")  # noqa: SIM115 - closed in stop()
         # PARENT_PID_ENV: a service stops when this launcher dies, even by SIGKILL (core/service.py)
-        env = {**os.environ, "OVERWORLD_LOG_FORMAT": "text", "PYTHONUNBUFFERED": "1", PARENT_PID_ENV: str(os.getpid())}
+        env = {**os.environ, **self.extra_env, "OVERWORLD_LOG_FORMAT": "text", "PYTHONUNBUFFERED": "1",
+               PARENT_PID_ENV: str(os.getpid())}
         service = name.split("#")[0]
         cmd = [sys.executable, "-m", "overworld.cli", "serve", service, "--host", "127.0.0.1", "--port", str(port),
                "--metrics-port", "0", "--workdir", str(self.workdir), *flags]
@@ -84,32 +89,65 @@ class Launcher:
         port = port_of(child.address)
         print(f"\n{child.name} exited with code {child.proc.returncode}; restarting it "
               f"({self.restarts[child.name]} of {MAX_RESTARTS})", flush=True)
-        return self.start(child.name, *self.flags[child.name], port=port)
+        flags = self.flags[child.name]
+        if child.name == "trainer" and "--resume" not in flags:
+            flags = (*flags, "--resume", "auto")  # continue this run, not start it over
+        return self.start(child.name, *flags, port=port)
 
     def start_all(self, resume: str | None = None) -> None:
-        """Every service at once, on ports chosen here: each waits for the ones it needs by itself
-        (the trainer starts Ray meanwhile), so nobody idles while another imports. Then wait until
-        all of them answer their health checks."""
-        held = {name: reserve_port() for name in ("model-registry", "gae", "rollout-manager", "replay-buffer",
-                                                  "trainer")}  # Ray, starting meanwhile, binds ports too
-        a = {name: f"127.0.0.1:{sock.getsockname()[1]}" for name, sock in held.items()}
+        """Every service at once, on ports held from the start: each waits for the ones it needs by
+        itself (the trainer, started first, starts Ray meanwhile), so nobody idles while another
+        imports. Then wait until all of them answer their health checks."""
         print("starting services:", flush=True)
-        self.start("trainer", "--rollout-manager", a["rollout-manager"], "--replay-buffer", a["replay-buffer"],
-                   "--gae", a["gae"], "--model-registry", a["model-registry"], *(["--resume", resume] if resume else []),
-                   port=port_of(a["trainer"]))
-        self.start("rollout-manager", "--config", str(self.config_path), port=port_of(a["rollout-manager"]))
-        self.start("model-registry", port=port_of(a["model-registry"]))
-        self.start("replay-buffer", "--rollout-manager", a["rollout-manager"], port=port_of(a["replay-buffer"]))
-        self.start("gae", port=port_of(a["gae"]))
+        held = self.hold_ports(("trainer", *ROLLOUT_SIDE))
+        try:
+            self.start_trainer(resume)
+            self.start_rollout_side(wait=False)
+            for name in (*ROLLOUT_SIDE, "trainer"):
+                self.wait(name, 120)
+        finally:
+            for sock in held:
+                sock.close()
+
+    def hold_ports(self, names: tuple[str, ...]) -> list[socket.socket]:
+        """A loopback port for each of these services not started yet, its address known before it starts
+        and held until the caller closes the sockets (Ray, starting meanwhile, binds ports too)."""
+        held = []
+        for name in names:
+            if name not in self.addresses:
+                held.append(reserve_port())
+                self.addresses[name] = f"127.0.0.1:{held[-1].getsockname()[1]}"
+        return held
+
+    def start_rollout_side(self, workers: bool = True, wait: bool = True) -> None:
+        """Everything but the trainer (what overworld.online.start_rolloutmanager keeps running), at once."""
+        held = self.hold_ports(ROLLOUT_SIDE)
+        try:
+            a = self.addresses
+            self.start("rollout-manager", "--config", str(self.config_path))
+            self.start("model-registry")
+            self.start("replay-buffer", "--rollout-manager", a["rollout-manager"])
+            self.start("gae")
+            if wait:
+                for name in ROLLOUT_SIDE:
+                    self.wait(name, 120)
+        finally:
+            for sock in held:
+                sock.close()
+        if workers:
+            self.start_workers()
+
+    def start_trainer(self, resume: str | None = None, *extra: str) -> Child:
+        a = self.addresses
+        return self.start("trainer", "--rollout-manager", a["rollout-manager"], "--replay-buffer", a["replay-buffer"],
+                          "--gae", a["gae"], "--model-registry", a["model-registry"],
+                          *(["--resume", resume] if resume else []), *extra)
+
+    def start_workers(self) -> None:
+        a = self.addresses
         for i in range(self.config.rollout_config.num_rollout_workers):
             self.start(f"rollout-worker#{i}", "--rollout-manager", a["rollout-manager"],
                        "--replay-buffer", a["replay-buffer"], "--model-registry", a["model-registry"])
-        try:
-            for name in ("rollout-manager", "model-registry", "replay-buffer", "gae", "trainer"):
-                self.wait(name, 120)
-        finally:
-            for sock in held.values():
-                sock.close()
 
     def wait(self, name: str, timeout: float) -> None:
         child = next(c for c in self.children if c.name == name)
@@ -202,6 +240,7 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
         workdir: str | None, target_return: float | None, resume: str | None = None,
         progress_interval: float = 2.0) -> dict[str, Any]:
     config = load_config(config_source, overrides)
+    check_generators(config)
     previous = Path(workdir, "config.yaml") if workdir else None
     if resume and previous is not None and previous.exists():
         config.run_id = load_config(previous).run_id  # same run: its checkpoints, its blobs
@@ -305,7 +344,9 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
                        mean_return_last_100=fleet.mean_return_last_100 if fleet.episodes else None,
                        tasks={t.task: {"episodes": t.episodes, "mean_return_last_100": t.mean_return_last_100,
                                        "mean_length_last_100": t.mean_length_last_100,
-                                       **dict(t.mean_extras_last_100)} for t in fleet.tasks})
+                                       **dict(t.mean_extras_last_100),
+                                       **({"crafter": c} if (c := score_summary(t.total_extras, t.episodes)) else {})}
+                                   for t in fleet.tasks})
     if trainer_status is not None:
         summary.update(model_version=trainer_status.model_version, updates=trainer_status.updates,
                        iterations=trainer_status.iteration, samples_trained=trainer_status.samples_trained,
@@ -332,6 +373,8 @@ def record_progress(path: Path, elapsed: float, env_steps: int, fleet: Any, trai
              "model_version": trainer.model_version, "updates": trainer.updates,
              **{f"{t.task}/{k}": v for t in fleet.tasks for k, v in t.mean_extras_last_100.items()
                 if k in ("cows_eaten", "achievement_eat_cow")},
+             **{f"{t.task}/crafter_score": c["score"] for t in fleet.tasks
+                if (c := score_summary(t.total_extras, t.episodes))},
              **{k: round(v, 4) for k, v in trainer.metrics.items() if k.endswith("_seconds")}}  # the last iteration's
     with path.open("a") as f:
         f.write(json.dumps(entry) + "\n")

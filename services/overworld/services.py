@@ -71,7 +71,8 @@ def replay_buffer(args: argparse.Namespace, done: threading.Event) -> Any:
         return cached[0] if cached else None
 
     service = ReplayBufferService(index, open_blob_store(blobs_url), config.run_id, config.rollout_config.fragment_length,
-                                  rb.fragments_per_chunk, rb.max_chunks, spaces, rb.max_fragment_bytes)
+                                  rb.fragments_per_chunk, rb.max_chunks, spaces, rb.max_fragment_bytes,
+                                  fragments_per_report=rb.fragments_per_report)
     if not rb.keep_on_resume:
         # Replicas started together clear once; a plain restart of one front clears nothing.
         service.discard_buffered(token=f"{config_hash(config)}:{config.train_config.resume or ''}")
@@ -101,7 +102,8 @@ def trainer(args: argparse.Namespace, done: threading.Event) -> Any:
     from overworld.trainer.service import TrainerDriver
 
     return TrainerDriver(args.rollout_manager, args.replay_buffer, args.gae, args.model_registry, args.host,
-                         args.port, args.ray_address, str(Path(args.workdir).resolve()), args.resume, done)
+                         args.port, args.ray_address, str(Path(args.workdir).resolve()), args.resume, done,
+                         config_path=args.config)
 
 
 def rollout_worker(args: argparse.Namespace, done: threading.Event) -> Any:

@@ -5,6 +5,7 @@ Also MineStudio-style generators (no arguments) and a small random-weight VPT fo
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import gymnasium
@@ -23,9 +24,10 @@ SMALL_VPT = {
 
 
 class StandInSim(gymnasium.Env):
-    def __init__(self, obs_size: tuple[int, int] = (SIZE, SIZE), time_limit: int = 25) -> None:
+    def __init__(self, obs_size: tuple[int, int] = (SIZE, SIZE), time_limit: int = 25, step_seconds: float = 0.0) -> None:
         self.obs_size = obs_size
         self.time_limit = time_limit
+        self.step_seconds = step_seconds  # a Minecraft step takes time; so can this one
         self.t = 0
         self.rng = np.random.default_rng(0)
 
@@ -52,6 +54,8 @@ class StandInSim(gymnasium.Env):
             a = np.asarray(action[k])
             assert a.shape == (1,) and 0 <= int(a[0]) < n, (k, a)
         self.t += 1
+        if self.step_seconds:
+            time.sleep(self.step_seconds)
         done = self.t >= self.time_limit
         reward = 1.0 if int(action["buttons"][0]) % 2 == 0 else 0.0
         return self._obs(), reward, done, done, {"pov": np.zeros((360, 640, 3), np.uint8)}

@@ -64,3 +64,37 @@ def test_vpt_behind_the_policy_interface() -> None:
 
 def test_rollout_worker_runs_minestudio_generators(make_cluster_from_file, tmp_path: Path) -> None:
     run_quick_start(make_cluster_from_file, tmp_path, "policy_generator")  # MineStudio's real VPTPolicy
+
+
+def test_actions_come_from_pi_head_sample_with_its_nucleus_setting() -> None:
+    policy, _ = make_policy()
+    obs = {"image": torch.randint(0, 256, (4, 1, standin.SIZE, standin.SIZE, 3), dtype=torch.uint8)}
+    out, _ = policy(obs, policy.initial_state(4), torch.zeros(4, 1, dtype=torch.bool))
+    heads = dict(policy.mine.pi_head.items())
+    assert set(heads) == {"buttons", "camera"}
+    for head in heads.values():
+        head.nucleus_prob = 1e-9  # the nucleus holds only the most likely action
+    for _ in range(3):
+        action, logp = policy.sample_actions(out.logits)
+        for k, v in out.logits.items():
+            assert torch.equal(action[k], v[:, 0].argmax(-1)), k
+        pi_logits = {k: v.unsqueeze(2) for k, v in out.logits.items()}
+        expected = policy.mine.pi_head.logprob({k: a.view(4, 1, 1) for k, a in action.items()}, pi_logits)
+        torch.testing.assert_close(logp, expected.reshape(-1).float())
+    for head in heads.values():
+        head.nucleus_prob = None  # vanilla sampling: not always the most likely action
+    samples = [policy.sample_actions(out.logits)[0]["camera"] for _ in range(20)]
+    assert any(not torch.equal(s, out.logits["camera"][:, 0].argmax(-1)) for s in samples)
+
+
+@pytest.mark.parametrize("name", ["config_shoot", "gate", "gate_kl"])
+def test_every_online_config_minestudio_ships_loads_verbatim(name: str) -> None:
+    import importlib.util
+
+    from overworld.core.config import load_config
+
+    package = Path(importlib.util.find_spec("minestudio").origin).parent  # type: ignore[union-attr, arg-type]
+    path = package / "online" / "run" / "config" / f"{name}.py"  # importing it would need cv2, ray, hydra
+    config = load_config(path)  # config_shoot.py imports ray, hydra and wandb at the top: not run to read it
+    assert config.train_config.kl_divergence_coef_rho == 0.2 and config.train_config.resume is None
+    assert config.env_generator == f"{path.resolve()}:env_generator" and config.logger_config.wandb is True

@@ -77,8 +77,15 @@ def test_episode_statistics(manager) -> None:
     assert status.mean_return_last_100 == pytest.approx(sum(range(50, 150)) / 100)
     (task,) = status.tasks
     assert task.task == "cow" and task.mean_extras_last_100["achievement_eat_cow"] == pytest.approx(0.5)
+    # Sums over every episode of the run, not the last 100 (Crafter's success rates count them all).
+    early = [pb.EpisodeStats(task="cow", sum_reward=0.0, length=10, extras={"achievement_collect_wood": 1.0})
+             for _ in range(30)]
+    client.stub.ReportEpisodes(pb.ReportEpisodesRequest(worker_id=wid, episodes=early))
+    (task,) = client.fleet_status().tasks
+    assert task.episodes == 180 and task.total_extras["achievement_collect_wood"] == pytest.approx(30)
+    assert task.total_extras["achievement_eat_cow"] == pytest.approx(75)
     with pytest.raises(grpc.RpcError) as err:
         client.stub.ReportEpisodes(pb.ReportEpisodesRequest(
             worker_id=wid, episodes=[pb.EpisodeStats(task="cow", sum_reward=float("nan"))]))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert client.fleet_status().episodes == 150
+    assert client.fleet_status().episodes == 180

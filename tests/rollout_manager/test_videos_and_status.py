@@ -27,7 +27,8 @@ MP4 = b"\x00\x00\x00\x20ftypisom" + b"\x00" * 100
 @pytest.fixture
 def manager(tmp_path: Path) -> Iterator[tuple[RolloutManagerService, RolloutManagerClient]]:
     config = load_config({"run_id": "r1", "train_config": {"record_video_interval": 2, "batches_per_iteration": 2,
-                                                           "gradient_accumulation": 1}})
+                                                           "gradient_accumulation": 1},
+                          "rollout_config": {"worker_config": {"video_episodes": 1}}})
     service = RolloutManagerService(config, lease_seconds=5, video_store=LocalBlobStore(tmp_path / "v"))
     server: Server = serve([(rollout_manager_pb2_grpc.add_RolloutManagerServicer_to_server, service, "m")])
     yield service, RolloutManagerClient(server.address)

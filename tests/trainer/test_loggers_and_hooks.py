@@ -12,7 +12,8 @@ from tests.trainer.helpers import make_trainer
 
 def test_tensorboard_and_offline_wandb_write_their_files(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.setenv("WANDB_SILENT", "true")
-    config = LoggerConfig(project="p", name="n", console=True, tensorboard=True, wandb=True, wandb_mode="offline")
+    config = LoggerConfig(project="p", name="n", console=True, tensorboard=True, wandb=True,
+                          wandb_init={"mode": "offline"})
     loggers = build_loggers(config, tmp_path, total_iterations=3, run_config={"seed": 1})
     for step in (1, 2):
         for logger in loggers:

@@ -1,13 +1,18 @@
 """The run configuration: MineStudio's `online_dict`, plus Overworld's own keys.
 
-Keys and meanings follow MineStudio's quick start (see docs/config.md). Loading is strict:
-an unknown key or a value of the wrong type is a ConfigError that names the dotted key.
+Keys and meanings follow MineStudio 1.1.6 (see docs/config.md). Loading is strict: an unknown key
+or a value of the wrong type is a ConfigError that names the dotted key. Keys MineStudio accepts and
+never reads (IGNORED_KEYS) load with one warning naming them.
 """
 
 from __future__ import annotations
 
+import ast
+import copy
 import hashlib
+import logging
 import runpy
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -15,15 +20,27 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+log = logging.getLogger("overworld.config")
+
 
 class ConfigError(ValueError):
     """A run config that cannot be used; the message names the key."""
 
 
+# Keys MineStudio's shipped configs set and MineStudio itself never reads: accepted, warned about once.
+IGNORED_KEYS = {
+    "train_config.enable_ref_update": "PPOTrainer stores it and never reads it (the reference policy is "
+                                      "always the initial one)",
+}
+_warned: set[str] = set()
+
+
 @dataclass
 class DatabaseConfig:
     path: str = "replay_buffer"  # MineStudio's cache folder; here the default local blob directory
-    num_shards: int = 8  # accepted for compatibility; the embedded index is not sharded
+    # MineStudio's diskcache FanoutCache shards one SQLite file to spread its lock; the index here is in
+    # memory or Redis and every blob is its own file/object, so there is no single lock to shard.
+    num_shards: int = 8
     index: str = "memory"  # memory | redis://HOST:PORT/DB
     blobs: str = ""  # a local directory or s3://BUCKET/PREFIX; empty = <workdir>/<path>
 
@@ -52,10 +69,17 @@ class WorkerConfig:
     restart_interval: float | None = 3600.0
     video_fps: int = 20
     video_output_dir: str = "output/videos"
+    video_episodes: int = 4  # episodes recorded per video trigger (MineStudio records 4)
     num_env_processes: int = 0  # 0: one process per env, capped at the CPU count
     step_timeout: float = 60.0
     device: str = "auto"  # auto | cpu | cuda
     env_backend: str = "subprocess"  # subprocess | inprocess (cheap envs like CartPole, stepped in the worker)
+    # MineStudio's RolloutWorker keys: env resets before the env is rebuilt (MinecraftSim's fast reset
+    # teleports instead of regenerating the world; the world drifts), seconds between pipeline reports
+    # (null: none), and the window of those reports' moving averages in seconds.
+    max_fast_reset: int = 10000
+    log_interval: float | None = None
+    moving_stat_duration: float = 300.0
 
 
 @dataclass
@@ -107,11 +131,12 @@ class TrainConfig:
     keep_interval: int = 40
     record_video_interval: int = 0
     fix_decoder: bool = False
-    # null/"auto"/"latest": resume from this run's latest checkpoint if there is one (a restarted
-    # trainer continues by itself); a checkpoint id: must exist; "never": start fresh.
+    # null (MineStudio's default) or "never": start fresh; "latest": this run's latest checkpoint;
+    # "auto": this run's latest checkpoint if there is one, else fresh (what a restarted trainer uses);
+    # a checkpoint id of this run; or a MineStudio checkpoint directory (model.ckpt, optimizer.ckpt).
     resume: str | None = None
     resume_optimizer: bool = True
-    save_path: str = "output"
+    save_path: str | None = "output"  # null: the default location, "output" under the workdir
     use_amp: bool = False
     optim_steps_per_batch: int = 1
     log_interval: int = 1
@@ -124,20 +149,30 @@ class TrainConfig:
     hooks: list[str] = field(default_factory=list)  # "module:function" of setup functions: f(trainer)
 
 
+# wandb.init's keyword arguments: MineStudio hands its whole logger_config to wandb.init.
+WANDB_INIT_KEYS = ("entity", "mode", "tags", "group", "notes", "job_type", "dir", "id", "resume", "resume_from",
+                   "fork_from", "save_code", "anonymous", "reinit", "force", "allow_val_change",
+                   "config_exclude_keys", "config_include_keys", "sync_tensorboard", "monitor_gym", "settings")
+
+
 @dataclass
 class LoggerConfig:
     project: str = "overworld"
     name: str = "run"
     console: bool = True
     tensorboard: bool = False
-    wandb: bool = False
-    wandb_mode: str = "offline"
+    # null: on when the config gives a logger_config (MineStudio's behaviour), else off.
+    wandb: bool | None = None
+    # The rest of MineStudio's logger_config (entity, mode, tags, ...), passed to wandb.init as given.
+    wandb_init: dict[str, Any] = field(default_factory=dict)
 
 
 @dataclass
 class RunConfig:
     trainer_name: str = "PPOTrainer"
-    detach_rollout_manager: bool = True  # accepted for compatibility; the manager is always its own process
+    # overworld.online.start_rolloutmanager: the rollout side outlives the script and is reused by the
+    # next one when the config is unchanged (`overworld run` always stops everything it started).
+    detach_rollout_manager: bool = True
     env_generator: str = "overworld.envs.gym_tasks:make_env"
     env_kwargs: dict[str, Any] = field(default_factory=dict)
     policy_generator: str = "overworld.policies.nets:make_mlp_policy"
@@ -152,29 +187,96 @@ class RunConfig:
 
 # Mappings whose keys belong to the user's generators, not to this schema.
 FREE_FORM = ("env_kwargs", "policy_kwargs")
-FREE_FORM_NESTED = ("train_config.eval_env_kwargs.", "rollout_config.episode_statistics_config.")
+FREE_FORM_NESTED = ("train_config.eval_env_kwargs.", "rollout_config.episode_statistics_config.",
+                    "logger_config.wandb_init.")
+GENERATORS = ("env_generator", "policy_generator")
 
 
-def _user_dict(source: str | Path | dict[str, Any]) -> dict[str, Any]:
-    if isinstance(source, dict):
-        return source
+def _literal_online_dict(path: Path, source: str) -> dict[str, Any] | None:
+    """online_dict and the module-level generator functions of a MineStudio config file, read without
+    running it (its imports - ray, hydra, minestudio - belong where the generators run, not here).
+    None when online_dict is not a plain literal."""
+    try:
+        tree = ast.parse(source, str(path))
+    except SyntaxError as err:
+        raise ConfigError(f"config file {path}: line {err.lineno}: {err.msg}") from None
+    data: dict[str, Any] | None = None
+    functions = set()
+    for node in tree.body:
+        if isinstance(node, ast.FunctionDef):
+            functions.add(node.name)
+        elif (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "online_dict"
+                                                     for t in node.targets)):
+            try:
+                data = ast.literal_eval(node.value)
+            except ValueError:
+                return None
+    if data is None or not isinstance(data, dict):
+        return None
+    for key in GENERATORS:
+        if key in functions and key not in data:
+            data[key] = f"{path.resolve()}:{key}"
+    return data
+
+
+def _run_config_file(path: Path) -> dict[str, Any]:
+    try:
+        namespace = runpy.run_path(str(path))
+    except Exception as err:  # the user's code: any error becomes one line naming the file
+        raise ConfigError(f"config file {path}: {type(err).__name__}: {err}") from None
+    if "online_dict" not in namespace:
+        raise ConfigError(f"{path} defines no `online_dict`")
+    online = namespace["online_dict"]
+    data = dict(OmegaConf.to_container(online, resolve=True) if isinstance(online, DictConfig) else online)
+    # MineStudio quick starts define the generators next to online_dict.
+    for key in GENERATORS:
+        if callable(namespace.get(key)) and key not in data:
+            data[key] = f"{path.resolve()}:{key}"
+    return data
+
+
+def _user_dict(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
+    if isinstance(source, DictConfig):  # what a MineStudio user holds as online_cfg
+        return OmegaConf.to_container(source, resolve=True)  # type: ignore[return-value]
+    if isinstance(source, Mapping):
+        return dict(source)
     path = Path(source)
     if not path.exists():
         raise ConfigError(f"config file {path} does not exist")
     if path.suffix == ".py":
-        namespace = runpy.run_path(str(path))
-        if "online_dict" not in namespace:
-            raise ConfigError(f"{path} defines no `online_dict`")
-        data = dict(namespace["online_dict"])
-        # MineStudio quick starts define the generators next to online_dict.
-        for key in ("env_generator", "policy_generator"):
-            if callable(namespace.get(key)) and key not in data:
-                data[key] = f"{path.resolve()}:{key}"
-        return data
+        return _literal_online_dict(path, path.read_text()) or _run_config_file(path)
     loaded = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     if not isinstance(loaded, dict):
         raise ConfigError(f"{path} must hold a mapping at the top level")
     return loaded
+
+
+def _drop_ignored(data: dict[str, Any]) -> None:
+    """Remove the keys MineStudio accepts and never reads, warning once per process about each."""
+    found = []
+    for dotted, reason in IGNORED_KEYS.items():
+        section, _, key = dotted.rpartition(".")
+        parent = data.get(section) if section else data
+        if isinstance(parent, dict) and key in parent:
+            parent.pop(key)
+            if dotted not in _warned:
+                _warned.add(dotted)
+                found.append(f"{dotted} ({reason})")
+    if found:
+        log.warning("ignoring config keys MineStudio never reads: %s", "; ".join(found))
+
+
+def _wandb_from_minestudio(data: dict[str, Any]) -> None:
+    """MineStudio passes logger_config to wandb.init whole: W&B is on when it is given, and its
+    wandb.init keys (entity, mode, tags, ...) go there as they are."""
+    logger = data.get("logger_config")
+    if not isinstance(logger, dict):
+        return
+    passthrough = {k: logger.pop(k) for k in list(logger) if k in WANDB_INIT_KEYS}
+    if passthrough:
+        logger["wandb_init"] = {**passthrough, **(logger.get("wandb_init") or {})}
+    if logger.get("wandb") is None:
+        logger["wandb"] = True
 
 
 def _dotted_key(err: OmegaConfBaseException) -> str:
@@ -182,14 +284,18 @@ def _dotted_key(err: OmegaConfBaseException) -> str:
     return str(key) if key else "?"
 
 
-def load_config(source: str | Path | dict[str, Any], overrides: list[str] | None = None) -> RunConfig:
-    """Load and validate a run config from YAML, a Python file with `online_dict`, or a dict.
+def load_config(source: str | Path | Mapping[str, Any], overrides: list[str] | None = None) -> RunConfig:
+    """Load and validate a run config from YAML, a Python file with `online_dict`, a dict or an
+    OmegaConf DictConfig.
 
     `overrides` are `dotted.key=value` strings (the CLI's --set).
     """
     schema = OmegaConf.structured(RunConfig)
+    data = copy.deepcopy(_user_dict(source))
+    _drop_ignored(data)
+    _wandb_from_minestudio(data)
     try:
-        merged = OmegaConf.merge(schema, _user_dict(source))
+        merged = OmegaConf.merge(schema, data)
         for item in overrides or []:
             if "=" not in item:
                 raise ConfigError(f"--set {item!r}: expected dotted.key=value")
@@ -202,6 +308,8 @@ def load_config(source: str | Path | dict[str, Any], overrides: list[str] | None
         msg = str(err).splitlines()[0]
         raise ConfigError(f"config key {_dotted_key(err)}: {msg}") from None
     config: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    if config.logger_config.wandb is None:
+        config.logger_config.wandb = False
     validate(config)
     return config
 
@@ -237,6 +345,13 @@ def validate(config: RunConfig) -> None:
         raise ConfigError(f"config key train_config.discount: must be in (0, 1], got {train.discount}")
     if not 0.0 <= train.gae_lambda <= 1.0:
         raise ConfigError(f"config key train_config.gae_lambda: must be in [0, 1], got {train.gae_lambda}")
+    if rollout.episode_statistics_config:
+        raise ConfigError(
+            "config key rollout_config.episode_statistics_config: MineStudio passes it as keyword arguments to "
+            "EpisodeStatistics, which takes none but the discount (train_config.discount); only {} is valid, got "
+            f"{sorted(rollout.episode_statistics_config)}")
+    if rollout.worker_config.max_fast_reset < 1:
+        raise ConfigError("config key rollout_config.worker_config.max_fast_reset: must be >= 1")
     if ":" not in config.env_generator or ":" not in config.policy_generator:
         raise ConfigError("config keys env_generator / policy_generator: expected 'module:function'")
     chunk_steps = rollout.fragment_length * rb.fragments_per_chunk
@@ -261,6 +376,20 @@ def validate(config: RunConfig) -> None:
             check_rate_limit(rb.samples_per_insert, rb.samples_per_insert_error, rb.max_reuse)
         except ValueError as err:
             raise ConfigError(f"config key rollout_config.replay_buffer_config.samples_per_insert: {err}") from None
+
+
+def check_generators(config: RunConfig) -> None:
+    """Import the generators here, before any service starts: an import error in the user's file is one
+    ConfigError line (the CLI's `error:`), not a traceback in a worker's log."""
+    from overworld.core.imports import import_object
+
+    for key in GENERATORS:
+        ref = getattr(config, key)
+        try:
+            import_object(ref)
+        except Exception as err:  # the user's code: any error becomes one line naming the file
+            message = str(err).splitlines()[0] if str(err) else ""
+            raise ConfigError(f"config key {key}: {ref}: {type(err).__name__}: {message}") from None
 
 
 def check_rate_limit(samples_per_insert: float, error: float, max_reuse: int) -> None:

@@ -5,7 +5,10 @@ unless the env speaks MineStudio's dialect:
 
 - actions: a Dict of `MultiDiscrete([n])` (VPT's `buttons` 8641, `camera` 121) becomes a Dict of
   `Discrete(n)`; each step's integers go back to the env as `np.array([a])`;
-- observations: only the array entries (`image` (H, W, 3) uint8) are kept;
+- observations: only the array entries declared in the observation space (`image` (H, W, 3) uint8)
+  travel (fragments and the worker's shared memory hold fixed-shape arrays); every other key is
+  named in one warning per env process, except `task`, which labels the episode's statistics
+  (MineStudio's `episode_statistics/{task}4train/...`) through `info["task"]`;
 - `reset()` takes no seed (MinecraftSim), `reset(seed=...)` is accepted and the seed dropped.
 
 Nothing here imports minestudio.
@@ -14,10 +17,30 @@ Nothing here imports minestudio.
 from __future__ import annotations
 
 import inspect
+import logging
 from typing import Any
 
 import gymnasium as gym
 import numpy as np
+
+log = logging.getLogger("overworld.envs.minestudio")
+_warned_keys: set[str] = set()
+
+
+def _warn_dropped(keys: set[str], why: str) -> None:
+    new = sorted(keys - _warned_keys)
+    if new:
+        _warned_keys.update(new)
+        log.warning("observation keys %s do not reach the policy: %s", ", ".join(new), why)
+
+
+def task_label(task: Any) -> str | None:
+    """MineStudio's obs["task"]: a string, or TaskCallback's {"name": ..., "text": ...}."""
+    if isinstance(task, str):
+        return task
+    if isinstance(task, dict) and isinstance(task.get("name"), str):
+        return task["name"]
+    return None
 
 
 def _one_slot_multidiscrete(space: gym.Space) -> bool:
@@ -65,11 +88,26 @@ class MineStudioEnv(gym.Env):
         self.observation_space, self.action_space = adapt_spaces(env.observation_space, env.action_space)
         self._raw_action_space = env.action_space
         self._takes_seed = _takes_seed(env)
+        self.task: str | None = None
+        raw = env.observation_space
+        if isinstance(raw, gym.spaces.Dict) and isinstance(self.observation_space, gym.spaces.Dict):
+            _warn_dropped(set(raw.spaces) - set(self.observation_space.spaces),
+                          "their spaces are not fixed-shape arrays (Box or Discrete)")
 
     def _obs(self, obs: Any) -> Any:
         if isinstance(self.observation_space, gym.spaces.Dict) and isinstance(obs, dict):
-            return {k: obs[k] for k in self.observation_space.spaces}
+            self.task = task_label(obs.get("task")) or self.task
+            kept = self.observation_space.spaces
+            if len(obs) > len(kept):
+                _warn_dropped(set(obs) - set(kept) - {"task"},
+                              "the env's observation_space does not declare them as fixed-shape arrays")
+            return {k: obs[k] for k in kept}
         return obs
+
+    def _info(self, info: Any) -> Any:
+        if self.task is not None and isinstance(info, dict):
+            return {**info, "task": self.task}
+        return info
 
     def _action(self, action: Any) -> Any:
         raw = self._raw_action_space
@@ -81,13 +119,14 @@ class MineStudioEnv(gym.Env):
     def reset(self, *, seed: int | None = None, options: dict[str, Any] | None = None) -> tuple[Any, dict]:
         out = self.env.reset(seed=seed) if self._takes_seed and seed is not None else self.env.reset()
         obs, info = out if isinstance(out, tuple) else (out, {})
-        return self._obs(obs), info
+        self.task = None
+        return self._obs(obs), self._info(info)
 
     def step(self, action: Any) -> tuple[Any, float, bool, bool, dict]:
         obs, reward, terminated, truncated, info = self.env.step(self._action(action))
         terminated, truncated = bool(terminated), bool(truncated)
         # MinecraftSim reports a finished episode as terminated *and* truncated: that is a termination.
-        return self._obs(obs), float(reward), terminated, truncated and not terminated, info
+        return self._obs(obs), float(reward), terminated, truncated and not terminated, self._info(info)
 
     def render(self) -> Any:
         return self.env.render()

@@ -127,6 +127,22 @@ class MinePolicyAdapter(Policy):
         vpred = latents["vpred"].reshape(B, T).float()
         return PolicyOutput(self._logits(latents["pi_logits"], B, T), vpred), self._to_dict(state_out)
 
+    @torch.no_grad()
+    def sample_actions(self, logits: dict[str, torch.Tensor]) -> tuple[dict[str, torch.Tensor], torch.Tensor]:
+        """One step's actions as MineStudio's RolloutWorker draws them: `pi_head.sample(pi_logits,
+        deterministic=False)` (so the head's temperature and nucleus_prob apply), with their
+        `pi_head.logprob`. logits: (B, 1, n) per key; returns (B,) actions and (B,) log-probs."""
+        head = self.mine.pi_head
+        if not (callable(getattr(head, "sample", None)) and callable(getattr(head, "logprob", None))):
+            from overworld.policies.base import log_prob, sample
+
+            action = sample(logits)
+            return {k: v.reshape(-1) for k, v in action.items()}, log_prob(logits, action).reshape(-1)
+        pi_logits = {k: v.unsqueeze(2) for k, v in logits.items()}  # MineStudio's (B, T, 1, n)
+        sampled = head.sample(pi_logits, deterministic=False)
+        logp = head.logprob(sampled, pi_logits)
+        return {k: sampled[k].reshape(-1) for k in logits}, logp.reshape(-1).float()
+
     def value_head_modules(self) -> list[nn.Module]:
         return [self.mine.value_head]
 

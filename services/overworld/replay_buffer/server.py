@@ -121,14 +121,41 @@ class _Rejected(Exception):
         self.reason = reason
 
 
+class InsertReport:
+    """MineStudio's `fragments_per_report`: every that many stored fragments, one log line with the
+    ingest rate, the size in chunks and the model version (MineStudio's replay_buffer/* metrics)."""
+
+    def __init__(self, every: int, index: ReplayIndex) -> None:
+        self.every, self.index = every, index
+        self.count = 0
+        self.since = time.monotonic()
+        self._lock = threading.Lock()
+
+    def inserted(self) -> str | None:
+        if self.every <= 0:
+            return None
+        with self._lock:
+            self.count += 1
+            if self.count % self.every:
+                return None
+            now, since = time.monotonic(), self.since
+            self.since = now
+        stats = self.index.stats()
+        line = (f"replay_buffer/fragments_per_second {self.every / max(now - since, 1e-9):.2f}, "
+                f"replay_buffer_size (chunk) {stats.chunks}, model_version {stats.model_version}")
+        log.info(line)
+        return line
+
+
 class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
     def __init__(self, index: ReplayIndex, blobs: BlobStore, run_id: str, fragment_length: int,
                  fragments_per_chunk: int, max_chunks: int, spaces: Callable[[], Spaces | None],
                  max_fragment_bytes: int = 64 * 1024 * 1024, default_sample_timeout: float = 60.0, *,
                  ingest_window: int = 4, prefetch: int = 4, io_threads: int = 16, delete_delay: float = 2.0,
                  sweep_interval: float = 60.0, orphan_grace: float = 600.0, metrics_interval: float = 2.0,
-                 ref_grace: float = 60.0, store_url: str | None = None) -> None:
+                 ref_grace: float = 60.0, store_url: str | None = None, fragments_per_report: int = 0) -> None:
         self.index = index
+        self.report = InsertReport(fragments_per_report, index)
         self.blobs = blobs
         self.run_id = run_id
         self.fragment_length = fragment_length
@@ -389,6 +416,7 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
             DROPS.labels(reason).inc(n)
         if result.status == OK:
             INSERTS.inc()
+            self.report.inserted()
         else:
             DUPLICATES.inc()
         INGEST_LATENCY.observe(time.monotonic() - p.started)

@@ -57,6 +57,10 @@ class TaskRecord:
     lengths: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     discounted: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
     extras: deque = field(default_factory=lambda: deque(maxlen=WINDOW))
+    total_return: float = 0.0
+    total_discounted: float = 0.0
+    total_length: int = 0
+    total_extras: dict[str, float] = field(default_factory=dict)
 
 
 class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
@@ -79,7 +83,9 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         self._episodes = 0
         self._registrations = 0
         url = video_store_url(config.rollout_config.worker_config.video_output_dir, workdir, blobs)
-        self.videos = VideoBook(video_store, url, self.run_id, config.train_config.record_video_interval)
+        wc = config.rollout_config.worker_config
+        self.videos = VideoBook(video_store, url, self.run_id, config.train_config.record_video_interval,
+                                wc.video_episodes, video_store_url(wc.video_output_dir, workdir))
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -169,6 +175,11 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                 t.lengths.append(ep.length)
                 t.discounted.append(ep.discounted_reward)
                 t.extras.append(dict(ep.extras))
+                t.total_return += ep.sum_reward
+                t.total_discounted += ep.discounted_reward
+                t.total_length += ep.length
+                for k, v in ep.extras.items():
+                    t.total_extras[k] = t.total_extras.get(k, 0.0) + v
                 self._all_returns.append(ep.sum_reward)
                 self._episodes += 1
                 EPISODES.labels(task).inc()
@@ -203,7 +214,10 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                 tasks.append(rollout_manager_pb2.TaskStats(
                     task=name, episodes=t.episodes, mean_return_last_100=float(np.mean(t.returns)),
                     mean_length_last_100=float(np.mean(t.lengths)),
-                    mean_discounted_return_last_100=float(np.mean(t.discounted)), mean_extras_last_100=extras))
+                    mean_discounted_return_last_100=float(np.mean(t.discounted)), mean_extras_last_100=extras,
+                    total_return=t.total_return, total_discounted_return=t.total_discounted,
+                    total_length=t.total_length,
+                    total_extras=t.total_extras))
             return rollout_manager_pb2.FleetStatus(
                 run_id=self.run_id, workers=workers,
                 env_steps=self._departed_steps + sum(w.env_steps for w in self._workers.values()),

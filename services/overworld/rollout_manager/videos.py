@@ -44,9 +44,13 @@ class Request:
 
 
 class VideoBook:
-    def __init__(self, store: BlobStore | None, store_url: str, run_id: str, interval: int) -> None:
+    def __init__(self, store: BlobStore | None, store_url: str, run_id: str, interval: int, episodes: int = 1,
+                 local_dir: str = "") -> None:
         self._store = store
         self.store_url = store_url
+        self.episodes = max(1, episodes)  # episodes recorded per trigger (MineStudio records 4)
+        # A remote store (s3://): a copy also goes under this local directory (video_output_dir).
+        self.local_dir = local_dir if store_url.startswith("s3://") else ""
         self.run_id = run_id
         self.interval = interval
         self.prefix = f"videos/{run_id}/"
@@ -78,13 +82,16 @@ class VideoBook:
         self._videos.sort(key=lambda v: v.created_unix)
 
     def request(self, iteration: int, explicit: bool = True) -> str:
+        """One trigger: `episodes` requests (one episode each, recorded by whichever workers heartbeat
+        next). Returns the first request's id."""
         with self._lock:
             if explicit:
                 self._explicit = True
-            req = Request(uuid.uuid4().hex[:12], iteration)
-            self._queue.append(req)
-        log.info("video requested (iteration %d): %s", iteration, req.request_id)
-        return req.request_id
+            reqs = [Request(uuid.uuid4().hex[:12], iteration) for _ in range(self.episodes)]
+            self._queue.extend(reqs)
+        log.info("video requested (iteration %d): %d episodes, %s", iteration, len(reqs),
+                 ", ".join(r.request_id for r in reqs))
+        return reqs[0].request_id
 
     def on_model_version(self, version: int) -> None:
         """Without explicit requests, one video every `interval` model versions (≈ trainer iterations)."""
@@ -134,6 +141,10 @@ class VideoBook:
         out.key = f"{self.prefix}{stamp}-{info.request_id or uuid.uuid4().hex[:12]}.mp4"
         self.store.put(out.key, data)
         self.store.put(out.key[:-4] + ".json", json_format.MessageToJson(out).encode())
+        if self.local_dir:
+            local = Path(self.local_dir) / out.key
+            local.parent.mkdir(parents=True, exist_ok=True)
+            local.write_bytes(data)
         with self._lock:
             self._videos.append(out)
         log.info("video %s stored (%d bytes, episode return %.2f)", out.key, len(data), out.sum_reward)

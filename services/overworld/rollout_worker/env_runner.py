@@ -53,11 +53,18 @@ def step_env(env: Any, action: Any) -> tuple[Any, float, bool, bool, Any]:
     return obs, float(reward), bool(terminated), bool(truncated), info
 
 
-def episode_extras(info: Any) -> dict[str, float]:
-    """Numbers reported with an episode: Crafter-style `achievements` and an optional `episode_extras` dict."""
-    out: dict[str, float] = {}
+TASK_KEY = "task"
+
+
+def episode_extras(info: Any) -> dict[str, Any]:
+    """Numbers reported with an episode: Crafter-style `achievements` and an optional `episode_extras`
+    dict; and under TASK_KEY the episode's task label when the env gives a string `info["task"]`
+    (MineStudio's obs["task"], moved there by envs/minestudio.py)."""
+    out: dict[str, Any] = {}
     if not isinstance(info, dict):
         return out
+    if isinstance(info.get(TASK_KEY), str):
+        out[TASK_KEY] = info[TASK_KEY]
     for key in ("achievements", "episode_extras"):
         values = info.get(key)
         if isinstance(values, dict):

@@ -29,8 +29,10 @@ class EpisodeTracker:
         self.sum_reward[slots] += reward
         self.length[slots] += 1
 
-    def ended(self, slot: int, model_version: int, extras: dict[str, float]) -> mpb.EpisodeStats:
-        stats = mpb.EpisodeStats(task=self.task, sum_reward=float(self.sum_reward[slot]),
+    def ended(self, slot: int, model_version: int, extras: dict[str, float],
+              task: str | None = None) -> mpb.EpisodeStats:
+        """`task`: the episode's own label (MineStudio's obs["task"]), else the run's."""
+        stats = mpb.EpisodeStats(task=task or self.task, sum_reward=float(self.sum_reward[slot]),
                                  discounted_reward=float(self.discounted[slot]), length=int(self.length[slot]),
                                  model_version=model_version, extras=extras)
         with self._lock:

@@ -1,5 +1,8 @@
 """Records one episode of one env slot when the rollout-manager asks, encodes it as MP4 off the env
-loop, and uploads it to the manager (which stores it in its blob store)."""
+loop, and uploads it to the manager (which stores it in its blob store). As MineStudio's EnvWorker,
+each frame is the observation the action was chosen on, with the value prediction drawn on it
+("vpred: 0.123"); for MinecraftSim that is what `env.render()` returns (its `obs["image"]`), less
+the callbacks' overlays."""
 
 from __future__ import annotations
 
@@ -28,6 +31,23 @@ def image_key(spaces: Spaces) -> str | None:
         if s.dtype == "uint8" and len(s.shape) == 3 and s.shape[-1] in (1, 3):
             return k
     return None
+
+
+def draw_vpred(image: np.ndarray, vpred: float) -> np.ndarray:
+    """MineStudio's draw_vpred: "vpred: %0.3f" in white, top left, about 40% of the frame wide."""
+    from PIL import Image, ImageDraw, ImageFont
+
+    frame = np.repeat(image, 3, axis=-1) if image.shape[-1] == 1 else image
+    picture = Image.fromarray(np.ascontiguousarray(frame[..., :3]).astype(np.uint8))
+    h, w = frame.shape[:2]
+    size = max(6, int(min(0.4 * w / 9, 0.2 * h)))
+    try:
+        font = ImageFont.load_default(size=size)
+    except (TypeError, OSError):  # Pillow without FreeType: the fixed bitmap font
+        font = ImageFont.load_default()
+    offset = max(1, int(min(w, h) * 0.05))
+    ImageDraw.Draw(picture).text((offset, offset), f"vpred: {vpred:0.3f}", fill=(255, 255, 255), font=font)
+    return np.asarray(picture)
 
 
 def encode_mp4(frames: list[np.ndarray], fps: int) -> bytes:
@@ -79,9 +99,10 @@ class VideoRecorder:
         self.slot = slot
         self.frames = []
 
-    def frame(self, slot_images: dict[int, np.ndarray]) -> None:
+    def frame(self, slot_images: dict[int, np.ndarray], vpred: float | None = None) -> None:
         if self.slot is not None and self.slot in slot_images and len(self.frames) < MAX_FRAMES:
-            self.frames.append(np.array(slot_images[self.slot], copy=True))
+            image = np.array(slot_images[self.slot], copy=True)
+            self.frames.append(draw_vpred(image, vpred) if vpred is not None else image)
 
     def abort(self, slot: int) -> None:
         if slot == self.slot:

@@ -21,6 +21,7 @@ from overworld.core.specs import Spaces
 from overworld.policies.factory import run_spaces
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.rollout_worker.env_pool import EnvPool, GroupResult, InProcessEnvPool, num_groups_for
+from overworld.rollout_worker.env_runner import TASK_KEY
 from overworld.rollout_worker.episodes import EpisodeTracker
 from overworld.rollout_worker.fragments import FragmentCutter
 from overworld.rollout_worker.metrics import (
@@ -34,6 +35,7 @@ from overworld.rollout_worker.metrics import (
     QUEUE_DEPTH,
     STEP_LATENCY,
 )
+from overworld.rollout_worker.pipeline_report import PipelineReport
 from overworld.rollout_worker.sender import FragmentSender
 from overworld.rollout_worker.video import VideoRecorder, image_key
 from overworld.rollout_worker.weights import WeightsWatcher
@@ -43,10 +45,15 @@ from overworld.v1 import rollout_manager_pb2 as mpb
 log = logging.getLogger("overworld.rollout_worker")
 
 
-def pick_device(name: str) -> torch.device:
-    if name == "auto":
-        return torch.device("cuda" if torch.cuda.is_available() else "cpu")
-    return torch.device(name)
+def pick_device(name: str, num_gpus: float = 1.0) -> torch.device:
+    """`device: auto`: CUDA when rollout_config.num_gpus_per_worker asks for a GPU and one is there
+    (said out loud when it is not), else the CPU."""
+    if name != "auto":
+        return torch.device(name)
+    if num_gpus > 0 and not torch.cuda.is_available():
+        log.warning("rollout_config.num_gpus_per_worker=%s but this worker sees no CUDA device: inference runs on "
+                    "the CPU", num_gpus)
+    return torch.device("cuda" if num_gpus > 0 and torch.cuda.is_available() else "cpu")
 
 
 def make_pool(config: RunConfig, spaces: Spaces, seed: int, backend: str | None = None) -> EnvPool | InProcessEnvPool:
@@ -88,7 +95,7 @@ class RolloutWorker:
         wc = rc.worker_config
         self.T, self.N = rc.fragment_length, wc.num_envs
         self.spaces, self.policy, _, _ = run_spaces(self.config)
-        self.device = pick_device(wc.device)
+        self.device = pick_device(wc.device, rc.num_gpus_per_worker)
         self.policy.to(self.device).eval()
         self.address = address
         reply = retry(lambda: self.manager.stub.Register(self._register_request(), timeout=10), "Register", 120)
@@ -110,6 +117,7 @@ class RolloutWorker:
         self.cutter = FragmentCutter(self.spaces, self.N, self.T)
         task = self.config.task_name or self.config.env_generator.rsplit(":", 1)[-1]
         self.episodes = EpisodeTracker(self.N, self.config.train_config.discount, task)
+        self.pipeline = PipelineReport(wc.log_interval, wc.moving_stat_duration, wc.max_fast_reset)
         self.video = VideoRecorder(image_key(self.spaces), wc.video_fps, self._upload_video)
         self.first = np.ones(self.N, np.bool_)
         self.state: dict[str, torch.Tensor] = {}
@@ -179,12 +187,14 @@ class RolloutWorker:
         obs_t = {k: torch.as_tensor(v).to(self.device, non_blocking=True).unsqueeze(1) for k, v in obs.items()}
         first_t = torch.as_tensor(first).to(self.device).unsqueeze(1)
         out, after = self.policy(obs_t, before, first_t)
-        action_t, logp_t = sample_with_log_prob(out.logits)
+        sample = getattr(self.policy, "sample_actions", sample_with_log_prob)  # a MinePolicy: its pi_head.sample
+        action_t, logp_t = sample(out.logits)
         logp = logp_t.cpu().numpy()
         value = self.policy.value(out)[:, 0].float().cpu().numpy()
         action = {k: v.cpu().numpy() for k, v in action_t.items()}
         INFER_BATCH.observe(len(slots))
         INFER_LATENCY.observe(time.monotonic() - started)
+        self.pipeline.update("inference", time.monotonic() - started)
         for k, v in after.items():
             self.state[k][idx] = v
         starting = self.cutter.t[slots] == 0
@@ -193,7 +203,7 @@ class RolloutWorker:
         if self.video.slot is not None and self.video.key is not None:
             where = np.flatnonzero(slots == self.video.slot)
             if where.size:
-                self.video.frame({self.video.slot: obs[self.video.key][where[0]]})
+                self.video.frame({self.video.slot: obs[self.video.key][where[0]]}, float(value[where[0]]))
         self.pool.send(g, slots, action)
         self.first[slots] = False
 
@@ -225,7 +235,8 @@ class RolloutWorker:
                 source = self.pool.final_obs if int(slot) in res.ended else self.pool.obs
                 self._emit(int(slot), {k: v[slot] for k, v in source.items()})
             for slot, extras in res.ended.items():
-                stats = self.episodes.ended(slot, self.model_version, extras)
+                task = extras.pop(TASK_KEY, None)
+                stats = self.episodes.ended(slot, self.model_version, extras, task)
                 if slot == self.video.slot and self.video.key is not None:
                     self.video.finish(slot, self.pool.final_obs[self.video.key][slot], mpb.VideoInfo(
                         env_slot=slot, task=stats.task, sum_reward=stats.sum_reward, length=stats.length,
@@ -255,7 +266,8 @@ class RolloutWorker:
     # -- the loop ----------------------------------------------------------------------------------
     def run(self) -> None:
         if self.device.type == "cpu":
-            torch.set_num_threads(1)  # the env processes need the cores
+            # MineStudio's num_cpus_per_worker: the worker's own share; the env processes need the rest
+            torch.set_num_threads(max(1, int(self.config.rollout_config.num_cpus_per_worker)))
         self._heartbeat.start()
         self._swap_weights(self.watcher.wait_first(self.stop_event))
         if self.stop_event.is_set():
@@ -278,8 +290,12 @@ class RolloutWorker:
             if g is None or self.stop_event.is_set():
                 continue
             STEP_LATENCY.observe(time.monotonic() - sent_at[g])
+            self.pipeline.update("env_step", time.monotonic() - sent_at[g])
             self._consume(self.pool.take(g))
             sent_at[g] = self._act_on(g)
+            if self.pipeline.log_interval is not None:
+                self.pipeline.update("queue_size_after_inference", sum(int(self.pool.ready(x).size) for x in groups))
+                self.pipeline.maybe_log()
             now = time.monotonic()
             if now - rate_started > 5:
                 self.steps_per_second = (self.env_steps - rate_steps) / (now - rate_started)

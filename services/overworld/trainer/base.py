@@ -8,6 +8,7 @@ version to the model registry. Everything around the update is a hook (trainer/h
 
 from __future__ import annotations
 
+import dataclasses
 import hashlib
 import logging
 import time
@@ -19,7 +20,15 @@ import torch
 import torch.distributed as dist
 
 from overworld.core.blobs import open_blob_store
-from overworld.core.config import RunConfig, as_dict, config_hash, from_yaml, to_yaml
+from overworld.core.config import (
+    RunConfig,
+    TrainConfig,
+    as_dict,
+    config_hash,
+    from_yaml,
+    load_config,
+    to_yaml,
+)
 from overworld.core.grpc_util import channel, retry
 from overworld.core.weights import from_bytes, to_bytes
 from overworld.gae.client import GaeClient
@@ -53,36 +62,82 @@ def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
     return x
 
 
+def _callable(ref: str) -> Any:
+    """A generator given by import path, called where it is needed (imported on first call)."""
+    from overworld.core.imports import import_object
+
+    def generator(*args: Any, **kwargs: Any) -> Any:
+        return import_object(ref)(*args, **kwargs)
+
+    generator.__qualname__ = generator.__name__ = ref.rsplit(":", 1)[-1]
+    return generator
+
+
+def _config_with(config: RunConfig | None, policy_generator: Any, env_generator: Any,
+                 train: dict[str, Any]) -> RunConfig:
+    """`config` (or the defaults) with MineStudio's constructor arguments applied: they are never dropped."""
+    from overworld.online.generators import generator_ref
+
+    data = as_dict(config) if config is not None else {}
+    data.setdefault("train_config", {}).update(train)
+    for key, value in (("policy_generator", policy_generator), ("env_generator", env_generator)):
+        if value is not None:
+            data[key] = generator_ref(value, key)
+    merged = load_config(data)
+    if config is not None:
+        merged.run_id = config.run_id
+    return merged
+
+
 def checkpoint_store(config: RunConfig, workdir: str) -> CheckpointStore:
     """`train_config.save_path`: s3://BUCKET/PREFIX, or a directory (relative to the workdir)."""
-    path = config.train_config.save_path
+    path = config.train_config.save_path or "output"  # null: the default location
     location = path if path.startswith("s3://") or Path(path).is_absolute() else str(Path(workdir) / path)
     return CheckpointStore(open_blob_store(location), prefix=f"{config.run_id or 'run'}/checkpoints")
 
 
 class BaseTrainer:
-    def __init__(self, rollout_manager: str, policy_generator: str, env_generator: str, num_workers: int = 1,
-                 num_readers: int = 1, num_cpus_per_reader: float = 0.1, num_gpus_per_worker: float = 0.0,
-                 prefetch_batches: int = 2, discount: float = 0.999, gae_lambda: float = 0.95,
-                 context_length: int = 64, use_normalized_vf: bool = False, inference_batch_size_per_gpu: int = 16,
-                 resume: str | None = None, resume_optimizer: bool = True, *, config: RunConfig,
-                 replay_buffer: str = "", gae: str = "", model_registry: str = "", status_address: str = "",
-                 workdir: str = ".", **kwargs: Any) -> None:
+    """MineStudio's BaseTrainer: constructed with MineStudio's arguments (the generators as callables
+    or import paths, train_config's keys as keyword arguments, `whole_config`), or from a RunConfig
+    (`config=`, what the services use). Keyword arguments that are train_config keys win over `config`.
+    MineStudio's attribute names (`inner_model`, `ref_model`, `kl_divergence_coef_rho`, `num_updates`,
+    `fragments_per_iteration`, and every train_config key) read Overworld's state."""
+
+    def __init__(self, rollout_manager: str = "", policy_generator: Any = None, env_generator: Any = None,
+                 num_workers: int | None = None, num_readers: int | None = None,
+                 num_cpus_per_reader: float | None = None, num_gpus_per_worker: float | None = None,
+                 prefetch_batches: int | None = None, discount: float | None = None, gae_lambda: float | None = None,
+                 context_length: int | None = None, use_normalized_vf: bool | None = None,
+                 inference_batch_size_per_gpu: int = 16, resume: str | None = None,
+                 resume_optimizer: bool | None = None, *, config: RunConfig | None = None, replay_buffer: str = "",
+                 gae: str = "", model_registry: str = "", status_address: str = "", workdir: str = ".",
+                 whole_config: str | None = None, **kwargs: Any) -> None:
+        given = {"num_workers": num_workers, "num_readers": num_readers, "num_cpus_per_reader": num_cpus_per_reader,
+                 "num_gpus_per_worker": num_gpus_per_worker, "prefetch_batches": prefetch_batches,
+                 "discount": discount, "gae_lambda": gae_lambda, "context_length": context_length,
+                 "use_normalized_vf": use_normalized_vf, "resume": resume, "resume_optimizer": resume_optimizer}
+        train_keys = {f.name for f in dataclasses.fields(TrainConfig)}
+        given = {k: v for k, v in given.items() if v is not None or (k == "resume" and config is None)}
+        given.update({k: kwargs.pop(k) for k in list(kwargs) if k in train_keys})
+        kwargs.pop("enable_ref_update", None)  # MineStudio stores it and never reads it (core/config.py)
+        config = _config_with(config, policy_generator, env_generator, given)
+        t = config.train_config
         self.rollout_manager = rollout_manager
-        self.policy_generator = policy_generator
-        self.env_generator = env_generator
-        self.num_workers = num_workers
-        self.num_readers = num_readers
-        self.num_cpus_per_reader = num_cpus_per_reader
-        self.num_gpus_per_worker = num_gpus_per_worker
-        self.prefetch_batches = prefetch_batches
-        self.discount = discount
-        self.gae_lambda = gae_lambda
-        self.context_length = context_length
-        self.use_normalized_vf = use_normalized_vf
+        self.policy_generator = _callable(config.policy_generator) if not callable(policy_generator) else policy_generator
+        self.env_generator = _callable(config.env_generator) if not callable(env_generator) else env_generator
+        self.num_workers = t.num_workers
+        self.num_readers = t.num_readers
+        self.num_cpus_per_reader = t.num_cpus_per_reader
+        self.num_gpus_per_worker = t.num_gpus_per_worker
+        self.prefetch_batches = t.prefetch_batches
+        self.discount = t.discount
+        self.gae_lambda = t.gae_lambda
+        self.context_length = t.context_length
+        self.use_normalized_vf = t.use_normalized_vf
         self.inference_batch_size_per_gpu = inference_batch_size_per_gpu
-        self.resume = resume
-        self.resume_optimizer = resume_optimizer
+        self.resume = t.resume
+        self.resume_optimizer = t.resume_optimizer
+        self.whole_config = whole_config
         self.config = config
         self.replay_buffer = replay_buffer
         self.gae = gae
@@ -100,7 +155,7 @@ class BaseTrainer:
         self.updates = 0
         self.samples_trained = 0
         self.env_steps = 0
-        self.rho = config.train_config.kl_divergence_coef_rho
+        self.rho = t.kl_divergence_coef_rho
         self.resumed_from: str | None = None
         self.start = {"model_version": 0, "env_steps": 0, "rho": self.rho}
         self.latest_checkpoint = ""
@@ -108,22 +163,52 @@ class BaseTrainer:
 
     @classmethod
     def from_config(cls, config: RunConfig, **addresses: Any) -> BaseTrainer:
-        t = config.train_config
-        return cls(addresses.pop("rollout_manager"), config.policy_generator, config.env_generator,
-                   num_workers=t.num_workers, num_readers=t.num_readers, num_cpus_per_reader=t.num_cpus_per_reader,
-                   num_gpus_per_worker=t.num_gpus_per_worker, prefetch_batches=t.prefetch_batches,
-                   discount=t.discount, gae_lambda=t.gae_lambda, context_length=t.context_length,
-                   use_normalized_vf=t.use_normalized_vf, resume=t.resume, resume_optimizer=t.resume_optimizer,
-                   config=config, **addresses)
+        return cls(addresses.pop("rollout_manager"), config=config, **addresses)
+
+    # -- MineStudio's names for Overworld's state ------------------------------------------------
+    def __getattr__(self, name: str) -> Any:
+        config = self.__dict__.get("config")
+        if config is not None and name in TrainConfig.__dataclass_fields__:
+            return getattr(config.train_config, name)
+        raise AttributeError(f"{type(self).__name__!r} object has no attribute {name!r}")
+
+    @property
+    def kl_divergence_coef_rho(self) -> float:
+        return self.rho
+
+    @kl_divergence_coef_rho.setter
+    def kl_divergence_coef_rho(self, value: float) -> None:
+        self.rho = value
+
+    @property
+    def num_updates(self) -> int:
+        """MineStudio's count of finished ppo_update calls: Overworld's iteration (read-only: the loop counts)."""
+        return self.iteration
+
+    @property
+    def inner_model(self) -> Policy:
+        return self.unwrapped_model
+
+    @property
+    def ref_model(self) -> Policy | None:
+        return self.__dict__.get("reference")
+
+    @property
+    def fragments_per_iteration(self) -> int:
+        """Chunks of one iteration, all ranks (MineStudio's num_workers x batch_size_per_gpu x batches_per_iteration)."""
+        t = self.config.train_config
+        return t.num_workers * t.batch_size_per_gpu * t.batches_per_iteration
 
     # -- MineStudio's API --------------------------------------------------------------------
-    def setup_model_and_optimizer(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    def setup_model_and_optimizer(self, policy_generator: Any = None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """Build (model, optimizer). MineStudio's subclasses build the model with `policy_generator()`;
+        a MinePolicy they return is wrapped as an overworld Policy (same parameters) by the caller."""
         raise NotImplementedError
 
     def train(self) -> None:
         raise NotImplementedError
 
-    def train_iteration(self, batch: Batch) -> dict[str, float]:
+    def train_iteration(self, batch: Batch | None = None) -> dict[str, float] | None:
         raise NotImplementedError
 
     def fit(self) -> None:
@@ -132,14 +217,17 @@ class BaseTrainer:
         from ray.train import ScalingConfig
         from ray.train.torch import TorchTrainer
 
+        from overworld.online.generators import generator_ref
+
         t = self.config.train_config
         use_gpu = t.num_gpus_per_worker > 0 and torch.cuda.is_available()
         loop_config = {
-            "trainer_class": f"{type(self).__module__}:{type(self).__qualname__}",
+            "trainer_class": generator_ref(type(self), "trainer_name"),  # a class from a user's file: by its path
             "config_yaml": to_yaml(self.config),
             "addresses": {"rollout_manager": self.rollout_manager, "replay_buffer": self.replay_buffer,
                           "gae": self.gae, "model_registry": self.model_registry,
-                          "status_address": self.status_address, "workdir": self.workdir},
+                          "status_address": self.status_address, "workdir": self.workdir,
+                          **({"continue_run": True} if self.extra.get("continue_run") else {})},
         }
         resources = {"CPU": 1, **({"GPU": t.num_gpus_per_worker} if use_gpu else {})}
         trainer = TorchTrainer(
@@ -149,22 +237,39 @@ class BaseTrainer:
                                     storage_path=str(Path(self.workdir, "ray").resolve())))
         trainer.fit()
 
-    def broadcast_model_to_rollout_workers(self, new_version: int) -> None:
-        """Publish the current weights as `new_version`; workers watching the registry swap them in."""
-        if self.rank != 0:
+    def broadcast_model_to_rollout_workers(self, new_version: bool) -> None:
+        """MineStudio's: with `new_version`, publish the current weights as the next model version;
+        workers watching the registry swap them in. Rank 0 only. Versions are immutable in the registry,
+        so `new_version=False` (re-send the current version) has nothing to publish."""
+        if self.rank != 0 or not new_version:
             return
         started = time.monotonic()
+        version = self.model_version + 1
         data = to_bytes(self.unwrapped_model.state_dict())
         counters = {"iteration": self.iteration, "updates": self.updates, "samples_trained": self.samples_trained,
                     "env_steps": self.env_steps}
-        self.registry.publish(new_version, data, parent=self.model_version if new_version > self.model_version else 0,
-                              counters=counters, config_hash=config_hash(self.config))
-        self.model_version = new_version
+        self.registry.publish(version, data, parent=self.model_version, counters=counters,
+                              config_hash=config_hash(self.config))
+        self.model_version = version
         retry(lambda: self.buffer.SetModelVersion(
-            replay_buffer_pb2.SetModelVersionRequest(model_version=new_version), timeout=30), "SetModelVersion", 60)
+            replay_buffer_pb2.SetModelVersionRequest(model_version=version), timeout=30), "SetModelVersion", 60)
         self.timings["publish"] = time.monotonic() - started
 
-    def fetch_fragments_and_estimate_advantages(self) -> Batch:
+    def fetch_fragments_and_estimate_advantages(self, *, num_fragments: int | None = None) -> dict[str, Any]:
+        """MineStudio's: this rank's share of `num_fragments` (default: fragments_per_iteration) with
+        advantages. Returns MineStudio's keys: `records` (this rank's Batch of chains), `td_targets`,
+        `advantages`, `old_logps` (the behaviour policy's, recorded at rollout), `old_vpreds` (B, L)
+        tensors aligned with it, `rewards` (B,) summed per chain, and `old_pi_logits` (None: the
+        update recomputes what it needs)."""
+        if num_fragments is not None and num_fragments != self.fragments_per_iteration:
+            raise ValueError(f"num_fragments={num_fragments}: this trainer reads {self.fragments_per_iteration} per "
+                             "iteration (num_workers x batch_size_per_gpu x batches_per_iteration); change those")
+        batch = self._fetch_batch()
+        return {"records": batch, "rewards": batch.reward.sum(1), "td_targets": batch.value_target,
+                "advantages": batch.advantage, "old_logps": batch.behaviour_logp, "old_pi_logits": None,
+                "old_vpreds": batch.old_vpred}
+
+    def _fetch_batch(self) -> Batch:
         """This rank's share of an iteration: chunks from the replay buffer, values recomputed by the
         learner, advantages and value targets from the gae service (V-trace if configured)."""
         t = self.config.train_config
@@ -225,10 +330,20 @@ class BaseTrainer:
         return ckpt_id
 
     def restore(self) -> None:
-        """Resume from `resume` (see TrainConfig.resume) on every rank: model, optimizer, scaler,
-        counters, KL coefficient, RNG, model version."""
-        which = (self.resume or "auto").strip()
+        """Resume on every rank: model, optimizer, scaler, counters, KL coefficient, RNG, model version.
+        A restarted trainer (`--resume auto`: `continue_run`) continues this run's latest checkpoint if
+        there is one; otherwise `resume` decides (see TrainConfig.resume)."""
+        from overworld.trainer.minestudio_checkpoint import import_checkpoint, is_minestudio_checkpoint
+
+        which = (self.resume or "never").strip()
+        if self.extra.get("continue_run") and self.checkpoints.resolve("latest") is not None:
+            which = "latest"
         if which == "never":
+            return
+        if is_minestudio_checkpoint(which):
+            import_checkpoint(which, self.unwrapped_model, self.optimizer if self.resume_optimizer else None,
+                              getattr(self, "scaler", None))
+            self.resumed_from = which
             return
         ckpt_id = self.checkpoints.resolve("latest" if which == "auto" else which)
         if ckpt_id is None:
@@ -280,9 +395,16 @@ class BaseTrainer:
             self.model = self.optimizer = self.reference = None  # type: ignore[assignment]  # the learner builds its own
 
     def _checkpoint_to_resume(self) -> bool:
-        which = (self.resume or "auto").strip()
-        return which != "never" and checkpoint_store(self.config, self.workdir).resolve(
-            "latest" if which == "auto" else which) is not None
+        """Whether `restore()` will load a checkpoint (the same rules)."""
+        from overworld.trainer.minestudio_checkpoint import is_minestudio_checkpoint
+
+        store = checkpoint_store(self.config, self.workdir)
+        if self.extra.get("continue_run") and store.resolve("latest") is not None:
+            return True
+        which = (self.resume or "never").strip()
+        if which == "never":
+            return False
+        return is_minestudio_checkpoint(which) or store.resolve("latest" if which == "auto" else which) is not None
 
     def publish_initial_version(self) -> None:
         """Rank 0: publish the starting weights (version 1 on a fresh run, the next free version on a
@@ -301,7 +423,8 @@ class BaseTrainer:
                     replay_buffer_pb2.SetModelVersionRequest(model_version=1), timeout=30), "SetModelVersion", 60)
                 return
             log.warning("version 1 in the registry is not this learner's starting weights: publishing them anew")
-        self.broadcast_model_to_rollout_workers(max(latest, self.model_version) + 1)
+        self.model_version = max(latest, self.model_version)
+        self.broadcast_model_to_rollout_workers(new_version=True)
         if not has_reference:
             self.registry.stub.SetTag(model_registry_pb2.SetTagRequest(tag="reference", version=self.model_version),
                                       timeout=30)
@@ -315,6 +438,21 @@ class BaseTrainer:
     def build_policy(self) -> Policy:
         _, policy, _, _ = run_spaces(self.config)
         return policy
+
+    def _as_policy_model(self, model: Any, optimizer: torch.optim.Optimizer,
+                         *rest: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """What a MineStudio-style setup_model_and_optimizer returns: a MinePolicy (wrapped here; the
+        optimizer keeps its parameters), and a GradScaler third in MineStudio's newer versions."""
+        if rest and rest[0] is not None:
+            self.scaler = rest[0]
+        inner = getattr(model, "module", model)
+        if not isinstance(inner, Policy):
+            from overworld.policies.minestudio import as_policy
+
+            _, _, _, action_space = run_spaces(self.config)
+            model = as_policy(model, action_space).to(self.device)
+            model.value_normalizer.enabled = self.config.train_config.use_normalized_vf
+        return model, optimizer
 
     def _connect(self) -> None:
         t = self.config.train_config
@@ -364,7 +502,7 @@ class BaseTrainer:
         torch.manual_seed(self.config.seed)
         torch.set_num_threads(1)
         self._connect()
-        self.model, self.optimizer = self.setup_model_and_optimizer()
+        self.model, self.optimizer = self._as_policy_model(*self.setup_model_and_optimizer(self.policy_generator))
         torch.manual_seed(self.config.seed * 7919 + self.rank)  # minibatch order; a resume restores it
         try:
             self.restore()

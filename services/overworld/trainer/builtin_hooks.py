@@ -9,6 +9,7 @@ from typing import Any
 from overworld.core.config import as_dict
 from overworld.trainer.evaluation import evaluate
 from overworld.trainer.loggers import build_loggers
+from overworld.trainer.minestudio_metrics import MineStudioMetrics
 
 log = logging.getLogger("overworld.trainer")
 
@@ -20,14 +21,10 @@ def anneal_learning_rate(trainer: Any) -> None:
             group["lr"] = t.learning_rate * max(0.0, 1 - (trainer.iteration - 1) / t.num_iterations)
 
 
-def decay_kl_coefficient(trainer: Any, metrics: dict[str, float]) -> None:
-    trainer.rho *= trainer.config.train_config.coef_rho_decay
-
-
 def publish_weights(trainer: Any, metrics: dict[str, float]) -> None:
     # During the value warm-up MineStudio broadcasts nothing: the policy has not changed.
     if trainer.updates >= trainer.config.train_config.vf_warmup:
-        trainer.broadcast_model_to_rollout_workers(trainer.model_version + 1)
+        trainer.broadcast_model_to_rollout_workers(new_version=True)
 
 
 def save_checkpoint(trainer: Any, metrics: dict[str, float]) -> None:
@@ -86,11 +83,11 @@ class LogMetrics:
 
 def register_builtin_hooks(trainer: Any) -> LogMetrics:
     trainer.hooks.register("pre_collect", anneal_learning_rate)
-    trainer.hooks.register("post_iteration", decay_kl_coefficient)
     trainer.hooks.register("post_iteration", publish_weights)
     trainer.hooks.register("post_iteration", save_checkpoint)
     trainer.hooks.register("post_iteration", run_evaluation)
     trainer.hooks.register("post_iteration", request_video)
+    trainer.hooks.register("post_iteration", MineStudioMetrics())
     logger = LogMetrics(trainer)
     trainer.hooks.register("post_iteration", logger)
     return logger

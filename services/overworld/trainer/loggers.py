@@ -1,13 +1,21 @@
-"""Metric loggers: console (with a progress bar on a terminal), TensorBoard, Weights & Biases
-(offline mode works with no network). Prometheus gets the same numbers through the trainer driver."""
+"""Metric loggers: console (with a progress bar on a terminal), TensorBoard, Weights & Biases.
+Prometheus gets the same numbers through the trainer driver.
+
+W&B as MineStudio runs it: logger_config goes to wandb.init as given, and the x-axes are
+MineStudio's (`trainer/*` against `trainer/env_steps_all_workers`, `episode_statistics/*` against
+`episode_statistics/step`). Without an API key, or when the server cannot be reached, the run is
+logged offline (one notice; `wandb sync` uploads it later) instead of failing the trainer."""
 
 from __future__ import annotations
 
 import logging
 import math
+import netrc
+import os
 import sys
 from pathlib import Path
 from typing import Any, Protocol
+from urllib.parse import urlparse
 
 from overworld.core.config import LoggerConfig
 
@@ -58,13 +66,44 @@ class TensorBoardLogger:
         self.writer.close()
 
 
+# MineStudio's define_metric calls (ppotrainer.py, episode_statistics.py).
+STEP_METRICS = {"trainer/*": "trainer/env_steps_all_workers", "episode_statistics/*": "episode_statistics/step"}
+
+
+def wandb_api_key_missing() -> bool:
+    """True when neither WANDB_API_KEY nor a netrc entry for the W&B host holds a key."""
+    if os.environ.get("WANDB_API_KEY"):
+        return False
+    host = urlparse(os.environ.get("WANDB_BASE_URL", "https://api.wandb.ai")).hostname or ""
+    try:
+        return netrc.netrc().authenticators(host) is None
+    except (OSError, netrc.NetrcParseError):
+        return True
+
+
 class WandbLogger:
     def __init__(self, config: LoggerConfig, run_dir: Path, run_config: dict[str, Any]) -> None:
         import wandb
 
         run_dir.mkdir(parents=True, exist_ok=True)
-        self.run = wandb.init(project=config.project, name=config.name, mode=config.wandb_mode,  # type: ignore[arg-type]
-                              dir=str(run_dir), config=run_config, reinit="finish_previous")
+        kwargs: dict[str, Any] = {"project": config.project, "name": config.name, "dir": str(run_dir),
+                                  "config": run_config, "reinit": "finish_previous", **config.wandb_init}
+        mode = kwargs.get("mode") or os.environ.get("WANDB_MODE") or "online"
+        if mode == "online" and wandb_api_key_missing():
+            log.warning("W&B: no API key (WANDB_API_KEY or `wandb login`): logging offline to %s; "
+                        "`wandb sync` uploads it later", run_dir)
+            kwargs["mode"] = "offline"
+        try:
+            self.run = wandb.init(**kwargs)
+        except Exception as err:  # the server is unreachable: keep the metrics, do not fail training
+            if kwargs.get("mode") == "offline":
+                raise
+            log.warning("W&B: cannot reach the server (%s): logging offline to %s; `wandb sync` uploads it "
+                        "later", str(err).splitlines()[0][:200], run_dir)
+            self.run = wandb.init(**{**kwargs, "mode": "offline"})
+        self.run.define_metric("episode_statistics/step")
+        for pattern, step_metric in STEP_METRICS.items():
+            self.run.define_metric(pattern, step_metric=step_metric)
 
     def log(self, metrics: dict[str, float], step: int) -> None:
         self.run.log(metrics, step=step)

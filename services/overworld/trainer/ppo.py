@@ -15,6 +15,7 @@ import logging
 import math
 import time
 from collections.abc import Iterator
+from typing import Any
 
 import grpc
 import torch
@@ -34,7 +35,9 @@ TERMS = ("total", "policy", "value", "entropy", "kl", "approx_kl", "clip_fractio
 
 
 class PPOTrainer(BaseTrainer):
-    def setup_model_and_optimizer(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+    def setup_model_and_optimizer(self, policy_generator: Any = None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """The run's policy (`policy_generator` through the adapters) and AdamW; the reference policy
+        for the KL term (`ref_model`)."""
         t = self.config.train_config
         policy = self.build_policy()
         if t.zero_initial_vf:
@@ -78,13 +81,11 @@ class PPOTrainer(BaseTrainer):
                 started = time.monotonic()
                 fleet = self._ask_fleet()  # answered while this iteration runs: no round trip of its own
                 self.hooks.run("pre_collect", self)
-                batch = self.fetch_fragments_and_estimate_advantages()
-                self.hooks.run("post_collect", self, batch=batch)
-                fetched = time.monotonic()
                 updates_before = self.updates
-                metrics = self.train_iteration(batch)
+                metrics = dict(self.train_iteration() or {})
                 updated = time.monotonic()
-                self.timings["update"] = updated - fetched
+                fetched = sum(self.timings.get(part, 0.0) for part in ("sample", "values", "gae"))
+                self.timings["update"] = updated - started - fetched  # the PPO epochs (hooks included)
                 if self.iteration == 1 and self.rank == 0:
                     log.info("first update done: %d optimizer steps", self.updates)  # bench/bench_e2e.py's timeline
                 fleet_steps = self._fleet_env_steps(fleet)
@@ -92,7 +93,6 @@ class PPOTrainer(BaseTrainer):
                 last_env_steps = fleet_steps
                 self.env_steps += new_steps
                 metrics.update({
-                    "trainer/fetch_seconds": fetched - started,
                     "trainer/utd_ratio": (self.updates - updates_before) / new_steps if new_steps else math.nan,
                     "trainer/env_steps_all_workers": float(self.env_steps),
                 })
@@ -152,7 +152,33 @@ class PPOTrainer(BaseTrainer):
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
-    def train_iteration(self, batch: Batch) -> dict[str, float]:
+    def train_iteration(self, batch: Batch | None = None) -> dict[str, float] | None:
+        """MineStudio's iteration: fetch this iteration's fragments with advantages, `ppo_update`, decay
+        the KL coefficient. Returns the iteration's metrics (MineStudio returned None; an override that
+        does is fine). Given a `batch` (tests, tools), only the update from that batch."""
+        if batch is not None:
+            return self.update(batch)
+        started = time.monotonic()
+        r = self.fetch_fragments_and_estimate_advantages(num_fragments=self.fragments_per_iteration)
+        self.hooks.run("post_collect", self, batch=r["records"])
+        fetched = time.monotonic()
+        metrics = self.ppo_update(records=r["records"], td_targets=r["td_targets"], advantages=r["advantages"],
+                                  old_logps=r["old_logps"], old_vpreds=r["old_vpreds"], rewards=r["rewards"])
+        self.kl_divergence_coef_rho *= self.config.train_config.coef_rho_decay
+        return {**(metrics or {}), "trainer/fetch_seconds": fetched - started}
+
+    def ppo_update(self, records: Batch, td_targets: torch.Tensor, advantages: torch.Tensor, old_logps: torch.Tensor,
+                   old_vpreds: torch.Tensor, rewards: torch.Tensor) -> dict[str, float]:
+        """MineStudio's PPO update over this rank's chains (`records`), with the tensors
+        fetch_fragments_and_estimate_advantages returned (a subclass may change them first)."""
+        records.value_target, records.advantage, records.behaviour_logp, records.old_vpred = (
+            td_targets, advantages, old_logps, old_vpreds)
+        metrics = self.update(records)
+        metrics["trainer/buffer_reward"] = float(rewards.float().mean())
+        return metrics
+
+    def update(self, batch: Batch) -> dict[str, float]:
+        """Epochs of minibatches over `batch` (its advantages and value targets set)."""
         t = self.config.train_config
         assert batch.advantage is not None and batch.value_target is not None and batch.old_vpred is not None
         if t.normalize_advantage_full_batch:

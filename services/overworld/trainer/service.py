@@ -11,6 +11,7 @@ import time
 
 from prometheus_client import Counter, Gauge
 
+from overworld.core.config import load_config
 from overworld.core.grpc_util import Server, serve
 from overworld.core.imports import import_object
 from overworld.rollout_manager.client import RolloutManagerClient
@@ -32,6 +33,22 @@ STOP_TIMEOUT_SECONDS = 120
 TRAINERS = {"PPOTrainer": "overworld.trainer.ppo:PPOTrainer"}
 LOSS_TERMS = {"policy": "trainer/policy_loss", "value": "trainer/value_loss", "kl": "trainer/kl_divergence_loss",
               "entropy": "trainer/entropy_bonus", "total": "trainer/total_loss"}
+
+
+def trainer_class(name: str) -> type[BaseTrainer]:
+    """`trainer_name`: PPOTrainer, a class exported by overworld.online (MineStudio's names), or the
+    import path of a BaseTrainer subclass ('module:Class' or 'file.py:Class')."""
+    if ":" not in name and name not in TRAINERS:
+        import overworld.online
+
+        if not hasattr(overworld.online, name):
+            raise TypeError(f"trainer_name {name!r}: not a trainer Overworld knows ({', '.join(TRAINERS)}); give a "
+                            "subclass by import path ('module:Class' or 'file.py:Class')")
+        name = f"overworld.online:{name}"
+    cls = import_object(TRAINERS.get(name, name))
+    if not (isinstance(cls, type) and issubclass(cls, BaseTrainer)):
+        raise TypeError(f"trainer_name {name!r} is not a BaseTrainer subclass")
+    return cls
 
 
 class TrainerStatusService(trainer_pb2_grpc.TrainerServicer):
@@ -118,13 +135,16 @@ def advertised_host(bind_host: str) -> str:
 
 class TrainerDriver:
     def __init__(self, rollout_manager: str, replay_buffer: str, gae: str, model_registry: str, host: str,
-                 port: int, ray_address: str, workdir: str, resume: str, done: threading.Event) -> None:
+                 port: int, ray_address: str, workdir: str, resume: str, done: threading.Event,
+                 config_path: str = "") -> None:
         self.status = TrainerStatusService()
         self.server: Server = serve([(trainer_pb2_grpc.add_TrainerServicer_to_server, self.status,
                                       "overworld.v1.Trainer")], host, port)
         self.addresses = {"rollout_manager": rollout_manager, "replay_buffer": replay_buffer, "gae": gae,
                           "model_registry": model_registry, "status_address": f"{advertised_host(host)}:{self.server.port}",
                           "workdir": workdir}
+        if resume == "auto":  # a restarted trainer: this run's latest checkpoint, else the config's `resume`
+            self.addresses["continue_run"] = True
         self.ray_address = ray_address
         self.done = done
         self.failed = False
@@ -138,13 +158,13 @@ class TrainerDriver:
         self._thread.start()
         try:
             self.config = RolloutManagerClient(rollout_manager).run_config()
-            if resume:
+            if config_path:  # the trainer's own config (overworld.online.start_trainer); the run is the manager's
+                own = load_config(config_path)
+                own.run_id = self.config.run_id
+                self.config = own
+            if resume and resume != "auto":
                 self.config.train_config.resume = resume
-            name = self.config.trainer_name
-            cls = import_object(TRAINERS.get(name, name))
-            if not (isinstance(cls, type) and issubclass(cls, BaseTrainer)):
-                raise TypeError(f"trainer_name {name!r} is not a BaseTrainer subclass")
-            self._trainer = cls.from_config(self.config, **self.addresses)
+            self._trainer = trainer_class(self.config.trainer_name).from_config(self.config, **self.addresses)
             self._trainer.publish_first_version()  # the workers start stepping while Ray starts
         except Exception as err:
             self._startup_error = err

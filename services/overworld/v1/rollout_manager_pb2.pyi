@@ -179,8 +179,15 @@ class WorkerInfo(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., hostname: _Optional[str] = ..., address: _Optional[str] = ..., num_envs: _Optional[int] = ..., env_steps: _Optional[int] = ..., fragments_sent: _Optional[int] = ..., model_version: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ..., env_steps_per_second: _Optional[float] = ..., env_restarts: _Optional[_Mapping[str, int]] = ..., fragments_dropped: _Optional[int] = ..., send_queue_depth: _Optional[int] = ..., fragments_completed: _Optional[int] = ..., envs_ready: _Optional[int] = ...) -> None: ...
 
 class TaskStats(_message.Message):
-    __slots__ = ("task", "episodes", "mean_return_last_100", "mean_length_last_100", "mean_discounted_return_last_100", "mean_extras_last_100")
+    __slots__ = ("task", "episodes", "mean_return_last_100", "mean_length_last_100", "mean_discounted_return_last_100", "mean_extras_last_100", "total_return", "total_discounted_return", "total_length", "total_extras")
     class MeanExtrasLast100Entry(_message.Message):
+        __slots__ = ("key", "value")
+        KEY_FIELD_NUMBER: _ClassVar[int]
+        VALUE_FIELD_NUMBER: _ClassVar[int]
+        key: str
+        value: float
+        def __init__(self, key: _Optional[str] = ..., value: _Optional[float] = ...) -> None: ...
+    class TotalExtrasEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
         VALUE_FIELD_NUMBER: _ClassVar[int]
@@ -193,13 +200,21 @@ class TaskStats(_message.Message):
     MEAN_LENGTH_LAST_100_FIELD_NUMBER: _ClassVar[int]
     MEAN_DISCOUNTED_RETURN_LAST_100_FIELD_NUMBER: _ClassVar[int]
     MEAN_EXTRAS_LAST_100_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_RETURN_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_DISCOUNTED_RETURN_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_LENGTH_FIELD_NUMBER: _ClassVar[int]
+    TOTAL_EXTRAS_FIELD_NUMBER: _ClassVar[int]
     task: str
     episodes: int
     mean_return_last_100: float
     mean_length_last_100: float
     mean_discounted_return_last_100: float
     mean_extras_last_100: _containers.ScalarMap[str, float]
-    def __init__(self, task: _Optional[str] = ..., episodes: _Optional[int] = ..., mean_return_last_100: _Optional[float] = ..., mean_length_last_100: _Optional[float] = ..., mean_discounted_return_last_100: _Optional[float] = ..., mean_extras_last_100: _Optional[_Mapping[str, float]] = ...) -> None: ...
+    total_return: float
+    total_discounted_return: float
+    total_length: int
+    total_extras: _containers.ScalarMap[str, float]
+    def __init__(self, task: _Optional[str] = ..., episodes: _Optional[int] = ..., mean_return_last_100: _Optional[float] = ..., mean_length_last_100: _Optional[float] = ..., mean_discounted_return_last_100: _Optional[float] = ..., mean_extras_last_100: _Optional[_Mapping[str, float]] = ..., total_return: _Optional[float] = ..., total_discounted_return: _Optional[float] = ..., total_length: _Optional[int] = ..., total_extras: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class FleetStatus(_message.Message):
     __slots__ = ("run_id", "workers", "env_steps", "episodes", "mean_return_last_100", "tasks", "videos", "pending_video_requests")
