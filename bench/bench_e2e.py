@@ -71,14 +71,19 @@ def log_time(line: str) -> float | None:
     return datetime.strptime(found.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() if found else None
 
 
-def startup_timeline(logs: Path, spawned: float) -> dict[str, float | None]:
-    """Seconds from `overworld run` being started to each milestone (None: not in the logs)."""
+def startup_timeline(logs: Path, spawned: float, curve: list[dict[str, Any]] | None = None
+                     ) -> dict[str, float | None]:
+    """Seconds from `overworld run` being started to each milestone (None: not in the logs). A Ray
+    worker's line may come without a time: the first update is then the first progress point with an
+    update (the launcher's clock, which starts about a second after the command)."""
     out: dict[str, float | None] = {}
     for name, file, text in MILESTONES:
         path = logs / file
         lines = path.read_text(errors="replace").splitlines() if path.exists() else []
         at = next((log_time(line) for line in lines if text in line and log_time(line)), None)
         out[name] = round(at - spawned, 2) if at else None
+    if out["first_update"] is None and curve:
+        out["first_update"] = next((p["wall_seconds"] for p in curve if p.get("updates")), None)
     return out
 
 
@@ -118,7 +123,7 @@ def overworld_seed(seed: int, target: float, max_steps: int, tmp: Path) -> dict[
             "wall_seconds_to_target": round(summary["target_reached_unix"] - spawned, 2) if reached else None,
             "status": summary.get("status"), "env_steps": summary.get("env_steps"),
             "mean_return_last_100": summary.get("mean_return_last_100"),
-            "startup": startup_timeline(workdir / "logs", spawned),
+            "startup": startup_timeline(workdir / "logs", spawned, summary.get("curve", [])),
             "iteration": iteration_timeline(summary, workdir / "logs"), "curve": summary.get("curve", [])}
 
 
