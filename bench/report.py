@@ -76,6 +76,12 @@ def headline_rows(name: str, data: dict[str, Any]) -> list[str]:
     if name == "startup":
         return [f"| startup | {row['knob']}: seconds to Ray Train's first step | {row['first_train_step']} | |"
                 for row in data["rows"]]
+    if name == "trainer_memory":
+        growth = data["peak_growth_mb_per_chain"]
+        sizes = [row["chains"] for row in data["rows"]["iteration"]]
+        return [f"| trainer_memory | {data['memory']} above the held memory, growth per extra chain, {sizes} chains "
+                f"of VPT-2x: iteration / recomputation / recomputation as before | {growth['iteration']} / "
+                f"{growth['recomputation_chunked']} / {growth['recomputation_whole_batch_before']} MB | flat |"]
     return []
 
 
