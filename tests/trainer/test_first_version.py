@@ -50,10 +50,14 @@ def trainer(services: dict[str, Any], *overrides: str) -> PPOTrainer:
 def learner_starts(services: dict[str, Any], *overrides: str, nudge: bool = False) -> PPOTrainer:
     """What `_train_func` does up to the first publish, on rank 0."""
     learner = trainer(services, *overrides)
-    torch.manual_seed(learner.config.seed)
     learner.registry = ModelRegistryClient(services["registry"])
     learner.buffer = services["buffer"]
-    learner.model, learner.optimizer = learner.setup_model_and_optimizer()
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as a Ray Train worker runs
+    try:
+        learner.model, learner.optimizer = learner.build_starting_model()
+    finally:
+        torch.set_num_threads(threads)
     if nudge:
         with torch.no_grad():
             next(learner.model.parameters()).add_(1.0)
@@ -62,7 +66,13 @@ def learner_starts(services: dict[str, Any], *overrides: str, nudge: bool = Fals
 
 
 def test_the_driver_publishes_version_1_and_the_learner_adopts_it(services) -> None:
-    trainer(services, "train_config.kl_divergence_coef_rho=0.1").publish_first_version()
+    # The driver runs with more threads than a learner (orthogonal init's QR rounds differently).
+    threads = torch.get_num_threads()
+    torch.set_num_threads(4)
+    try:
+        trainer(services, "train_config.kl_divergence_coef_rho=0.1").publish_first_version()
+    finally:
+        torch.set_num_threads(threads)
     client = ModelRegistryClient(services["registry"])
     (v1,) = client.list_versions()
     assert v1.version == 1 and "reference" in v1.tags

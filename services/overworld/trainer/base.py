@@ -454,8 +454,7 @@ class BaseTrainer:
         try:
             if registry.list_versions(timeout=60) or self._checkpoint_to_resume():
                 return
-            torch.manual_seed(self.config.seed)
-            self.model, self.optimizer = self.setup_model_and_optimizer()
+            self.model, self.optimizer = self.build_starting_model()
             registry.publish(1, to_bytes(self.unwrapped_model.state_dict()), config_hash=config_hash(self.config))
             registry.set_tag("reference", 1)
             log.info("published the starting weights as version 1 (before Ray Train)")
@@ -507,6 +506,19 @@ class BaseTrainer:
     def build_policy(self) -> Policy:
         _, policy, _, _ = run_spaces(self.config)
         return policy
+
+    def build_starting_model(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """(model, optimizer) from the run's seed: the same weights in the driver (`publish_first_version`)
+        and in every learner rank. Built on one thread: initialisers that factorise matrices (orthogonal
+        init's QR) round differently with more threads, and the driver's weights would differ from the
+        learner's. (Machines with different CPUs may still differ: the learner then publishes anew.)"""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            torch.manual_seed(self.config.seed)
+            return self._as_policy_model(*self.setup_model_and_optimizer(self.policy_generator))
+        finally:
+            torch.set_num_threads(threads)
 
     def _as_policy_model(self, model: Any, optimizer: torch.optim.Optimizer,
                          *rest: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -569,10 +581,9 @@ class BaseTrainer:
         self.rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
         require_usable_cuda()  # Ray gave this worker a GPU: it is used, or training stops here
         self.device = ray.train.torch.get_device()
-        torch.manual_seed(self.config.seed)
         torch.set_num_threads(1)
         self._connect()
-        self.model, self.optimizer = self._as_policy_model(*self.setup_model_and_optimizer(self.policy_generator))
+        self.model, self.optimizer = self.build_starting_model()
         torch.manual_seed(self.config.seed * 7919 + self.rank)  # minibatch order; a resume restores it
         try:
             self.restore()
