@@ -124,6 +124,8 @@ def pod_templates(obj: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
     yield "headGroupSpec", cluster["headGroupSpec"]["template"]
     for group in cluster.get("workerGroupSpecs", []):
         yield f"workerGroupSpecs[{group['groupName']}]", group["template"]
+    if "submitterPodTemplate" in obj["spec"]:
+        yield "submitterPodTemplate", obj["spec"]["submitterPodTemplate"]
 
 
 def validate_object(obj: dict[str, Any], version: str = KUBE_VERSIONS[-1]) -> None:

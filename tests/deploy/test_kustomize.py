@@ -134,7 +134,7 @@ def test_external_storage(built: dict[str, list[dict[str, Any]]]) -> None:
     objects = built["external-storage"]
     kinds = {o["kind"] for o in objects}
     assert not kinds & {"StatefulSet", "Job", "Secret"}
-    assert "overworld-minio" not in json.dumps(objects) and "overworld-redis:" not in json.dumps(objects)
+    assert "overworld-seaweedfs" not in json.dumps(objects) and "overworld-redis:" not in json.dumps(objects)
     for name in ("overworld-replay-buffer", "overworld-model-registry"):
         env = {e["name"]: e for e in containers(by_kind(objects, "Deployment")[name])[0]["env"]}
         assert env["OVERWORLD_INDEX"] == {

@@ -30,7 +30,7 @@ from overworld.run_controller.rayjob import (
     trainer_entrypoint,
 )
 from overworld.v1 import trainer_pb2, trainer_pb2_grpc
-from tests.deploy.deploy_support import kubectl, validate_object
+from tests.deploy.deploy_support import kubectl, pod_templates, validate_object
 
 NAMESPACE = "rl"
 RUN = "cow-hunt"
@@ -76,7 +76,8 @@ def training_run(**spec: Any) -> dict[str, Any]:
 
 
 def test_entrypoint_carries_resume_and_extra_args() -> None:
-    assert trainer_entrypoint() == "overworld serve trainer --ray-address auto"
+    # Every try resumes: KubeRay runs the same entrypoint again for each retry (backoffLimit).
+    assert trainer_entrypoint() == "overworld serve trainer --ray-address auto --resume latest"
     assert trainer_entrypoint("latest") == "overworld serve trainer --ray-address auto --resume latest"
     assert (
         trainer_entrypoint("ckpt 7", ["--log-every", "10"])
@@ -97,9 +98,12 @@ def test_rayjob_is_valid_and_complete() -> None:
     assert (
         spec["entrypoint"] == "overworld serve trainer --ray-address auto --resume ckpt-000042 --log-every 10"
     )
+    assert spec["backoffLimit"] == 2 and spec["submissionMode"] == "K8sJobMode"
     cluster = spec["rayClusterSpec"]
     assert cluster["rayVersion"] == "2.60.0"
+    # The head runs the trainer driver only: Ray schedules no task or actor there.
     assert cluster["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
     (group,) = cluster["workerGroupSpecs"]
     assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == 2
     worker_pod = group["template"]["spec"]
@@ -117,6 +121,70 @@ def test_rayjob_is_valid_and_complete() -> None:
             "OVERWORLD_S3_SECRET_KEY",
         }
         assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
+
+
+def restricted_violations(template: dict[str, Any]) -> list[str]:
+    """What the `restricted` Pod Security Standard would refuse in a pod template."""
+    pod = template["spec"]
+    problems = []
+    pod_context = pod.get("securityContext") or {}
+    if (pod_context.get("seccompProfile") or {}).get("type") not in ("RuntimeDefault", "Localhost"):
+        problems.append("pod seccompProfile")
+    for container in pod["containers"]:
+        context = container.get("securityContext") or {}
+        name = container["name"]
+        if context.get("allowPrivilegeEscalation") is not False:
+            problems.append(f"{name}: allowPrivilegeEscalation")
+        if "ALL" not in ((context.get("capabilities") or {}).get("drop") or []):
+            problems.append(f"{name}: capabilities.drop ALL")
+        if not (context.get("runAsNonRoot") or pod_context.get("runAsNonRoot")):
+            problems.append(f"{name}: runAsNonRoot")
+        if context.get("privileged"):
+            problems.append(f"{name}: privileged")
+    if any("hostPath" in volume for volume in pod.get("volumes") or []):
+        problems.append("hostPath volume")
+    return problems
+
+
+def test_every_pod_of_the_rayjob_is_restricted_and_pulls_with_the_secrets() -> None:
+    """KubeRay's default submitter pod has no pull secrets and no security context: in a namespace
+    enforcing `restricted`, or with a private registry, the job would never be submitted."""
+    job = build_rayjob(training_run(imagePullSecrets=["regcred"], serviceAccountName="trainer"), attempt=1)
+    templates = dict(pod_templates(job))
+    assert set(templates) == {"headGroupSpec", "workerGroupSpecs[gpu]", "submitterPodTemplate"}
+    for where, template in templates.items():
+        assert restricted_violations(template) == [], where
+        assert template["spec"]["imagePullSecrets"] == [{"name": "regcred"}], where
+        assert template["spec"]["containers"][0]["image"] == job_image(job), where
+        assert template["metadata"]["labels"]["app.kubernetes.io/instance"] == "overworld", where
+    submitter = templates["submitterPodTemplate"]["spec"]
+    assert submitter["restartPolicy"] == "Never"
+    assert "command" not in submitter["containers"][0]  # KubeRay fills in `ray job submit ...`
+    assert job["spec"]["submitterConfig"] == {"backoffLimit": 2}
+
+
+def job_image(job: dict[str, Any]) -> str:
+    image: str = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["image"]
+    return image
+
+
+def test_ray_pods_outlast_the_trainers_checkpoint_on_stop() -> None:
+    """Deleting a RayJob (resume) or its head pod stops the trainer through Ray's job API; the
+    trainer checkpoints within STOP_TIMEOUT_SECONDS, so Ray's stop wait and the pods' grace period
+    must be longer (Ray: 3 s, Kubernetes: 30 s by default)."""
+    from overworld.run_controller import rayjob
+    from overworld.trainer.service import STOP_TIMEOUT_SECONDS
+
+    assert rayjob.TRAINER_STOP_SECONDS == STOP_TIMEOUT_SECONDS
+    job = build_rayjob(training_run(), attempt=1)
+    templates = dict(pod_templates(job))
+    head = templates["headGroupSpec"]["spec"]
+    wait = int(next(e["value"] for e in head["containers"][0]["env"] if e["name"] == "RAY_JOB_STOP_WAIT_TIME_S"))
+    assert STOP_TIMEOUT_SECONDS < wait < head["terminationGracePeriodSeconds"]
+    assert templates["workerGroupSpecs[gpu]"]["spec"]["terminationGracePeriodSeconds"] > wait
+    pre_stop = head["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[:3] == ["python", "-m", "overworld.run_controller.ray_prestop"]
+    assert pre_stop[pre_stop.index("--timeout") + 1] == str(wait)
 
 
 def test_rayjob_names_fit_kuberay_limits() -> None:
@@ -176,12 +244,12 @@ class Emulator(kmock.KubernetesEmulator):
 
 
 class Trainer(trainer_pb2_grpc.TrainerServicer):
-    """Stands in for the trainer driver on the Ray head: answers GetStatus."""
+    """Stands in for the trainer driver on the Ray head: answers GetStatus with `status`."""
+
+    status: dict[str, Any] = {}
 
     async def GetStatus(self, request: Any, context: Any) -> trainer_pb2.TrainerStatus:  # noqa: N802
-        return trainer_pb2.TrainerStatus(
-            state="running", model_version=7, samples_trained=123456, latest_checkpoint="ckpt-000007"
-        )
+        return trainer_pb2.TrainerStatus(**Trainer.status)
 
 
 @contextlib.asynccontextmanager
@@ -258,6 +326,8 @@ async def create_and_resume(tmp_path: Path) -> None:
 
 
 async def drive_controller(url: str, trainer_address: str, tmp_path: Path) -> None:
+    Trainer.status = {"state": "running", "model_version": 7, "samples_trained": 123456, "env_steps": 654321,
+                      "latest_checkpoint": "ckpt-000007"}
     kubeconfig = tmp_path / "kubeconfig"
     kubeconfig.write_text(
         yaml.safe_dump(
@@ -311,7 +381,7 @@ async def drive_controller(url: str, trainer_address: str, tmp_path: Path) -> No
             return status
 
         first = (await eventually(rayjobs, "the first RayJob", log))[f"{RUN}-a1"]
-        assert first["spec"]["entrypoint"] == "overworld serve trainer --ray-address auto"
+        assert first["spec"]["entrypoint"] == "overworld serve trainer --ray-address auto --resume latest"
         (owner,) = first["metadata"]["ownerReferences"]
         run_uid = json.loads(await run_kubectl(kubeconfig, "get", "trainingrun", RUN, "-o", "json"))[
             "metadata"
@@ -324,7 +394,12 @@ async def drive_controller(url: str, trainer_address: str, tmp_path: Path) -> No
             log,
         )
 
-        # KubeRay starts the job: the phase follows, and the trainer's progress appears.
+        # KubeRay takes the RayJob (its finalizer stops the Ray job before the RayJob goes) and starts
+        # the job: the phase follows, and the trainer's progress appears.
+        await run_kubectl(
+            kubeconfig, "patch", "rayjob", f"{RUN}-a1", "--type", "merge",
+            "-p", json.dumps({"metadata": {"finalizers": [KUBERAY_FINALIZER]}}),
+        )
         await run_kubectl(
             kubeconfig,
             "patch",
@@ -350,7 +425,7 @@ async def drive_controller(url: str, trainer_address: str, tmp_path: Path) -> No
                 phase="Running",
                 jobStatus="RUNNING",
                 modelVersion=7,
-                envSteps=123456,
+                envSteps=654321,  # the env steps column shows env steps, not samples trained
                 latestCheckpoint="ckpt-000007",
             ),
             "phase Running with the trainer's progress",
@@ -368,6 +443,18 @@ async def drive_controller(url: str, trainer_address: str, tmp_path: Path) -> No
             "-p",
             '{"spec":{"resumeFrom":"ckpt-000042"}}',
         )
+        # Attempt 1 is being deleted; KubeRay's finalizer holds it while its trainer checkpoints.
+        # Attempt 2 must not start before attempt 1 is gone: two trainers of one run would overlap.
+        await eventually(
+            lambda: _deleting(rayjobs, f"{RUN}-a1"), "attempt 1 marked for deletion", log
+        )
+        for _ in range(6):
+            assert f"{RUN}-a2" not in await rayjobs(), "attempt 2 created while attempt 1 still exists"
+            await asyncio.sleep(0.5)
+        await run_kubectl(
+            kubeconfig, "patch", "rayjob", f"{RUN}-a1", "--type", "merge",
+            "-p", json.dumps({"metadata": {"finalizers": None}}),
+        )
         jobs = await eventually(
             lambda: _only(rayjobs, {f"{RUN}-a2"}), "RayJob of attempt 2 (and attempt 1 deleted)", log
         )
@@ -375,6 +462,7 @@ async def drive_controller(url: str, trainer_address: str, tmp_path: Path) -> No
         assert (
             second["spec"]["entrypoint"] == "overworld serve trainer --ray-address auto --resume ckpt-000042"
         )
+        assert second["spec"]["backoffLimit"] == 2
         assert second["metadata"]["labels"][ATTEMPT_LABEL] == "2"
         await eventually(
             lambda: _matches(
@@ -382,6 +470,19 @@ async def drive_controller(url: str, trainer_address: str, tmp_path: Path) -> No
             ),
             "status attempt 2",
             log,
+        )
+
+        # Attempt 2 runs from ckpt-000042 and writes ckpt-000050: a KubeRay retry of attempt 2 must
+        # continue from there, not roll back to ckpt-000042 again.
+        Trainer.status = {**Trainer.status, "resumed_from": "ckpt-000042", "latest_checkpoint": "ckpt-000050"}
+        await run_kubectl(
+            kubeconfig, "patch", "rayjob", f"{RUN}-a2", "--subresource=status", "--type", "merge",
+            "-p", json.dumps({"status": {"jobStatus": "RUNNING", "jobDeploymentStatus": "Running",
+                                         "rayClusterName": f"{RUN}-a2-b8c1d"}}),
+        )
+        await eventually(
+            lambda: _entrypoint_resumes(rayjobs, f"{RUN}-a2", "ckpt-000050"),
+            "attempt 2's retries resuming from its newest checkpoint", log,
         )
 
         # And "latest" once more: attempt 3.
@@ -415,6 +516,19 @@ async def drive_controller(url: str, trainer_address: str, tmp_path: Path) -> No
 async def _matches(probe: Any, **expected: Any) -> bool:
     status = await probe()
     return all(status.get(key) == value for key, value in expected.items())
+
+
+KUBERAY_FINALIZER = "ray.io/rayjob-finalizer"
+
+
+async def _deleting(probe: Any, name: str) -> bool:
+    jobs: dict[str, Any] = await probe()
+    return name in jobs and bool(jobs[name]["metadata"].get("deletionTimestamp"))
+
+
+async def _entrypoint_resumes(probe: Any, name: str, checkpoint: str) -> bool:
+    jobs: dict[str, Any] = await probe()
+    return name in jobs and jobs[name]["spec"]["entrypoint"].endswith(f"--resume {checkpoint}")
 
 
 async def _only(probe: Any, names: set[str]) -> dict[str, Any] | None:
