@@ -10,14 +10,11 @@ import os
 import signal
 import sys
 import time
-import uuid
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import grpc
-import kmock
 import pytest
 import yaml
 
@@ -31,6 +28,7 @@ from overworld.run_controller.rayjob import (
 )
 from overworld.v1 import trainer_pb2, trainer_pb2_grpc
 from tests.deploy.deploy_support import kubectl, pod_templates, validate_object
+from tests.deploy.kube_support import FOREGROUND, kubernetes_api, write_kubeconfig
 
 NAMESPACE = "rl"
 RUN = "cow-hunt"
@@ -222,27 +220,6 @@ def test_phase_of_rayjob_status(status: dict[str, str], phase: str) -> None:
 # --- the operator process against kmock, driven by kubectl ---------------------------------------
 
 
-class Emulator(kmock.KubernetesEmulator):
-    """kmock's emulator plus what a real API server adds: server-side metadata and typed lists."""
-
-    async def _handle(self, request: kmock.Request) -> Any:
-        if request.action == kmock.action.CREATE and isinstance(request.data, dict):
-            meta = request.data.setdefault("metadata", {})
-            meta.setdefault("uid", str(uuid.uuid4()))
-            meta.setdefault("creationTimestamp", datetime.now(tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
-            meta.setdefault("generation", 1)
-            meta.setdefault("resourceVersion", str(time.monotonic_ns()))
-        return await super()._handle(request)
-
-    async def _serve_list(self, request: kmock.Request) -> Any:
-        payload = await super()._serve_list(request)
-        resource = request.resource
-        assert resource is not None
-        info = self.resources[resource]
-        group = f"{resource.group}/{resource.version}" if resource.group else resource.version
-        return {"apiVersion": group, "kind": f"{info.kind}List", **payload}
-
-
 class Trainer(trainer_pb2_grpc.TrainerServicer):
     """Stands in for the trainer driver on the Ray head: answers GetStatus with `status`."""
 
@@ -250,28 +227,6 @@ class Trainer(trainer_pb2_grpc.TrainerServicer):
 
     async def GetStatus(self, request: Any, context: Any) -> trainer_pb2.TrainerStatus:  # noqa: N802
         return trainer_pb2.TrainerStatus(**Trainer.status)
-
-
-@contextlib.asynccontextmanager
-async def kubernetes_api() -> AsyncIterator[tuple[Emulator, str]]:
-    verbs = {"get", "list", "watch", "create", "patch", "update", "delete"}
-    async with Emulator() as emulator, kmock.Server(emulator) as server:
-        emulator.resources["overworld.dev/v1alpha1/trainingruns"] = kmock.ResourceInfo(
-            kind="TrainingRun", namespaced=True, singular="trainingrun", verbs=verbs, subresources={"status"}
-        )
-        emulator.resources["ray.io/v1/rayjobs"] = kmock.ResourceInfo(
-            kind="RayJob", namespaced=True, singular="rayjob", verbs=verbs, subresources={"status"}
-        )
-        emulator.resources["v1/events"] = kmock.ResourceInfo(kind="Event", namespaced=True, verbs=verbs)
-        emulator.resources["v1/namespaces"] = kmock.ResourceInfo(
-            kind="Namespace", namespaced=False, verbs=verbs
-        )
-        emulator.objects["v1/namespaces", None, NAMESPACE] = {
-            "apiVersion": "v1",
-            "kind": "Namespace",
-            "metadata": {"name": NAMESPACE},
-        }
-        yield emulator, str(server.url)
 
 
 @contextlib.asynccontextmanager
@@ -321,31 +276,14 @@ def test_create_and_resume_with_kubectl(tmp_path: Path) -> None:
 
 
 async def create_and_resume(tmp_path: Path) -> None:
-    async with kubernetes_api() as (_, url), fake_trainer() as trainer_address:
+    async with kubernetes_api(NAMESPACE) as (_, url), fake_trainer() as trainer_address:
         await drive_controller(url, trainer_address, tmp_path)
 
 
 async def drive_controller(url: str, trainer_address: str, tmp_path: Path) -> None:
     Trainer.status = {"state": "running", "model_version": 7, "samples_trained": 123456, "env_steps": 654321,
                       "latest_checkpoint": "ckpt-000007"}
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "kmock", "cluster": {"server": url}}],
-                "users": [{"name": "tester", "user": {"token": "kmock"}}],
-                "contexts": [
-                    {
-                        "name": "kmock",
-                        "context": {"cluster": "kmock", "user": "tester", "namespace": NAMESPACE},
-                    }
-                ],
-                "current-context": "kmock",
-            }
-        )
-    )
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", url, NAMESPACE)
     log = tmp_path / "controller.log"
     env = {
         **os.environ,
@@ -448,6 +386,8 @@ async def drive_controller(url: str, trainer_address: str, tmp_path: Path) -> No
         await eventually(
             lambda: _deleting(rayjobs, f"{RUN}-a1"), "attempt 1 marked for deletion", log
         )
+        # Foreground: the RayJob stays until its RayCluster and pods are gone, not only KubeRay's finalizer.
+        assert FOREGROUND in (await rayjobs())[f"{RUN}-a1"]["metadata"]["finalizers"]
         for _ in range(6):
             assert f"{RUN}-a2" not in await rayjobs(), "attempt 2 created while attempt 1 still exists"
             await asyncio.sleep(0.5)
@@ -495,6 +435,12 @@ async def drive_controller(url: str, trainer_address: str, tmp_path: Path) -> No
             "merge",
             "-p",
             '{"spec":{"resumeFrom":"latest"}}',
+        )
+        # The garbage collector (played here) removes attempt 2 once its pods are gone.
+        await eventually(lambda: _deleting(rayjobs, f"{RUN}-a2"), "attempt 2 marked for deletion", log)
+        await run_kubectl(
+            kubeconfig, "patch", "rayjob", f"{RUN}-a2", "--type", "merge",
+            "-p", json.dumps({"metadata": {"finalizers": None}}),
         )
         jobs = await eventually(lambda: _only(rayjobs, {f"{RUN}-a3"}), "RayJob of attempt 3", log)
         assert jobs[f"{RUN}-a3"]["spec"]["entrypoint"].endswith("--resume latest")
