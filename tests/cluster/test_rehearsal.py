@@ -1,0 +1,261 @@
+"""The cluster rehearsal: the rendered chart (CPU values, a CartPole run) as pods on their own hosts
+with their own disks, the trainer as the RayJob the run-controller makes, and what a cluster does to
+them: pods deleted, fleets scaled, links cut, a run resumed with kubectl.
+
+One cluster serves every test of this module (bringing it up is most of the cost); the tests run in
+file order and each leaves the cluster training. `make rehearsal` runs just these."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.cluster import RELEASE
+from tests.cluster.netns import wait_until
+from tests.cluster.rehearsal import Rehearsal
+
+pytestmark = pytest.mark.slow
+
+WORKERS = f"{RELEASE}-rollout-worker"
+BUFFER = f"{RELEASE}-replay-buffer"
+
+
+@pytest.fixture(scope="module")
+def rehearsal() -> Iterator[Rehearsal]:
+    if os.geteuid() != 0:
+        pytest.fail("the rehearsal makes network namespaces: it needs root (CI runs as root)")
+    # Outside /tmp: every pod mounts an emptyDir of its own there.
+    with Rehearsal.up(Path("/var/tmp") / f"overworld-rehearsal-{os.getpid()}") as started:
+        started.wait_training(timeout=360)
+        yield started
+
+
+def progress(rehearsal: Rehearsal) -> tuple[int, int]:
+    """(model version, env steps) as the trainer reports them."""
+    status = rehearsal.trainer_status()
+    return int(status.model_version), int(status.env_steps)
+
+
+def wait_progress_beyond(rehearsal: Rehearsal, version: int, env_steps: int, timeout: float, what: str) -> None:
+    """Training goes on: the registry gets newer versions and the trainer counts on from where it was."""
+    newer = rehearsal.wait_training(beyond=version + 1, timeout=timeout)
+
+    def counted_on() -> bool:
+        now_version, now_steps = progress(rehearsal)
+        return now_version > version and now_steps > env_steps
+
+    try:
+        wait_until(counted_on, timeout, f"{what}: trainer past version {version} and {env_steps} env steps")
+    except TimeoutError as err:
+        raise AssertionError(f"{err} (registry at {newer})\n{rehearsal.cluster.logs(tail=2000)}") from err
+
+
+def counter(samples: dict[str, float], name: str) -> float:
+    return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
+
+
+# --- two replay-buffer replicas behind one name ---------------------------------------------------
+
+
+def test_replay_buffer_replicas_both_serve_and_cover_for_each_other(rehearsal: Rehearsal) -> None:
+    """Clients balance over the headless Service's pods (round robin): the trainer's sample calls
+    reach both replicas; when one dies, its clients (the worker's insert stream too) move to the
+    other and training goes on."""
+    cluster = rehearsal.cluster
+    fronts = cluster.pods_of(BUFFER)
+    assert len(fronts) == 2
+
+    def served(pod: object, name: str) -> float:
+        return counter(rehearsal.metrics(pod), name)  # type: ignore[arg-type]
+
+    before = {p.name: served(p, "overworld_replay_buffer_samples_total") for p in fronts}
+    wait_until(lambda: all(served(p, "overworld_replay_buffer_samples_total") > before[p.name] for p in fronts),
+               120, "sample calls on both replay-buffer replicas")
+
+    # The replica holding the worker's insert stream dies, and no replacement comes meanwhile.
+    inserts = {p.name: served(p, "overworld_replay_buffer_inserts_total") for p in fronts}
+    victim = max(fronts, key=lambda p: inserts[p.name])
+    survivor = next(p for p in fronts if p is not victim)
+    cluster.workloads[BUFFER].replicas = 1
+    version, steps = progress(rehearsal)
+    survivor_inserts = served(survivor, "overworld_replay_buffer_inserts_total")
+    cluster.delete_pod(victim)
+    wait_until(lambda: served(survivor, "overworld_replay_buffer_inserts_total") > survivor_inserts + 8, 120,
+               "the worker's fragments going to the surviving replica")
+    wait_progress_beyond(rehearsal, version, steps, 180, "one replay-buffer replica left")
+    cluster.workloads[BUFFER].replicas = 2
+    rehearsal.wait_ready((BUFFER,), 120)
+    assert len(cluster.pods_of(BUFFER)) == 2
+
+
+# --- rollout workers scaled while training ----------------------------------------------------------
+
+
+def live_workers(rehearsal: Rehearsal) -> dict[str, int]:
+    """Workers with a live lease at the rollout-manager -> their env steps."""
+    return {w.worker_id: int(w.env_steps) for w in rehearsal.fleet().workers if w.seconds_since_heartbeat < 10}
+
+
+def test_rollout_workers_scale_one_four_two_while_training(rehearsal: Rehearsal) -> None:
+    cluster = rehearsal.cluster
+    for size in (4, 2):
+        cluster.scale(WORKERS, size)
+        wait_until(lambda: len(cluster.pods_of(WORKERS)) == size
+                   and len(live_workers(rehearsal)) == size, 180, f"{size} live rollout workers")
+        first = live_workers(rehearsal)
+        start = rehearsal.fleet().env_steps
+        time.sleep(15)
+        later = live_workers(rehearsal)
+        # Every worker of the fleet produces: the throughput is the fleet's, not one worker's.
+        stalled = [w for w in later if later[w] <= first.get(w, 0)]
+        assert not stalled, f"workers without new env steps at {size}: {stalled}"
+        assert rehearsal.fleet().env_steps > start
+    version, steps = progress(rehearsal)
+    wait_progress_beyond(rehearsal, version, steps, 180, "after scaling")
+
+
+# --- a worker cut off for 30 s --------------------------------------------------------------------
+
+
+def test_worker_cut_off_rejoins_without_losing_or_duplicating_fragments(rehearsal: Rehearsal) -> None:
+    """One worker alone feeds the buffer; its link is down for 30 s, then up again. It rejoins (a
+    new lease) and keeps sending; stopped at the end, the fragments it counts as acknowledged are
+    exactly those the index gained: none lost, none stored twice."""
+    cluster = rehearsal.cluster
+    cluster.scale(WORKERS, 0)
+    wait_until(lambda: not cluster.pods_of(WORKERS), 120, "no rollout worker")
+    time.sleep(3)
+    inserted_before = int(rehearsal.redis_meta().get("inserted", 0))
+    cluster.scale(WORKERS, 1)
+    wait_until(lambda: int(rehearsal.redis_meta().get("inserted", 0)) > inserted_before + 8, 180,
+               "the worker sending")
+    (worker,) = cluster.pods_of(WORKERS)
+    cluster.network.set_link(worker.host, up=False)
+    try:
+        cut_at = int(rehearsal.redis_meta().get("inserted", 0))
+        time.sleep(30)
+        assert int(rehearsal.redis_meta().get("inserted", 0)) <= cut_at + 1, "fragments arrived over a cut link"
+    finally:
+        cluster.network.set_link(worker.host, up=True)
+    rejoined_at = int(rehearsal.redis_meta().get("inserted", 0))
+    wait_until(lambda: int(rehearsal.redis_meta().get("inserted", 0)) > rejoined_at + 16, 180,
+               "fragments from the worker after the link came back")
+    wait_until(lambda: len(live_workers(rehearsal)) == 1, 60, "the worker's lease live again")
+    cluster.delete_pod(worker, graceful=True)  # it flushes and logs what was acknowledged
+    flushed = re.findall(r"sender flushed: .*\((\d+) complete fragments, (\d+) acknowledged, (\d+) rejected",
+                         worker.log.read_text(errors="replace"))
+    assert flushed, worker.log.read_text(errors="replace")[-3000:]
+    complete, acknowledged, rejected = map(int, flushed[-1])
+    gained = int(rehearsal.redis_meta().get("inserted", 0)) - inserted_before
+    assert rejected == 0
+    assert acknowledged == complete, f"{complete - acknowledged} complete fragments never acknowledged"
+    assert gained == acknowledged, f"the index gained {gained} fragments, the worker had {acknowledged} acknowledged"
+    cluster.scale(WORKERS, 2)
+    wait_until(lambda: len(live_workers(rehearsal)) == 2, 180, "two live rollout workers again")
+
+
+# --- every pod deleted once -----------------------------------------------------------------------
+
+
+def delete_and_recover(rehearsal: Rehearsal, owners: list[str], timeout: float) -> None:
+    cluster = rehearsal.cluster
+    version, steps = progress(rehearsal)
+    inserted = int(rehearsal.redis_meta().get("inserted", 0))
+    victims = [cluster.pods_of(owner)[0] for owner in owners]
+    old_addresses = {p.ip for p in victims}
+    threads = [cluster.delete_pod(p, wait=False) for p in victims]
+    for thread in threads:
+        thread.join()
+    for owner in owners:
+        wait_until(lambda o=owner: cluster.pods_of(o) and all(p.ready for p in cluster.pods_of(o)), timeout,
+                   f"{owner} back")
+        assert not {p.ip for p in cluster.pods_of(owner)} & old_addresses, f"{owner} came back on its old address"
+    wait_progress_beyond(rehearsal, version, steps, timeout, f"after deleting {owners}")
+    # The index lives on the Redis volume: nothing it acknowledged is forgotten.
+    assert int(rehearsal.redis_meta().get("inserted", 0)) >= inserted
+
+
+def test_deleting_every_service_pod_once(rehearsal: Rehearsal) -> None:
+    services = [f"{RELEASE}-{name}" for name in ("rollout-manager", "model-registry", "gae", "replay-buffer",
+                                                  "rollout-worker")]
+    delete_and_recover(rehearsal, services, 240)
+
+
+def test_deleting_the_stores_once(rehearsal: Rehearsal) -> None:
+    """Redis and the S3 server come back on their volumes; the index and the blobs it points at are
+    still there (every live blob key of the index is readable)."""
+    delete_and_recover(rehearsal, [f"{RELEASE}-redis", f"{RELEASE}-seaweedfs"], 240)
+    manager = rehearsal.cluster.pod(f"{RELEASE}-rollout-manager")
+    redis_pod = rehearsal.cluster.pod(f"{RELEASE}-redis")
+    keys = rehearsal.exec(redis_pod, "redis-cli", "--scan", "--pattern", "ow:rb:*live").split()
+    live = rehearsal.exec(redis_pod, "redis-cli", "smembers", keys[0]).split() if keys else []
+    if live:
+        script = (
+            "import os, sys; from overworld.core.blobs import open_blob_store; "
+            "store = open_blob_store(os.environ['OVERWORLD_BLOBS']); "
+            "missing = [k for k in sys.argv[1:] if not store.exists(k)]; print(len(missing))"
+        )
+        env = rehearsal.workload(f"{RELEASE}-replay-buffer").template.env
+        argv = ["env", *(f"{k}={v}" for k, v in env.items() if k.startswith("OVERWORLD_")), "python", "-c",
+                script, *live[:50]]
+        assert rehearsal.exec(manager, *argv).strip() == "0"
+
+
+def test_deleting_a_ray_worker_once(rehearsal: Rehearsal) -> None:
+    job = rehearsal.rayjob()
+    cluster_name = job["status"]["rayClusterName"]
+    owner = next(name for name in rehearsal.cluster.workloads if name.startswith(f"{cluster_name}-worker"))
+    version, steps = progress(rehearsal)
+    rehearsal.cluster.delete_pod(rehearsal.cluster.pods_of(owner)[0])
+    wait_progress_beyond(rehearsal, version, steps, 420, "after deleting a Ray worker")
+
+
+def test_deleting_the_ray_head_once(rehearsal: Rehearsal) -> None:
+    job = rehearsal.rayjob()
+    version, steps = progress(rehearsal)
+    head = rehearsal.cluster.pod(f"{job['status']['rayClusterName']}-head")
+    rehearsal.cluster.delete_pod(head)
+    wait_progress_beyond(rehearsal, version, steps, 420, "after deleting the Ray head")
+
+
+# --- resume with kubectl, through the run-controller ------------------------------------------------
+
+
+def test_kubectl_resume_replaces_the_trainer_and_continues_from_its_checkpoint(rehearsal: Rehearsal) -> None:
+    cluster = rehearsal.cluster
+    old = rehearsal.rayjob()
+    old_name = old["metadata"]["name"]
+    old_pods = [p for p in cluster.pods if p.owner.startswith(old["status"]["rayClusterName"])]
+    version, steps = progress(rehearsal)
+    cluster.kubectl("patch", "trainingrun", RELEASE, "--type", "merge", "-p",
+                    json.dumps({"spec": {"resumeFrom": "latest"}}))
+
+    def new_job() -> dict[str, object] | None:
+        status = rehearsal.training_run().get("status") or {}
+        return rehearsal.rayjob(status["rayJob"]) if status.get("rayJob") not in (None, old_name) else None
+
+    try:
+        job = wait_until(new_job, 300, "the next attempt's RayJob")
+    except TimeoutError as err:
+        raise AssertionError(f"{err}\n{cluster.logs(CONTROLLER_LOGS, tail=4000)}") from err
+    assert job["spec"]["entrypoint"].endswith("--resume latest")
+    # The old trainer was gone before the new RayJob existed: no two trainers of one run at once.
+    seen = {what: at for at, kind, what in cluster.events if kind == "rayjob-seen"}
+    assert all(p.ended and p.ended <= seen[job["metadata"]["name"]] for p in old_pods), [
+        (p.name, p.ended) for p in old_pods]
+    # It stopped through Ray's job API (KubeRay's finalizer) and checkpointed on the way out; the new
+    # trainer resumed from the newest checkpoint in the object store, and counts on.
+    status = wait_until(lambda: (s := rehearsal.trainer_status()).state == "running" and s.resumed_from and s,
+                        300, "the new trainer resumed")
+    assert status.resumed_from.startswith("iter-")
+    assert int(status.start_model_version) >= version and int(status.start_env_steps) >= steps
+    wait_progress_beyond(rehearsal, int(status.model_version), int(status.env_steps), 240, "after the resume")
+
+
+CONTROLLER_LOGS = f"{RELEASE}-run-controller"
