@@ -8,7 +8,7 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 CONFIG ?= examples/crafter_cow.yaml
 PYTEST_ARGS ?=
 
-.PHONY: run test test-fast test-minestudio bench lint protos install clean
+.PHONY: run test test-fast test-minestudio rehearsal bench lint protos install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -30,6 +30,12 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# The cluster rehearsal (tests/cluster, also part of `make test`): the rendered chart as pods, each in
+# network, PID, mount and UTS namespaces of its own on a bridge; pods deleted, workers scaled and cut
+# off, a kubectl resume. Needs root (ip netns); docs/operations.md says what it covers.
+rehearsal: $(STAMP)
+	$(PY) -m pytest -q tests/cluster $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 bench: $(STAMP)
 	mkdir -p bench/results

@@ -116,6 +116,7 @@ class Pod:
     started: float = 0.0
     ended: float = 0.0
     next_restart: float = 0.0
+    env: dict[str, str] = field(default_factory=dict)
 
     @property
     def ip(self) -> str:
@@ -441,6 +442,7 @@ class Cluster:
             **template.env,
             **(template.env_from_pod(pod) if template.env_from_pod else {}),
         }
+        pod.env = env
         argv = ["ip", "netns", "exec", pod.host.netns, "unshare", "--pid", "--fork", "--kill-child",
                 "--mount-proc", "--uts", "--propagation", "private", "/bin/sh", "-c", script, "sh",
                 *template.argv]
@@ -484,8 +486,9 @@ class Cluster:
         if pid1 is None:
             return
         if pod.template.pre_stop:
-            hook = subprocess.Popen(["nsenter", "-t", str(pid1), "-a", *pod.template.pre_stop],
-                                    stdout=pod.log.open("ab"), stderr=subprocess.STDOUT)
+            with pod.log.open("ab") as log:
+                hook = subprocess.Popen(["nsenter", "-t", str(pid1), "-a", *pod.template.pre_stop], env=pod.env,
+                                        stdout=log, stderr=subprocess.STDOUT)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 hook.wait(timeout=max(1.0, deadline - time.monotonic()))
             if hook.poll() is None:
@@ -505,6 +508,16 @@ class Cluster:
             pod.phase = "Terminated"
             pod.ready = False
             pod.ended = time.monotonic()
+
+    def exec(self, pod: Pod, *argv: str, timeout: float = 60) -> str:
+        """`kubectl exec`: a command in the pod's namespaces (network, mounts, hosts file) and environment."""
+        pid1 = pod.pid1()
+        assert pid1 is not None, f"{pod.name} is not running"
+        command = [sys.executable, *argv[1:]] if argv[0] in ("python", "python3") else list(argv)
+        result = subprocess.run(["nsenter", "-t", str(pid1), "-a", *command], env=pod.env, capture_output=True,
+                                text=True, timeout=timeout)
+        assert result.returncode == 0, f"exec in {pod.name}: {result.stderr[-2000:]}"
+        return result.stdout
 
     def freeze(self, pod: Pod, frozen: bool) -> None:
         """SIGSTOP / SIGCONT every process of a pod."""

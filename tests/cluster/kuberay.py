@@ -18,6 +18,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import shlex
 import time
@@ -232,10 +233,8 @@ class KubeRay:
             return
         request = urllib.request.Request(f"http://{head[0].ip}:{DASHBOARD_PORT}/api/jobs/{state.job_id}/stop",
                                          method="POST", data=b"")
-        try:
+        with contextlib.suppress(OSError, urllib.error.URLError):
             urllib.request.urlopen(request, timeout=5).close()
-        except (OSError, urllib.error.URLError):
-            pass
 
     def _delete_cluster(self, state: RayJobState) -> list[Any]:
         threads = []

@@ -10,6 +10,7 @@ that :func:`remove_leftovers` can find and remove what a crashed earlier run lef
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import os
 import re
@@ -44,10 +45,8 @@ def _alive(pid: int) -> bool:
 def _kill_namespace_processes(netns: str) -> None:
     pids = ip("netns", "pids", netns, check=False).stdout.split()
     for pid in pids:
-        try:
+        with contextlib.suppress(ProcessLookupError, ValueError):
             os.kill(int(pid), signal.SIGKILL)
-        except (ProcessLookupError, ValueError):
-            pass
 
 
 def delete_netns(netns: str) -> None:

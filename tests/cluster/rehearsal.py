@@ -11,8 +11,6 @@ from __future__ import annotations
 import contextlib
 import json
 import shutil
-import subprocess
-import time
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -171,13 +169,7 @@ class Rehearsal:
         return samples
 
     def exec(self, pod: Pod, *argv: str) -> str:
-        """`kubectl exec`: a command in the pod's namespaces (network, mounts, hosts file)."""
-        pid1 = pod.pid1()
-        assert pid1 is not None, f"{pod.name} is not running"
-        result = subprocess.run(["nsenter", "-t", str(pid1), "-a", *argv], capture_output=True, text=True,
-                                timeout=60)
-        assert result.returncode == 0, f"exec in {pod.name}: {result.stderr[-2000:]}"
-        return result.stdout
+        return self.cluster.exec(pod, *argv)
 
     def redis_meta(self) -> dict[str, str]:
         """The replay index's counters in Redis (inserted, sampled, ...), through redis-cli in its pod."""
