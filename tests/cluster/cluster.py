@@ -11,9 +11,11 @@ What Kubernetes would do, done here, and nothing more:
   gets SIGKILL at once. A container that exits is restarted (restartPolicy Always), its emptyDirs
   kept, as the kubelet does.
 - **controllers**: Deployments and StatefulSets keep their replica count (a deleted pod comes back
-  with a new address); the bucket Job runs once; Services resolve, in every pod's /etc/hosts, to
-  their ready pods (readiness from the rendered probe: a TCP connect for gRPC probes, the HTTP
-  path for httpGet ones): a ClusterIP name to one ready pod, a headless one to all of them.
+  with a new address); the bucket Job runs once.
+- **cluster DNS**: a DNS server on the control host (every pod's resolv.conf, with the cluster's
+  search domains) answers for Services with their ready pods (readiness from the rendered probe:
+  a TCP connect for gRPC probes, the HTTP path for httpGet ones): a ClusterIP name with one ready
+  pod, a headless one with all of them; /etc/hosts holds only the pod's own name.
 - **the API server** is kmock (:mod:`tests.deploy.kube_support`) in the control namespace, and
   the run-controller pod (the rendered Deployment) talks to it through a kubeconfig instead of a
   service-account token; kubectl runs in the control namespace.
@@ -167,7 +169,6 @@ class Cluster:
         self.events: list[tuple[float, str, str]] = []
         self.created_dirs: list[Path] = []
         self._clusterip_choice: dict[str, str] = {}
-        self._hosts_text = ""
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._servers: list[socketserver.BaseServer] = []
@@ -190,6 +191,7 @@ class Cluster:
         self.network.create()
         self.control = self.network.add_host("control")
         self._run_in_control(self._serve_api, "apiserver")
+        self._run_in_control(self._serve_dns, "dns")
         wait_until(lambda: self._api_up(), 30, "the API server")
         for obj in self.objects:
             if obj["kind"] == "Service":
@@ -198,19 +200,22 @@ class Cluster:
         self._run_in_control(self._reconcile_loop, "controllers")
 
     def stop(self) -> None:
+        """Kill every pod, remove every namespace, link and file the cluster made; safe to call twice."""
         self._stop.set()
-        for server in self._servers:
-            server.shutdown()
-        for thread in self._threads:
-            thread.join(timeout=10)
-        with self.lock:
-            pods = list(self.pods)
-        for pod in pods:
-            self._kill(pod)
-        self.network.destroy()
-        for path in reversed(self.created_dirs):
-            with contextlib.suppress(OSError):
-                path.rmdir()
+        try:
+            for server in self._servers:
+                server.shutdown()
+            with self.lock:
+                pods = list(self.pods)
+            for pod in pods:
+                self._kill(pod)
+            for thread in self._threads:
+                thread.join(timeout=5)
+        finally:
+            self.network.destroy()
+            for path in reversed(self.created_dirs):
+                with contextlib.suppress(OSError):
+                    path.rmdir()
         for sock in self.socket_dir.glob("*.sock"):
             sock.unlink()
         with contextlib.suppress(OSError):
@@ -338,36 +343,58 @@ class Cluster:
         pods = self.endpoints(short)
         return pods[0].ip if pods else None
 
-    def _hosts(self) -> str:
-        lines = ["127.0.0.1 localhost"]
+    def addresses(self, name: str) -> list[str]:
+        """The cluster DNS answer for a name: a Service's ready pods (one for a ClusterIP), or a pod."""
+        name = name.rstrip(".").lower()
+        for suffix in (f".{DOMAIN}", f".{NAMESPACE}.svc", f".{NAMESPACE}"):
+            name = name.removesuffix(suffix)
         with self.lock:
-            for name, entry in sorted(self.services.items()):
-                pods = self.endpoints(name)
-                if not pods:
-                    continue
-                if not entry.headless:
-                    # One address, like a ClusterIP: keep the pod a name resolved to while it is ready.
-                    chosen = self._clusterip_choice.get(name)
-                    if chosen not in [p.ip for p in pods]:
-                        chosen = pods[0].ip
-                        self._clusterip_choice[name] = chosen
-                    addresses = [chosen]
-                else:
-                    addresses = sorted(p.ip for p in pods)
-                names = f"{name} {name}.{NAMESPACE} {name}.{NAMESPACE}.svc {name}.{DOMAIN}"
-                lines += [f"{address} {names}" for address in addresses]
-        return "\n".join(lines) + "\n"
+            entry = self.services.get(name)
+            if entry is None:
+                return [p.ip for p in self.pods if p.name == name and p.phase == "Running" and not p.deleting]
+            pods = self.endpoints(name)
+            if not pods:
+                return []
+            if entry.headless:
+                return sorted(p.ip for p in pods)
+            chosen = self._clusterip_choice.get(name)
+            if chosen not in [p.ip for p in pods]:
+                chosen = pods[0].ip
+                self._clusterip_choice[name] = chosen
+            return [chosen]
 
-    def _publish_hosts(self) -> None:
-        text = self._hosts()
-        if text == self._hosts_text:
-            return
-        self._hosts_text = text
-        with self.lock:
-            pods = [p for p in self.pods if p.phase in ("Pending", "Running") and not p.deleting]
-        for pod in pods:
-            with contextlib.suppress(OSError):
-                pod.host.write_hosts(text + f"{pod.ip} {pod.name}\n")
+    def _serve_dns(self) -> None:
+        """The cluster's DNS (port 53 of the control host): A records from :meth:`addresses`, with a
+        1 s TTL; every pod's resolv.conf points here (gRPC's c-ares resolver, in Ray for one, does
+        not read /etc/hosts)."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.bind(("0.0.0.0", 53))
+        sock.settimeout(0.5)
+        while not self._stop.is_set():
+            try:
+                query, client = sock.recvfrom(512)
+            except TimeoutError:
+                continue
+            with contextlib.suppress(Exception):
+                sock.sendto(self._dns_answer(query), client)
+        sock.close()
+
+    def _dns_answer(self, query: bytes) -> bytes:
+        labels, offset = [], 12
+        while query[offset]:
+            length = query[offset]
+            labels.append(query[offset + 1:offset + 1 + length].decode())
+            offset += 1 + length
+        qtype = int.from_bytes(query[offset + 1:offset + 3], "big")
+        question = query[12:offset + 5]
+        name = ".".join(labels)
+        found = self.addresses(name)
+        records = found if qtype == 1 else []  # A records; a known name has no AAAA (NOERROR, empty)
+        flags = 0x8180 if found else 0x8183  # NOERROR / NXDOMAIN
+        header = query[:2] + flags.to_bytes(2, "big") + (1).to_bytes(2, "big") + len(records).to_bytes(2, "big")
+        answers = b"".join(b"\xc0\x0c" + (1).to_bytes(2, "big") + (1).to_bytes(2, "big") + (1).to_bytes(4, "big")
+                           + (4).to_bytes(2, "big") + socket.inet_aton(ip) for ip in records)
+        return header + b"\x00\x00\x00\x00" + question + answers
 
     # --- workloads -----------------------------------------------------------------------------
 
@@ -406,10 +433,12 @@ class Cluster:
     def _start_pod(self, workload: Workload, ordinal: int | None = None) -> Pod:
         name = f"{workload.name}-{ordinal}" if ordinal is not None else f"{workload.name}-{random_suffix()}"
         host = self.network.add_host(name[:40])
+        assert self.control is not None
+        (host.hosts_file.parent / "resolv.conf").write_text(
+            f"nameserver {self.control.address}\nsearch {DOMAIN} svc.cluster.local cluster.local\noptions ndots:5\n")
         root = self.workdir / "pods" / f"{name}-{host.address}"
         root.mkdir(parents=True)
         pod = Pod(name, workload.name, workload.template, host, root)
-        host.write_hosts(self._hosts() + f"{host.address} {name}\n")
         with self.lock:
             self.pods.append(pod)
         self._launch(pod)
@@ -421,7 +450,7 @@ class Cluster:
         mounts = []
         for index, volume in enumerate(sorted(template.volumes, key=lambda v: v.mount_path == "/tmp")):
             target = Path(volume.mount_path)
-            if not target.exists():
+            if not target.exists():  # a mount point; removed again by stop()
                 target.mkdir(parents=True)
                 self.created_dirs.append(target)
             if volume.kind == "memory":
@@ -449,8 +478,12 @@ class Cluster:
         with pod.log.open("ab") as log:
             log.write(f"--- start {time.strftime('%H:%M:%S')}: {shlex.join(template.argv)}\n".encode())
             log.flush()
+            # If this harness dies (even by SIGKILL), the pod dies with it: PR_SET_PDEATHSIG, kept by
+            # `ip netns exec` and `unshare`, which kills its PID namespace. Pods are only started
+            # from the controllers' thread, which lives as long as the cluster.
             pod.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
-                                        stdin=subprocess.DEVNULL, cwd="/", start_new_session=True)
+                                        stdin=subprocess.DEVNULL, cwd="/", start_new_session=True,
+                                        preexec_fn=_die_with_parent)
         pod.phase = "Running"
         pod.ready = False
         pod.started = time.monotonic()
@@ -467,7 +500,6 @@ class Cluster:
             pod.ready = False
 
         def run() -> None:
-            self._publish_hosts()
             if graceful:
                 self._terminate(pod)
             self._kill(pod)
@@ -534,7 +566,6 @@ class Cluster:
                 self._kubelet()
                 self._controllers()
                 self._probe_readiness()
-                self._publish_hosts()
                 if self.kuberay is not None:
                     self.kuberay.reconcile()
             except Exception as err:  # keep the cluster running; the tests see the consequences
@@ -701,6 +732,12 @@ class Cluster:
                 out.append(f"--- {pod.name} ({pod.ip}, {pod.phase}, exit {pod.exit_code}):\n"
                            f"{pod.log.read_text(errors='replace')[-tail:]}")
         return "\n".join(out)
+
+
+def _die_with_parent() -> None:
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
 
 
 def _pipe(source: socket.socket, sink: socket.socket) -> None:

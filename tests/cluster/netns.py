@@ -1,8 +1,8 @@
 """Hosts made of Linux namespaces: each pod gets its own network namespace (one veth on a bridge that
 lives in a switch namespace of its own, a 10.213.0.0/16 address that only exists on that bridge), its
 own PID, mount and UTS namespaces (PID 1 is the container's command, `hostname` is the pod name),
-its volumes bind-mounted at their mount paths, and its own /etc/hosts (`ip netns exec` reads
-/etc/netns/<ns>/hosts).
+its volumes bind-mounted at their mount paths, and its own /etc/hosts and /etc/resolv.conf
+(`ip netns exec` reads /etc/netns/<ns>/).
 
 Nothing is added to the machine's own network namespace. Every name starts with `owr<pid>-`, so
 that :func:`remove_leftovers` can find and remove what a crashed earlier run left behind.
@@ -91,13 +91,6 @@ class Host:
     veth: str
     address: str
     hosts_file: Path
-
-    def write_hosts(self, text: str) -> None:
-        # In place (same inode): `ip netns exec` bind-mounted this file over /etc/hosts.
-        with self.hosts_file.open("r+") as out:
-            out.seek(0)
-            out.write(text)
-            out.truncate()
 
 
 @dataclass

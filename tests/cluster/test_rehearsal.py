@@ -69,7 +69,7 @@ def test_replay_buffer_replicas_both_serve_and_cover_for_each_other(rehearsal: R
     other and training goes on."""
     cluster = rehearsal.cluster
     fronts = cluster.pods_of(BUFFER)
-    assert len(fronts) == 2
+    assert len(fronts) == 2, [(p.name, p.phase, p.deleting) for p in cluster.pods] + cluster.events
 
     def served(pod: object, name: str) -> float:
         return counter(rehearsal.metrics(pod), name)  # type: ignore[arg-type]
