@@ -69,7 +69,7 @@ def test_replay_buffer_replicas_both_serve_and_cover_for_each_other(rehearsal: R
     other and training goes on."""
     cluster = rehearsal.cluster
     fronts = cluster.pods_of(BUFFER)
-    assert len(fronts) == 2, [(p.name, p.phase, p.deleting) for p in cluster.pods] + cluster.events
+    assert len(fronts) == 2
 
     def served(pod: object, name: str) -> float:
         return counter(rehearsal.metrics(pod), name)  # type: ignore[arg-type]
@@ -90,8 +90,8 @@ def test_replay_buffer_replicas_both_serve_and_cover_for_each_other(rehearsal: R
                "the worker's fragments going to the surviving replica")
     wait_progress_beyond(rehearsal, version, steps, 180, "one replay-buffer replica left")
     cluster.workloads[BUFFER].replicas = 2
-    rehearsal.wait_ready((BUFFER,), 120)
-    assert len(cluster.pods_of(BUFFER)) == 2
+    wait_until(lambda: len(cluster.pods_of(BUFFER)) == 2 and all(p.ready for p in cluster.pods_of(BUFFER)), 120,
+               "the second replica back")
 
 
 # --- rollout workers scaled while training ----------------------------------------------------------
