@@ -275,7 +275,9 @@ def test_rollout_manager_gets_the_default_run_config(
     path = tmp_path / "config.yaml"
     path.write_text(run_config_text(default_objects))
     loaded = load_config(path)  # the services' own strict loader, as the rollout-manager runs it
-    assert loaded == load_config(CHART / "files" / "run-config.yaml")
+    default = load_config(CHART / "files" / "run-config.yaml")
+    default.run_id = "overworld"
+    assert loaded == default
     assert loaded.task_name == "crafter-cow"
 
 
@@ -285,7 +287,24 @@ def test_a_users_run_config_replaces_the_default(tmp_path: Path) -> None:
     example = REPO / "examples" / "cartpole.yaml"
     path = tmp_path / "config.yaml"
     path.write_text(run_config_text(render({"run": {"config": yaml.safe_load(example.read_text())}})))
-    assert load_config(path) == load_config(example)  # verbatim: no default key merged in
+    expected = load_config(example)
+    expected.run_id = "overworld"
+    assert load_config(path) == expected  # no default key merged in, only the run id
+
+
+def test_the_run_id_outlives_the_rollout_manager(tmp_path: Path) -> None:
+    """Without a run_id in its config the rollout-manager makes one up at every start: a deleted
+    pod would come back as a new run, with an empty replay index and no checkpoints to resume."""
+    from overworld.core.config import load_config
+
+    def run_id(values: dict[str, Any]) -> str:
+        path = tmp_path / "config.yaml"
+        path.write_text(run_config_text(render(values, release="cow")))
+        return load_config(path).run_id
+
+    assert run_id({}) == "cow"
+    assert run_id({"run": {"id": "cow-2"}}) == "cow-2"
+    assert run_id({"run": {"id": "ignored", "config": {"task_name": "t", "run_id": "mine"}}}) == "mine"
 
 
 def test_gpu_workers() -> None:

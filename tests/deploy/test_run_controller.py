@@ -183,6 +183,10 @@ def test_ray_pods_outlast_the_trainers_checkpoint_on_stop() -> None:
     pre_stop = head["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
     assert pre_stop[:3] == ["python", "-m", "overworld.run_controller.ray_prestop"]
     assert pre_stop[pre_stop.index("--timeout") + 1] == str(wait)
+    # `ray start --block` as PID 1 ignores SIGTERM: each pod's hook ends Ray, or it waits out its grace.
+    assert "--stop-ray" in pre_stop
+    worker = templates["workerGroupSpecs[gpu]"]["spec"]["containers"][0]
+    assert worker["lifecycle"]["preStop"]["exec"]["command"] == ["ray", "stop", "--force"]
 
 
 def test_rayjob_names_fit_kuberay_limits() -> None:

@@ -13,6 +13,7 @@ ended, or after --timeout seconds.
 from __future__ import annotations
 
 import argparse
+import subprocess
 import sys
 import time
 
@@ -38,16 +39,20 @@ def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--dashboard", default="http://127.0.0.1:8265", help="Ray dashboard (job API) address")
     parser.add_argument("--timeout", type=float, default=150.0, help="seconds to wait for the jobs to end")
+    parser.add_argument("--stop-ray", action="store_true", help="then kill this node's Ray processes")
     args = parser.parse_args(argv)
+    code = 0
     try:
         left = stop_jobs(args.dashboard, args.timeout)
+        if left:
+            print(f"still running after {args.timeout:.0f}s: {', '.join(left)}", file=sys.stderr, flush=True)
+            code = 1
     except Exception as err:  # the head is going away anyway: say why, never block the deletion
         print(f"could not stop the Ray jobs: {err}", file=sys.stderr, flush=True)
-        return 1
-    if left:
-        print(f"still running after {args.timeout:.0f}s: {', '.join(left)}", file=sys.stderr, flush=True)
-        return 1
-    return 0
+        code = 1
+    if args.stop_ray:
+        subprocess.run(["ray", "stop", "--force"], check=False, timeout=60)
+    return code
 
 
 if __name__ == "__main__":

@@ -148,11 +148,13 @@ def _ray_pod_template(
         # RAY_JOB_STOP_WAIT_TIME_S; the trainer checkpoints and exits. The container's own
         # SIGTERM never reaches the trainer (it goes to `ray start`).
         env.append({"name": "RAY_JOB_STOP_WAIT_TIME_S", "value": str(JOB_STOP_WAIT_SECONDS)})
-        container["lifecycle"] = {
-            "preStop": {"exec": {"command": ["python", "-m", "overworld.run_controller.ray_prestop",
-                                             "--dashboard", f"http://127.0.0.1:{DASHBOARD_PORT}",
-                                             "--timeout", str(JOB_STOP_WAIT_SECONDS)]}}
-        }
+        pre_stop = ["python", "-m", "overworld.run_controller.ray_prestop", "--dashboard",
+                    f"http://127.0.0.1:{DASHBOARD_PORT}", "--timeout", str(JOB_STOP_WAIT_SECONDS), "--stop-ray"]
+    else:
+        pre_stop = ["ray", "stop", "--force"]
+    # `ray start --block` (PID 1) ignores SIGTERM: without stopping Ray here, every Ray pod would
+    # take its whole grace period to go, and each resume or retry minutes longer.
+    container["lifecycle"] = {"preStop": {"exec": {"command": pre_stop}}}
     pod_spec = _pod_spec(spec, group, container, [
         # Ray's object store lives in /dev/shm; the container default (64 MiB) is far too small.
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
