@@ -14,6 +14,7 @@ import contextlib
 import ctypes
 import os
 import re
+import shutil
 import signal
 import subprocess
 import threading
@@ -69,6 +70,11 @@ def remove_leftovers() -> list[str]:
         if match and not _alive(int(match[1])):
             delete_netns(name)
             removed.append(name)
+    for sockets in Path("/tmp").glob(f"{NAME_PREFIX}*-sockets"):  # the cluster's port-forward sockets
+        match = re.match(rf"^{NAME_PREFIX}(\d+)-", sockets.name)
+        if match and not _alive(int(match[1])):
+            shutil.rmtree(sockets, ignore_errors=True)
+            removed.append(str(sockets))
     return removed
 
 
