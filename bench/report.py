@@ -33,13 +33,20 @@ def learning_rows(name: str, data: dict[str, Any]) -> list[str]:
     return rows
 
 
+def tls_rows(name: str, what: str, rows: dict[str, dict[str, Any]]) -> list[str]:
+    """Mutual TLS on vs off, measured in the same run: the share of throughput TLS costs."""
+    return [f"| {name} | {what} {key}: throughput lost to mutual TLS | {row['throughput_cost']:.1%} | "
+            f"≤ 10%: {'met' if row['within_target'] else 'missed'} |" for key, row in rows.items()]
+
+
 def headline_rows(name: str, data: dict[str, Any]) -> list[str]:
     if "tasks" in data:
         return learning_rows(name, data)
     if name == "registry":
         return [f"| registry | push to {data['workers']} workers at {size} vs one plain gRPC stream | "
                 f"{s['ratio']:.2f}× ({s['ratio_to_keep']:.2f}× of receivers keeping the bytes) | "
-                f"≤ 1.3×: {'met' if s['within_target'] else 'missed'} |" for size, s in data["summary"].items()]
+                f"≤ 1.3×: {'met' if s['within_target'] else 'missed'} |" for size, s in data["summary"].items()
+                ] + tls_rows(name, "push", data.get("tls", {}))
     if name == "rollout_worker":
         bare = data["bare_processes_2_envs_random_actions"]["env_steps_per_second"]
         return [f"| rollout_worker | {key}: fraction of bare env processes | {row['env_steps_per_second'] / bare:.2f} | "
@@ -49,7 +56,8 @@ def headline_rows(name: str, data: dict[str, Any]) -> list[str]:
         judged = ("worst_ratio_vs_raw", "worst_cpu_ratio_vs_raw")  # ingest and sample by reference
         return [f"| replay_buffer | Redis + S3 vs raw Redis + S3: {key} | {data[key]:.2f} | "
                 f"{'≥ ' + str(data['target_ratio']) if key in judged else '(reported beside)'} |"
-                for key in data if key.startswith("worst_") and isinstance(data[key], (int, float))]
+                for key in data if key.startswith("worst_") and isinstance(data[key], (int, float))
+                ] + tls_rows(name, "ingest", {"1 front": data["tls_ingest"]} if "tls_ingest" in data else {})
     if name == "e2e_cartpole":
         return [f"| e2e_cartpole | env steps / wall seconds to a 100-episode mean of 450 | "
                 f"{data.get('steps_to_450')} / {data.get('wall_seconds_to_450')} | |",

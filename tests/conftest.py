@@ -25,11 +25,12 @@ def _require(binary: str, how: str) -> str:
 
 
 class RedisServer:
-    def __init__(self, workdir: Path, appendonly: bool = True) -> None:
+    def __init__(self, workdir: Path, appendonly: bool = True, password: str = "") -> None:
         self.binary = _require("redis-server", "Debian package redis-server")
         self.workdir = workdir
         self.port = free_port()
         self.appendonly = appendonly
+        self.password = password
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -40,7 +41,7 @@ class RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
                 "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always",
-                "--protected-mode", "no"]
+                "--protected-mode", "no", *(["--requirepass", self.password] if self.password else [])]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_port(self.port)
 

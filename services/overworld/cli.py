@@ -30,6 +30,35 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workdir", default=env_default("workdir", "."))
     p.add_argument("--retain", type=int, default=env_default("retain", 20))
     p.add_argument("--lease-seconds", type=float, default=env_default("lease-seconds", 15.0))
+    _tls_flags(p)
+
+
+def _tls_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-dir", default=env_default("tls-dir", ""),
+                   help="this process's identity: a directory with tls.crt, tls.key and ca.crt (mutual TLS)")
+    p.add_argument("--insecure", action="store_true", default=env_default("insecure", False),
+                   help="plaintext gRPC, no authorization: for debugging only")
+
+
+def use_tls_flags(args: argparse.Namespace, log: bool = True) -> None:
+    """--tls-dir / --insecure to this process's credentials (core/tls.py), through the environment so
+    that what it starts (the trainer's Ray workers) has the same identity."""
+    import logging
+    import os
+    from pathlib import Path
+
+    from overworld.core import tls
+
+    if args.tls_dir and args.insecure:
+        raise SystemExit("--tls-dir and --insecure exclude each other")
+    if args.tls_dir:
+        os.environ[tls.TLS_DIR_ENV] = str(Path(args.tls_dir).resolve())
+    else:
+        os.environ.pop(tls.TLS_DIR_ENV, None)
+    tls.reset()
+    if not args.tls_dir and log and not args.insecure:
+        logging.getLogger("overworld").warning(
+            "no --tls-dir (OVERWORLD_TLS_DIR): plaintext gRPC, any client may call every method")
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -42,6 +71,7 @@ def serve_main(args: argparse.Namespace) -> int:
         return controller_main([])
     if not args.port:
         args.port = DEFAULT_PORTS[args.service]
+    use_tls_flags(args)
     done = threading.Event()
     handle: list = []
 
@@ -66,12 +96,20 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--workdir", default=None, help="default: runs/<run_id>")
     r.add_argument("--resume", default=None, metavar="latest|CHECKPOINT_ID",
                    help="continue the run in --workdir from a checkpoint")
+    r.add_argument("--insecure", action="store_true",
+                   help="no certificates: plaintext gRPC and no authorization between the services (debugging)")
     _serve_parser(sub)
     e = sub.add_parser("export-minestudio", help="write an Overworld checkpoint as one MineStudio's PPOTrainer resumes")
     e.add_argument("checkpoint", help="a local checkpoint directory: <save_path>/<run_id>/checkpoints/iter-N")
     e.add_argument("out", help="directory for model.ckpt, optimizer.ckpt (scaler.ckpt) and whole_config.pkl")
     s = sub.add_parser("status", help="print the fleet status of a running run")
     s.add_argument("--rollout-manager", default=env_default("rollout-manager", "127.0.0.1:50051"))
+    _tls_flags(s)
+    c = sub.add_parser("certs", help="make a CA and a certificate for every identity of a run (kustomize, "
+                                     "hand-started services)")
+    c.add_argument("out", help="directory: OUT/<identity>/{tls.crt,tls.key,ca.crt}")
+    c.add_argument("--run", required=True, help="the run (release) the certificates belong to")
+    c.add_argument("--days", type=int, default=365)
     args = parser.parse_args(argv)
 
     if args.command == "run":
@@ -80,7 +118,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             summary = run(args.config, args.set, args.max_env_steps, args.summary, args.workdir, args.target_return,
-                          args.resume)
+                          args.resume, secure=not args.insecure)
         except ConfigError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
@@ -99,7 +137,16 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "status":
         from overworld.status import print_status
 
+        use_tls_flags(args, log=False)
         return print_status(args.rollout_manager)
+    if args.command == "certs":
+        from pathlib import Path
+
+        from overworld.core.tls import write_run_credentials
+
+        for identity, path in write_run_credentials(Path(args.out), args.run, days=args.days).items():
+            print(f"{identity:<16} {path}")
+        return 0
     return 2
 
 

@@ -5,6 +5,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
 import subprocess
 import sys
@@ -15,6 +16,7 @@ from typing import IO, Any
 
 import grpc
 
+from overworld.core import authz, tls
 from overworld.core.config import ConfigError, RunConfig, check_generators, load_config, to_yaml
 from overworld.core.grpc_util import channel, wait_healthy
 from overworld.core.net import free_port
@@ -39,10 +41,12 @@ class Child:
 
 
 class Launcher:
-    def __init__(self, config: RunConfig, workdir: Path, config_path: Path) -> None:
+    def __init__(self, config: RunConfig, workdir: Path, config_path: Path,
+                 security: RunSecurity | None = None) -> None:
         self.config = config
         self.workdir = workdir
         self.config_path = config_path
+        self.security = security
         self.children: list[Child] = []
         self.addresses: dict[str, str] = {}
         self.flags: dict[str, tuple[str, ...]] = {}
@@ -61,6 +65,9 @@ class Launcher:
         env = {**os.environ, **self.extra_env, "OVERWORLD_LOG_FORMAT": "text", "PYTHONUNBUFFERED": "1",
                PARENT_PID_ENV: str(os.getpid())}
         service = name.split("#")[0]
+        env.update(self.security.env(service) if self.security else {"OVERWORLD_INSECURE": "1"})
+        if not self.security:
+            env.pop(tls.TLS_DIR_ENV, None)
         cmd = [sys.executable, "-m", "overworld.cli", "serve", service, "--host", "127.0.0.1", "--port", str(port),
                "--metrics-port", "0", "--workdir", str(self.workdir), *flags]
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -169,6 +176,39 @@ class Launcher:
                 c.log_file.close()
 
 
+@dataclass
+class RunSecurity:
+    """A run's throwaway CA and certificates (<workdir>/tls/<identity>/) and its Ray token: made at
+    every start (a resumed run's old services are gone), the CA's key never written."""
+    identities: dict[str, Path]
+    ray_token: Path
+
+    @classmethod
+    def load(cls, workdir: Path) -> RunSecurity | None:
+        """The credentials a launcher made earlier in `workdir` (the rollout side's, for the trainer that
+        start_trainer adds to it); None when that launcher ran --insecure."""
+        root = workdir / "tls"
+        if not (root / "operator" / tls.CERT).exists():
+            return None
+        return cls({i: root / i for i in authz.IDENTITIES}, root / "ray-auth-token")
+
+    @classmethod
+    def create(cls, workdir: Path, run_id: str) -> RunSecurity:
+        root = workdir / "tls"
+        identities = tls.write_run_credentials(root, run_id)
+        token = root / "ray-auth-token"
+        fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        return cls(identities, token)
+
+    def env(self, service: str) -> dict[str, str]:
+        out = {tls.TLS_DIR_ENV: str(self.identities[service])}
+        if service == "trainer":  # the trainer's local Ray: token authentication with this run's token
+            out.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(self.ray_token))
+        return out
+
+
 def _stat(pid: int) -> list[str] | None:
     try:
         return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
@@ -208,7 +248,7 @@ def tail(path: Path, lines: int = 20) -> str:
 
 def run(config_source: str, overrides: list[str], max_env_steps: int | None, summary_path: str | None,
         workdir: str | None, target_return: float | None, resume: str | None = None,
-        progress_interval: float = 2.0) -> dict[str, Any]:
+        progress_interval: float = 2.0, secure: bool = True) -> dict[str, Any]:
     config = load_config(config_source, overrides)
     check_generators(config)
     previous = Path(workdir, "config.yaml") if workdir else None
@@ -223,7 +263,13 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
     resolved = work / "config.yaml"
     resolved.write_text(to_yaml(config))
     print(f"overworld run {config.run_id}: workdir {work}", flush=True)
-    launcher = Launcher(config, work, resolved)
+    security = RunSecurity.create(work, config.run_id) if secure else None
+    # This process talks to the services as the operator (`overworld status` can, with --tls-dir).
+    tls.use(security.identities["operator"] if security else None)
+    print(f"  mutual TLS: certificates in {work / 'tls'}; `overworld status --tls-dir "
+          f"{work / 'tls' / 'operator'}`" if security else "  --insecure: plaintext gRPC, no authorization",
+          flush=True)
+    launcher = Launcher(config, work, resolved, security)
 
     def on_signal(signum: int, _frame: object) -> None:
         raise KeyboardInterrupt  # one graceful path for Ctrl-C, SIGTERM and SIGHUP: no orphans
@@ -307,6 +353,7 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
     finally:
         print("\nstopping services...", flush=True)
         launcher.stop()
+        tls.reset()
     wall = time.monotonic() - started
     if fleet is not None:
         summary.update(env_steps=offset(trainer_status) + fleet.env_steps, episodes=fleet.episodes,

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -60,7 +61,9 @@ def replay_buffer(args: argparse.Namespace, done: threading.Event) -> Any:
     else:
         from overworld.replay_buffer.redis_index import RedisIndex
 
-        index = RedisIndex.from_url(index_url, config.run_id, rb, limiter)
+        # The password from a Secret, apart from the URL: the URL may then sit in a ConfigMap or a log.
+        index = RedisIndex.from_url(index_url, config.run_id, rb, limiter,
+                                    password=os.environ.get("OVERWORLD_REDIS_PASSWORD") or None)
     cached: list[Any] = []
 
     def spaces() -> Any:

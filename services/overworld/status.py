@@ -6,6 +6,7 @@ import sys
 
 import grpc
 
+from overworld.core import tls
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.v1 import rollout_manager_pb2 as pb
 
@@ -41,7 +42,10 @@ def print_status(address: str) -> int:
         fleet = client.fleet_status()
         videos = list(client.stub.ListVideos(pb.ListVideosRequest(), timeout=5).videos) if fleet.videos else []
     except grpc.RpcError as err:
-        print(f"error: rollout-manager at {address} unreachable: {err.code().name}", file=sys.stderr)
+        hint = ""
+        if err.code() == grpc.StatusCode.UNAVAILABLE and tls.current_dir() is None:
+            hint = " (a run with mutual TLS needs --tls-dir: <workdir>/tls/operator, or the operator's Secret)"
+        print(f"error: rollout-manager at {address} unreachable: {err.code().name}{hint}", file=sys.stderr)
         return 1
     finally:
         client.close()

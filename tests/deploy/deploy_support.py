@@ -31,6 +31,8 @@ CUSTOM_KINDS = {
     ("monitoring.coreos.com/v1", "PodMonitor"),
     ("monitoring.coreos.com/v1", "PrometheusRule"),
     ("overworld.dev/v1alpha1", "TrainingRun"),
+    ("cert-manager.io/v1", "Certificate"),
+    ("cert-manager.io/v1", "Issuer"),
 }
 SERVICES = ("rollout-manager", "replay-buffer", "gae", "model-registry", "rollout-worker")
 

@@ -54,7 +54,7 @@ def training_run(**spec: Any) -> dict[str, Any]:
                 {"name": "OVERWORLD_ROLLOUT_MANAGER", "value": "overworld-rollout-manager:50051"},
                 {
                     "name": "OVERWORLD_S3_SECRET_KEY",
-                    "valueFrom": {"secretKeyRef": {"name": "overworld-minio", "key": "root-password"}},
+                    "valueFrom": {"secretKeyRef": {"name": "overworld-s3", "key": "secret-key"}},
                 },
             ],
             "workerGroup": {

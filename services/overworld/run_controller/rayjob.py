@@ -47,6 +47,8 @@ RESTRICTED_CONTAINER_SECURITY = {
     "capabilities": {"drop": ["ALL"]},
 }
 
+TLS_MOUNT = "/etc/overworld/tls"
+
 
 def rayjob_name(run_name: str, attempt: int) -> str:
     """Name of the RayJob of one attempt: ``<run>-a<attempt>``."""
@@ -155,11 +157,18 @@ def _ray_pod_template(
     # `ray start --block` (PID 1) ignores SIGTERM: without stopping Ray here, every Ray pod would
     # take its whole grace period to go, and each resume or retry minutes longer.
     container["lifecycle"] = {"preStop": {"exec": {"command": pre_stop}}}
-    pod_spec = _pod_spec(spec, group, container, [
+    volumes: list[dict[str, Any]] = [
         # Ray's object store lives in /dev/shm; the container default (64 MiB) is far too small.
         {"name": "dshm", "emptyDir": {"medium": "Memory"}},
         {"name": "tmp", "emptyDir": {}},
-    ])
+    ]
+    if spec.get("tlsSecret"):
+        # The trainer's identity on every Ray node: the driver and its Ray Train workers call the
+        # services with it (core/tls.py reads OVERWORLD_TLS_DIR).
+        env.append({"name": "OVERWORLD_TLS_DIR", "value": TLS_MOUNT})
+        container["volumeMounts"].append({"name": "tls", "mountPath": TLS_MOUNT, "readOnly": True})
+        volumes.append({"name": "tls", "secret": {"secretName": spec["tlsSecret"], "defaultMode": 0o440}})
+    pod_spec = _pod_spec(spec, group, container, volumes)
     pod_spec["terminationGracePeriodSeconds"] = TERMINATION_GRACE_SECONDS
     return {"metadata": {"labels": dict(labels)}, "spec": pod_spec}
 
@@ -251,7 +260,15 @@ def build_rayjob(training_run: Mapping[str, Any], attempt: int, resume_from: str
     }
     if spec.get("rayVersion"):
         cluster_spec["rayVersion"] = spec["rayVersion"]
+    if spec.get("rayTokenAuth"):
+        # KubeRay (>= 1.5.1) makes a random token Secret, sets RAY_AUTH_MODE/RAY_AUTH_TOKEN in every Ray
+        # container and uses the token itself (job submission, status): the Jobs API runs nobody's code.
+        cluster_spec["authOptions"] = {"mode": "token"}
     backoff_limit = spec.get("backoffLimit")
+    if spec.get("rayTokenAuth"):
+        # KubeRay (>= 1.5.1) makes a random token Secret, sets RAY_AUTH_MODE/RAY_AUTH_TOKEN in every Ray
+        # container and uses the token itself (job submission, status): the Jobs API runs nobody's code.
+        cluster_spec["authOptions"] = {"mode": "token"}
     job_spec: dict[str, Any] = {
         "entrypoint": trainer_entrypoint(resume_from, spec.get("trainerArgs") or ()),
         "submissionMode": "K8sJobMode",

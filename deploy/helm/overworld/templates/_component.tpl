@@ -1,6 +1,7 @@
 {{/*
-One Overworld service: a Deployment running `overworld serve <component>`, with .service a
-ClusterIP Service for its gRPC (and metrics) port, with .headless also a headless Service.
+One Overworld service: a Deployment running `overworld serve <component>` (with the certificate
+of identity <component>; probes on the plaintext health-only port), with .service a ClusterIP
+Service for its gRPC (and metrics) port, with .headless also a headless Service.
 
 Usage: include "overworld.component" (dict
   "context" $                 root context
@@ -87,6 +88,7 @@ spec:
             {{- end }}
           env:
             {{- include "overworld.env.ports" (dict "context" $ "port" $v.port) | nindent 12 }}
+            {{- include "overworld.env.security" (dict "context" $ "identity" .component) | nindent 12 }}
             {{- with .env }}
             {{- . | nindent 12 }}
             {{- end }}
@@ -97,6 +99,9 @@ spec:
             - name: grpc
               containerPort: {{ $v.port }}
               protocol: TCP
+            - name: health
+              containerPort: {{ $.Values.tls.healthPort }}
+              protocol: TCP
             {{- if $.Values.metrics.enabled }}
             - name: metrics
               containerPort: {{ $.Values.metrics.port }}
@@ -104,18 +109,18 @@ spec:
             {{- end }}
           startupProbe:
             grpc:
-              port: {{ $v.port }}
+              port: {{ $.Values.tls.healthPort }}
             periodSeconds: 5
             failureThreshold: 60
           livenessProbe:
             grpc:
-              port: {{ $v.port }}
+              port: {{ $.Values.tls.healthPort }}
             periodSeconds: 10
             timeoutSeconds: 5
             failureThreshold: 6
           readinessProbe:
             grpc:
-              port: {{ $v.port }}
+              port: {{ $.Values.tls.healthPort }}
             periodSeconds: 5
             timeoutSeconds: 3
             failureThreshold: 3
@@ -132,6 +137,7 @@ spec:
           volumeMounts:
             - name: tmp
               mountPath: /tmp
+            {{- include "overworld.tls.volumeMount" $ | nindent 12 }}
             {{- if .configMount }}
             - name: run-config
               mountPath: /etc/overworld
@@ -144,6 +150,7 @@ spec:
       volumes:
         - name: tmp
           emptyDir: {}
+        {{- include "overworld.tls.volume" (dict "context" $ "identity" .component) | nindent 8 }}
         {{- if .configMount }}
         - name: run-config
           configMap:
