@@ -4,7 +4,8 @@ What Kubernetes would do, done here, and nothing more:
 
 - **pods**: each a process tree in namespaces of its own (:mod:`tests.cluster.netns`), started with
   its container's command, arguments and environment exactly as rendered (the image's ENTRYPOINT
-  when the container has no command, read from `docker/*.Dockerfile`); Secrets, fieldRefs and
+  when the container has no command, read from `docker/*.Dockerfile`); Secrets (env and volumes:
+  each pod's identity certificate, Redis' password, the S3 keys, KubeRay's Ray token), fieldRefs and
   ConfigMap volumes resolved; emptyDirs fresh directories (tmpfs for `medium: Memory`), gone with
   the pod; a StatefulSet's volume claims directories that outlive their pods. A deleted pod runs
   its preStop hook, gets SIGTERM on its PID 1, and SIGKILL after its grace period; a killed one
@@ -14,7 +15,8 @@ What Kubernetes would do, done here, and nothing more:
   with a new address); the bucket Job runs once.
 - **cluster DNS**: a DNS server on the control host (every pod's resolv.conf, with the cluster's
   search domains) answers for Services with their ready pods (readiness from the rendered probe:
-  a TCP connect for gRPC probes, the HTTP path for httpGet ones): a ClusterIP name with one ready
+  a plaintext gRPC health check on the health-only port, as the kubelet's, the HTTP path for
+  httpGet ones, a TCP connect for exec ones): a ClusterIP name with one ready
   pod, a headless one with all of them; /etc/hosts holds only the pod's own name.
 - **the API server** is kmock (:mod:`tests.deploy.kube_support`) in the control namespace, and
   the run-controller pod (the rendered Deployment) talks to it through a kubeconfig instead of a
@@ -25,8 +27,9 @@ What Kubernetes would do, done here, and nothing more:
 
 Substituted, because the images are not on this machine: the Python services run from this
 checkout's virtual environment; the chart's SeaweedFS container is moto's S3 server with its
-requests recorded on the pod's volume (:mod:`tests.cluster.s3_pod`); NetworkPolicies and resource
-limits are not enforced; processes run as root.
+requests recorded on the pod's volume (:mod:`tests.cluster.s3_pod`; it does not check the S3 keys
+it is given). Not enforced: NetworkPolicies (the bridge filters nothing; the chart's tests check
+the rendered policies), resource limits, user ids (processes run as root).
 """
 
 from __future__ import annotations
@@ -82,8 +85,9 @@ def random_suffix(length: int = 5) -> str:
 @dataclass
 class Volume:
     mount_path: str
-    kind: str  # "dir" (emptyDir, claim, ConfigMap files) or "memory" (tmpfs)
+    kind: str  # "dir" (emptyDir, claim, ConfigMap or Secret files) or "memory" (tmpfs)
     source: Path | None = None
+    read_only: bool = False
 
 
 @dataclass
@@ -97,7 +101,7 @@ class PodTemplate:
     grace: float = 30.0
     restart: str = "Always"
     pre_stop: list[str] | None = None
-    readiness: tuple[str, int, str] | None = None  # ("tcp"|"http", port, path)
+    readiness: tuple[str, int, str] | None = None  # ("tcp"|"http"|"grpc", port, path or gRPC service)
     env_from_pod: Callable[[Pod], dict[str, str]] | None = None
     claims: dict[str, str] = field(default_factory=dict)  # volume name -> claim directory key
 
@@ -448,7 +452,10 @@ class Cluster:
     def _launch(self, pod: Pod) -> None:
         template = pod.template
         mounts = []
-        for index, volume in enumerate(sorted(template.volumes, key=lambda v: v.mount_path == "/tmp")):
+        # Parents before what is mounted inside them (/etc/overworld, then /etc/overworld/tls), as the
+        # container runtime orders them; /tmp last.
+        ordered = sorted(template.volumes, key=lambda v: (v.mount_path == "/tmp", len(Path(v.mount_path).parts)))
+        for index, volume in enumerate(ordered):
             target = Path(volume.mount_path)
             if not target.exists():  # a mount point; removed again by stop()
                 target.mkdir(parents=True)
@@ -459,6 +466,8 @@ class Cluster:
             source = volume.source or pod.root / f"volume-{index}"
             source.mkdir(parents=True, exist_ok=True)
             mounts.append(f"mount --bind {shlex.quote(str(source))} {shlex.quote(str(target))}")
+            if volume.read_only:
+                mounts.append(f"mount -o remount,bind,ro {shlex.quote(str(target))}")
         script = "set -e; hostname \"$OWR_POD_NAME\"; " + "; ".join(mounts) + '; exec "$@"'
         env = {
             "PATH": f"{VENV_BIN}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -551,6 +560,23 @@ class Cluster:
         assert result.returncode == 0, f"exec in {pod.name}: {result.stderr[-2000:]}"
         return result.stdout
 
+    def run_outside(self, label: str, argv: list[str], timeout: float = 120) -> str:
+        """Run a command on a host of its own on the pod network, with the cluster's DNS, that no
+        workload owns (someone else's pod); return its stdout. The host is removed afterwards."""
+        host = self.network.add_host(label)
+        assert self.control is not None
+        (host.hosts_file.parent / "resolv.conf").write_text(
+            f"nameserver {self.control.address}\nsearch {DOMAIN} svc.cluster.local cluster.local\noptions ndots:5\n")
+        env = {"PATH": f"{VENV_BIN}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+               "PYTHONPATH": f"{REPO / 'services'}:{REPO}", "HOME": "/tmp", "LANG": "C.UTF-8"}
+        try:
+            result = subprocess.run(["ip", "netns", "exec", host.netns, *argv], env=env, capture_output=True,
+                                    text=True, timeout=timeout, cwd=REPO)
+        finally:
+            self.network.remove_host(host)
+        assert result.returncode == 0, f"{shlex.join(argv)} on {label}: {result.stderr[-3000:]}"
+        return result.stdout
+
     def freeze(self, pod: Pod, frozen: bool) -> None:
         """SIGSTOP / SIGCONT every process of a pod."""
         for line in subprocess.run(["ip", "netns", "pids", pod.host.netns], capture_output=True, text=True,
@@ -625,7 +651,9 @@ class Cluster:
                 continue
             kind, port, path = probe
             try:
-                if kind == "http":
+                if kind == "grpc":
+                    ok = self._grpc_serving(pod, port, path)
+                elif kind == "http":
                     with urllib.request.urlopen(f"http://{pod.ip}:{port}{path}", timeout=1) as response:
                         ok = response.status < 400
                 else:
@@ -636,6 +664,20 @@ class Cluster:
             if ok and not pod.ready:
                 pod.ready = True
                 self.event("pod-ready", pod.name)
+
+    def _grpc_serving(self, pod: Pod, port: int, service: str) -> bool:
+        """The kubelet's gRPC probe: grpc.health.v1 Check, plaintext, no client certificate. (Through
+        a forward: gRPC's own threads live in this machine's network namespace.)"""
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        with grpc.insecure_channel(self.forward(pod.ip, port)) as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                                  timeout=1)
+            except grpc.RpcError:
+                return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
     # --- from rendered manifests -------------------------------------------------------------------
 
@@ -656,7 +698,7 @@ class Cluster:
         readiness: tuple[str, int, str] | None = None
         ports = {p.get("name"): p["containerPort"] for p in container.get("ports") or []}
         if "grpc" in probe:
-            readiness = ("tcp", int(probe["grpc"]["port"]), "")
+            readiness = ("grpc", int(probe["grpc"]["port"]), probe["grpc"].get("service", ""))
         elif "httpGet" in probe:
             port = probe["httpGet"]["port"]
             readiness = ("http", int(ports.get(port, port)), probe["httpGet"].get("path", "/"))
@@ -701,6 +743,9 @@ class Cluster:
                 for key, text in self.config_maps[volume["configMap"]["name"]].items():
                     (source / key).write_text(text)
                 volumes.append(Volume(mount["mountPath"], "dir", source))
+            elif volume is not None and "secret" in volume:
+                volumes.append(Volume(mount["mountPath"], "dir", self._secret_files(volume["secret"]),
+                                      read_only=bool(mount.get("readOnly"))))
             elif volume is not None and (volume.get("emptyDir") or {}).get("medium") == "Memory":
                 volumes.append(Volume(mount["mountPath"], "memory"))
             elif volume is not None and "emptyDir" in volume:
@@ -708,6 +753,17 @@ class Cluster:
             else:
                 raise NotImplementedError(f"volume {name}: {volume}")
         return volumes
+
+    def _secret_files(self, source: dict[str, Any]) -> Path:
+        """A Secret volume: one file per key, with the volume's defaultMode (as the kubelet writes them)."""
+        name = source["secretName"]
+        directory = self.workdir / "secrets" / name
+        directory.mkdir(parents=True, exist_ok=True)
+        for key, text in self.secrets[name].items():
+            path = directory / key
+            path.write_text(text)
+            path.chmod(int(source.get("defaultMode", 0o644)))
+        return directory
 
     def workload_from_manifest(self, obj: dict[str, Any], replicas: int | None = None) -> Workload:
         spec = obj["spec"]

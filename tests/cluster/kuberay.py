@@ -13,13 +13,21 @@
   (`shutdownAfterJobFinishes`);
 - a RayJob being deleted: the Ray job is stopped (`/api/jobs/<id>/stop`) and the finalizer
   removed at once; the garbage collector deletes the RayCluster's pods (gracefully: preStop,
-  SIGTERM, grace period) and, for a foreground deletion, only then lets the RayJob go.
+  SIGTERM, grace period) and, for a foreground deletion, only then lets the RayJob go;
+- `rayClusterSpec.authOptions.mode: token` (`raycluster_controller.go` reconcileAuthSecret,
+  `common/pod.go` SetContainerTokenAuthEnvVars): a Secret named after the RayCluster with a random
+  `auth_token`, and RAY_AUTH_MODE=token plus RAY_AUTH_TOKEN from that Secret in the head's, the
+  workers' and the submitter's containers (unless they set them); KubeRay's own dashboard calls
+  carry the token (`x-ray-authorization: Bearer`).
 """
 
 from __future__ import annotations
 
+import base64
 import contextlib
+import copy
 import json
+import secrets
 import shlex
 import time
 import urllib.error
@@ -34,6 +42,7 @@ FINALIZER = "ray.io/rayjob-finalizer"
 RAYJOBS = f"/apis/ray.io/v1/namespaces/{NAMESPACE}/rayjobs"
 DASHBOARD_PORT = 8265
 GCS_PORT = 6379
+AUTH_TOKEN_KEY = "auth_token"
 
 
 def quantity(value: Any) -> float:
@@ -84,6 +93,7 @@ class RayJobState:
     deleted: bool = False
     teardown: list[Any] = field(default_factory=list)
     pods_gone_at: float = 0.0
+    token_auth: bool = False
     created_at: float = field(default_factory=time.monotonic)
 
 
@@ -142,7 +152,7 @@ class KubeRay:
             return
         if deployment != "Running" or not head:
             return
-        info = self._job_info(head[0], state.job_id)
+        info = self._job_info(head[0], state)
         job_status = (info or {}).get("status", "")
         submitter_pods = self.cluster.pods_of(f"{name}-submitter", include_ended=True)
         submitter_done = submitter is not None and (
@@ -167,6 +177,23 @@ class KubeRay:
         if update:
             self._patch(name, {"status": update}, status=True)
 
+    def _token_auth(self, state: RayJobState, pod_spec: dict[str, Any]) -> dict[str, Any]:
+        """The pod spec with KubeRay's token-auth environment in its first container."""
+        pod_spec = copy.deepcopy(pod_spec)
+        container = pod_spec["containers"][0]
+        env = container.setdefault("env", [])
+        names = {item["name"] for item in env}
+        if "RAY_AUTH_MODE" not in names:
+            env.append({"name": "RAY_AUTH_MODE", "value": "token"})
+        if "RAY_AUTH_TOKEN" not in names:
+            env.append({"name": "RAY_AUTH_TOKEN", "valueFrom": {"secretKeyRef": {
+                "name": state.cluster, "key": AUTH_TOKEN_KEY}}})
+        return pod_spec
+
+    def _headers(self, state: RayJobState) -> dict[str, str]:
+        token = (self.cluster.secrets.get(state.cluster) or {}).get(AUTH_TOKEN_KEY)
+        return {"x-ray-authorization": f"Bearer {token}"} if token else {}
+
     def _dashboard(self, state: RayJobState) -> str:
         return f"{state.cluster}-head-svc.{DOMAIN}:{DASHBOARD_PORT}"
 
@@ -181,11 +208,17 @@ class KubeRay:
         self.cluster.add_service(head_service, head_labels, headless=False)
         self.cluster.add_service(f"{name}-head-svc", head_labels, headless=False)
         head_address = f"{head_service}.{DOMAIN}:{GCS_PORT}"
+        state.token_auth = (cluster_spec.get("authOptions") or {}).get("mode") == "token"
+        if state.token_auth:
+            token = base64.b64encode(secrets.token_bytes(32)).decode()
+            self.cluster.secrets[state.cluster] = {AUTH_TOKEN_KEY: token}
         groups = [("head", cluster_spec["headGroupSpec"], 1, True)]
         groups += [(f"worker-{g['groupName']}", g, int(g.get("replicas", 1)), False)
                    for g in cluster_spec.get("workerGroupSpecs") or []]
         for suffix, group, replicas, head in groups:
             pod_spec = group["template"]["spec"]
+            if state.token_auth:
+                pod_spec = self._token_auth(state, pod_spec)
             labels = {**(group["template"].get("metadata", {}).get("labels") or {}), "ray.io/cluster": state.cluster,
                       "ray.io/node-type": "head" if head else "worker"}
             template = self.cluster.template_from_pod_spec(pod_spec, labels)
@@ -208,7 +241,9 @@ class KubeRay:
         name, spec = job["metadata"]["name"], job["spec"]
         template_spec = spec["submitterPodTemplate"]
         labels = dict(template_spec.get("metadata", {}).get("labels") or {})
-        template = self.cluster.template_from_pod_spec(template_spec["spec"], labels)
+        labels.update({"ray.io/originated-from-cr-name": name, "ray.io/originated-from-crd": "RayJob"})
+        pod_spec = self._token_auth(state, template_spec["spec"]) if state.token_auth else template_spec["spec"]
+        template = self.cluster.template_from_pod_spec(pod_spec, labels)
         dashboard = self._dashboard(state)
         template.argv = ["/bin/bash", "-ce", "--", submit_command(dashboard, state.job_id, spec["entrypoint"])]
         template.env.update({"PYTHONUNBUFFERED": "1", "RAY_DASHBOARD_ADDRESS": dashboard,
@@ -219,9 +254,11 @@ class KubeRay:
         self.cluster.add_workload(Workload(f"{name}-submitter", "Submitter", template, backoff + 1, owner=name))
         self.cluster.event("submitted", f"{name} {state.job_id}: {shlex.quote(spec['entrypoint'])}")
 
-    def _job_info(self, head: Pod, job_id: str) -> dict[str, Any] | None:
+    def _job_info(self, head: Pod, state: RayJobState) -> dict[str, Any] | None:
+        request = urllib.request.Request(f"http://{head.ip}:{DASHBOARD_PORT}/api/jobs/{state.job_id}",
+                                         headers=self._headers(state))
         try:
-            with urllib.request.urlopen(f"http://{head.ip}:{DASHBOARD_PORT}/api/jobs/{job_id}", timeout=3) as r:
+            with urllib.request.urlopen(request, timeout=3) as r:
                 info: dict[str, Any] = json.loads(r.read())
                 return info
         except (OSError, urllib.error.URLError, ValueError):
@@ -232,7 +269,7 @@ class KubeRay:
         if not head:
             return
         request = urllib.request.Request(f"http://{head[0].ip}:{DASHBOARD_PORT}/api/jobs/{state.job_id}/stop",
-                                         method="POST", data=b"")
+                                         method="POST", data=b"", headers=self._headers(state))
         with contextlib.suppress(OSError, urllib.error.URLError):
             urllib.request.urlopen(request, timeout=5).close()
 
@@ -242,6 +279,7 @@ class KubeRay:
             threads += self.cluster.remove_workload(workload, graceful=True)
         threads += self.cluster.remove_workload(f"{state.name}-submitter", graceful=True)
         self.cluster.remove_service(f"{state.cluster}-head-svc")
+        self.cluster.secrets.pop(state.cluster, None)  # the token Secret, owned by the RayCluster
         return threads
 
     def _on_delete(self, job: dict[str, Any], state: RayJobState, finalizers: list[str]) -> None:

@@ -18,6 +18,7 @@ from typing import Any
 import grpc
 import yaml
 
+from overworld.core import tls
 from overworld.v1 import (
     model_registry_pb2,
     model_registry_pb2_grpc,
@@ -124,8 +125,22 @@ class Rehearsal:
         run: dict[str, Any] = json.loads(self.cluster.kubectl("get", "trainingrun", RUN, "-o", "json"))
         return run
 
+    def identity(self, name: str) -> Path:
+        """A directory with the certificate of identity `name`, from its rendered Secret (as a person
+        copies the operator's out of the cluster for `overworld status`)."""
+        directory = self.cluster.workdir / "identities" / name
+        if not directory.is_dir():
+            directory.mkdir(parents=True)
+            for key, text in self.cluster.secrets[f"{RELEASE}-tls-{name}"].items():
+                (directory / key).write_text(text)
+        return directory
+
     def _stub(self, target: str, port: int, stub_class: Any) -> tuple[grpc.Channel, Any]:
-        channel = grpc.insecure_channel(self.cluster.forward(target, port))
+        """A stub over mutual TLS as the operator (`overworld status`'s identity), through a forward."""
+        cert, key, ca = tls.CredentialFiles(self.identity("operator")).pems
+        channel = grpc.secure_channel(self.cluster.forward(target, port),
+                                      grpc.ssl_channel_credentials(ca, key, cert),
+                                      options=[("grpc.ssl_target_name_override", tls.SERVER_NAME)])
         return channel, stub_class(channel)
 
     def registry_version(self) -> int:

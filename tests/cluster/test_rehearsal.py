@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import re
+import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -59,6 +60,47 @@ def wait_progress_beyond(rehearsal: Rehearsal, version: int, env_steps: int, tim
 
 def counter(samples: dict[str, float], name: str) -> float:
     return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
+
+
+# --- someone else's pod on the pod network -----------------------------------------------------
+
+
+SERVICE_PORTS = {"rollout-manager": 50051, "replay-buffer": 50052, "gae": 50053, "model-registry": 50054,
+                 "rollout-worker": 50056}
+
+
+def test_only_the_runs_own_pods_get_in(rehearsal: Rehearsal, tmp_path: Path) -> None:
+    """From a pod namespace of its own: a plaintext client and a client with a certificate of another
+    CA are refused by every service pod (the trainer on the Ray head too); a client holding another
+    service's certificate (stolen from its Secret) gets PERMISSION_DENIED, naming it and the method,
+    on every method it may not call; Ray's Jobs API refuses callers without the cluster's token, and
+    Redis anyone without its password."""
+    from overworld.core import tls
+
+    cluster = rehearsal.cluster
+    head = cluster.pod(f"{rehearsal.rayjob()['status']['rayClusterName']}-head")
+    targets = {p.name: [kind, f"{p.ip}:{port}"] for kind, port in SERVICE_PORTS.items()
+               for p in cluster.pods_of(f"{RELEASE}-{kind}")}
+    targets[head.name] = ["trainer", f"{head.ip}:50055"]
+    spec = {"targets": targets, "other_ca": str(tls.write_run_credentials(tmp_path / "other", RELEASE)["trainer"]),
+            "stolen": {i: str(rehearsal.identity(i)) for i in ("rollout-worker", "gae")},
+            "ray_dashboard": f"{head.ip}:8265", "redis": f"{cluster.pod(f'{RELEASE}-redis').ip}:6379"}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    found = json.loads(cluster.run_outside("intruder", [sys.executable, str(Path(__file__).parent / "intruder.py"),
+                                                        str(tmp_path / "spec.json")]))
+    assert set(found["plaintext"]) == set(targets) and len(targets) >= 7
+    assert set(found["plaintext"].values()) == {"UNAVAILABLE"}, found["plaintext"]
+    assert set(found["other_ca"].values()) == {"UNAVAILABLE"}, found["other_ca"]
+    for identity, answers in found["denied"].items():
+        assert answers, identity
+        for call, (code, details) in answers.items():
+            assert code == "PERMISSION_DENIED" and identity in details and call.split()[1] in details, (call, code, details)
+    # a worker's certificate may not publish weights, tag versions or sample: every service was tried
+    worker_calls = {call.split()[1] for call in found["denied"]["rollout-worker"]}
+    assert {"/overworld.v1.ModelRegistry/Publish", "/overworld.v1.ModelRegistry/SetTag",
+            "/overworld.v1.ReplayBuffer/Sample", "/overworld.v1.Trainer/ReportProgress"} <= worker_calls
+    assert found["ray_jobs_api"] == {"no token": 401, "wrong token": 403}
+    assert found["redis"] == "-NOAUTH", found["redis"]
 
 
 # --- two replay-buffer replicas behind one name ---------------------------------------------------
@@ -261,3 +303,4 @@ def test_kubectl_resume_replaces_the_trainer_and_continues_from_its_checkpoint(r
 
 
 CONTROLLER_LOGS = f"{RELEASE}-run-controller"
+

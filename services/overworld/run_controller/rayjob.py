@@ -265,10 +265,6 @@ def build_rayjob(training_run: Mapping[str, Any], attempt: int, resume_from: str
         # container and uses the token itself (job submission, status): the Jobs API runs nobody's code.
         cluster_spec["authOptions"] = {"mode": "token"}
     backoff_limit = spec.get("backoffLimit")
-    if spec.get("rayTokenAuth"):
-        # KubeRay (>= 1.5.1) makes a random token Secret, sets RAY_AUTH_MODE/RAY_AUTH_TOKEN in every Ray
-        # container and uses the token itself (job submission, status): the Jobs API runs nobody's code.
-        cluster_spec["authOptions"] = {"mode": "token"}
     job_spec: dict[str, Any] = {
         "entrypoint": trainer_entrypoint(resume_from, spec.get("trainerArgs") or ()),
         "submissionMode": "K8sJobMode",
