@@ -58,6 +58,12 @@ def headline_rows(name: str, data: dict[str, Any]) -> list[str]:
                 f"{'≥ ' + str(data['target_ratio']) if key in judged else '(reported beside)'} |"
                 for key in data if key.startswith("worst_") and isinstance(data[key], (int, float))
                 ] + tls_rows(name, "ingest", {"1 front": data["tls_ingest"]} if "tls_ingest" in data else {})
+    if name == "trainer_memory":
+        growth = data["peak_growth_mb_per_chain"]
+        sizes = [row["chains"] for row in data["rows"]["iteration"]]
+        return [f"| trainer_memory | {data['memory']} above the held memory, growth per extra chain, {sizes} chains "
+                f"of VPT-2x: iteration / recomputation / recomputation as before | {growth['iteration']} / "
+                f"{growth['recomputation_chunked']} / {growth['recomputation_whole_batch_before']} MB | flat |"]
     if name == "e2e_cartpole":
         return [f"| e2e_cartpole | env steps / wall seconds to a 100-episode mean of 450 | "
                 f"{data.get('steps_to_450')} / {data.get('wall_seconds_to_450')} | |",

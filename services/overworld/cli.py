@@ -27,6 +27,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--blobs", default=env_default("blobs", ""))
     p.add_argument("--ray-address", default=env_default("ray-address", ""))
     p.add_argument("--resume", default=env_default("resume", ""))
+    p.add_argument("--save-path", default=env_default("save-path", ""))
     p.add_argument("--workdir", default=env_default("workdir", "."))
     p.add_argument("--retain", type=int, default=env_default("retain", 20))
     p.add_argument("--lease-seconds", type=float, default=env_default("lease-seconds", 15.0))
@@ -62,7 +63,7 @@ def use_tls_flags(args: argparse.Namespace, log: bool = True) -> None:
 
 
 def serve_main(args: argparse.Namespace) -> int:
-    from overworld.core.service import run_until_signalled
+    from overworld.core.service import EXIT_CONFIG, run_until_signalled
     from overworld.services import BUILDERS, DEFAULT_PORTS
 
     if args.service == "run-controller":
@@ -80,6 +81,8 @@ def serve_main(args: argparse.Namespace) -> int:
         return handle[0]
 
     code = run_until_signalled(args.service, start, args.metrics_port, done)
+    if handle and getattr(handle[0], "config_error", False):
+        return EXIT_CONFIG
     return 1 if handle and getattr(handle[0], "failed", False) else code
 
 

@@ -20,7 +20,7 @@ from overworld.core import authz, tls
 from overworld.core.config import ConfigError, RunConfig, check_generators, load_config, to_yaml
 from overworld.core.grpc_util import channel, wait_healthy
 from overworld.core.net import free_port
-from overworld.core.service import PARENT_PID_ENV
+from overworld.core.service import EXIT_CONFIG, PARENT_PID_ENV
 from overworld.envs.crafter_score import score_summary
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.v1 import trainer_pb2, trainer_pb2_grpc
@@ -305,7 +305,8 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
                 if c.name == "trainer" and trainer_status is not None and trainer_status.state == "finished":
                     summary["status"] = "completed"
                     break
-                if c.name.startswith(RESTARTABLE) and launcher.restarts.get(c.name, 0) < MAX_RESTARTS:
+                if (c.name.startswith(RESTARTABLE) and launcher.restarts.get(c.name, 0) < MAX_RESTARTS
+                        and c.proc.returncode != EXIT_CONFIG):
                     if c.name == "trainer" and last_trainer_error:
                         print(f"\ntrainer failed: {last_trainer_error.splitlines()[-1][:300]}", flush=True)
                     launcher.restart(c)

@@ -106,7 +106,7 @@ def trainer(args: argparse.Namespace, done: threading.Event) -> Any:
 
     return TrainerDriver(args.rollout_manager, args.replay_buffer, args.gae, args.model_registry, args.host,
                          args.port, args.ray_address, str(Path(args.workdir).resolve()), args.resume, done,
-                         config_path=args.config)
+                         config_path=args.config, save_path=args.save_path)
 
 
 def rollout_worker(args: argparse.Namespace, done: threading.Event) -> Any:

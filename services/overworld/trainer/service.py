@@ -11,11 +11,12 @@ import time
 
 from prometheus_client import Counter, Gauge
 
-from overworld.core.config import load_config
+from overworld.core.config import RunConfig, load_config
 from overworld.core.grpc_util import Server, serve
 from overworld.core.imports import import_object
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.trainer.base import BaseTrainer
+from overworld.trainer.placement import PlacementError
 from overworld.v1 import trainer_pb2 as pb
 from overworld.v1 import trainer_pb2_grpc
 
@@ -114,10 +115,24 @@ def advertised_host(bind_host: str) -> str:
     return os.environ.get("POD_IP") or socket.gethostbyname(socket.gethostname())
 
 
+def apply_flags(config: RunConfig, resume: str, save_path: str) -> RunConfig:
+    """`--resume` and `--save-path` (OVERWORLD_RESUME, OVERWORLD_SAVE_PATH) win over the run config:
+    they are the deployment's say (the chart points save_path at the object store). `--resume auto`
+    (a restarted trainer) leaves `resume` to the config: see `continue_run`."""
+    if resume and resume != "auto":
+        config.train_config.resume = resume
+    if save_path:
+        if save_path != config.train_config.save_path:
+            log.info("save_path %s (--save-path / OVERWORLD_SAVE_PATH) replaces the run config's %r",
+                     save_path, config.train_config.save_path)
+        config.train_config.save_path = save_path
+    return config
+
+
 class TrainerDriver:
     def __init__(self, rollout_manager: str, replay_buffer: str, gae: str, model_registry: str, host: str,
                  port: int, ray_address: str, workdir: str, resume: str, done: threading.Event,
-                 config_path: str = "") -> None:
+                 config_path: str = "", save_path: str = "") -> None:
         self.status = TrainerStatusService()
         self.server: Server = serve([(trainer_pb2_grpc.add_TrainerServicer_to_server, self.status,
                                       "overworld.v1.Trainer")], host, port)
@@ -126,8 +141,7 @@ class TrainerDriver:
             own = load_config(config_path)
             own.run_id = self.config.run_id
             self.config = own
-        if resume and resume != "auto":
-            self.config.train_config.resume = resume
+        self.config = apply_flags(self.config, resume, save_path)
         self.addresses = {"rollout_manager": rollout_manager, "replay_buffer": replay_buffer, "gae": gae,
                           "model_registry": model_registry, "status_address": f"{advertised_host(host)}:{self.server.port}",
                           "workdir": workdir}
@@ -136,6 +150,7 @@ class TrainerDriver:
         self.ray_address = ray_address
         self.done = done
         self.failed = False
+        self.config_error = False  # failed in a way a restart would repeat (EXIT_CONFIG)
         self._thread = threading.Thread(target=self._fit, name="trainer-fit", daemon=True)
         self._thread.start()
 
@@ -151,10 +166,16 @@ class TrainerDriver:
             start_ray(self.ray_address)
             cls = trainer_class(self.config.trainer_name)
             trainer = cls.from_config(self.config, **self.addresses)
+            if not self.ray_address:
+                trainer.placement_timeout = 0  # a Ray this driver started has what it has: no waiting
             self.status.set_state("running")
             trainer.fit()
             self.status.set_state("finished")
             log.info("training finished")
+        except PlacementError as err:
+            log.error("the trainer's workers cannot be placed: %s", err)
+            self.failed = self.config_error = True
+            self.status.set_state("failed", str(err)[:2000])
         except Exception as err:
             log.exception("training failed")
             self.failed = True

@@ -241,6 +241,8 @@ The environment of the trainer (in the RayJob's head and worker pods).
 {{ include "overworld.env.gae" . }}
 {{ include "overworld.env.modelRegistry" . }}
 {{ include "overworld.env.objectStore" . }}
+- name: OVERWORLD_SAVE_PATH
+  value: {{ printf "s3://%s/%s" .Values.objectStore.bucket .Values.objectStore.prefix | quote }}
 - name: OVERWORLD_WORKDIR
   value: /tmp/overworld
 {{- with .Values.trainer.extraEnv }}
