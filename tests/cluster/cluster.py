@@ -451,23 +451,27 @@ class Cluster:
 
     def _launch(self, pod: Pod) -> None:
         template = pod.template
-        mounts = []
+        mounts, read_only = [], []
         # Parents before what is mounted inside them (/etc/overworld, then /etc/overworld/tls), as the
-        # container runtime orders them; /tmp last.
+        # container runtime orders them, each mount point made inside what is mounted above it; /tmp
+        # last; read-only once everything is mounted.
         ordered = sorted(template.volumes, key=lambda v: (v.mount_path == "/tmp", len(Path(v.mount_path).parts)))
         for index, volume in enumerate(ordered):
             target = Path(volume.mount_path)
-            if not target.exists():  # a mount point; removed again by stop()
+            missing = [d for d in (target, *target.parents) if not d.exists()]
+            if missing:  # mount points; removed again by stop()
                 target.mkdir(parents=True)
-                self.created_dirs.append(target)
+                self.created_dirs.extend(reversed(missing))
+            quoted = shlex.quote(str(target))
             if volume.kind == "memory":
-                mounts.append(f"mount -t tmpfs -o size={SHM_SIZE} tmpfs {shlex.quote(str(target))}")
+                mounts.append(f"mount -t tmpfs -o size={SHM_SIZE} tmpfs {quoted}")
                 continue
             source = volume.source or pod.root / f"volume-{index}"
             source.mkdir(parents=True, exist_ok=True)
-            mounts.append(f"mount --bind {shlex.quote(str(source))} {shlex.quote(str(target))}")
+            mounts.append(f"mkdir -p {quoted}; mount --bind {shlex.quote(str(source))} {quoted}")
             if volume.read_only:
-                mounts.append(f"mount -o remount,bind,ro {shlex.quote(str(target))}")
+                read_only.append(f"mount -o remount,bind,ro {quoted}")
+        mounts += read_only
         script = "set -e; hostname \"$OWR_POD_NAME\"; " + "; ".join(mounts) + '; exec "$@"'
         env = {
             "PATH": f"{VENV_BIN}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",

@@ -42,12 +42,13 @@ CONTROLLER = f"{RELEASE}-run-controller"
 
 
 def rehearsal_values() -> dict[str, Any]:
-    """The CPU values of the chart, a CartPole run that checkpoints to the object store, two
+    """The CPU values of the chart, a CartPole run that checkpoints and logs to the object store, two
     replay-buffer fronts, stores on volumes, a one-worker Ray cluster whose worker declares a GPU."""
     values = values_from_files([CHART / "ci" / "cpu-values.yaml"])
     config = yaml.safe_load((REPO / "examples" / "cartpole.yaml").read_text())
-    config["train_config"].update(save_path="s3://overworld/checkpoints", save_interval=5, keep_interval=0,
-                                  num_iterations=100000)
+    # save_path: the chart's (--save-path / OVERWORLD_SAVE_PATH, the object store) replaces the config's.
+    config["train_config"].update(save_interval=5, keep_interval=0, num_iterations=100000)
+    config["logger_config"]["tensorboard"] = True  # files for the trainer to sync to the object store
     values["run"] = {"config": config}
     values["rolloutWorker"]["replicaCount"] = 1
     values["replayBuffer"]["replicaCount"] = 2
@@ -65,6 +66,7 @@ class Rehearsal:
         self.cluster = Cluster(self.objects, workdir)
         self.kuberay = KubeRay(self.cluster)
         self.cluster.kuberay = self.kuberay
+        self._ray_cluster = ""  # the RayCluster the trainer was last found on
 
     @classmethod
     @contextlib.contextmanager
@@ -150,12 +152,23 @@ class Rehearsal:
         return max((v.version for v in versions), default=0)
 
     def trainer_status(self) -> trainer_pb2.TrainerStatus:
-        cluster_name = (self.rayjob().get("status") or {}).get("rayClusterName")
-        assert cluster_name, "no RayCluster yet"
-        channel, stub = self._stub(f"{cluster_name}-head-svc", 50055, trainer_pb2_grpc.TrainerStub)
-        with channel:
-            status: trainer_pb2.TrainerStatus = stub.GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=5)
-        return status
+        """The trainer's status, from the Ray head of the TrainingRun's current RayJob. Which RayCluster
+        that is (two kubectl calls) is looked up again only when the one known last does not answer:
+        the tests poll this, and kubectl costs a busy core a fraction of a second each time."""
+        for attempt in range(2):
+            if attempt or not self._ray_cluster:
+                self._ray_cluster = (self.rayjob().get("status") or {}).get("rayClusterName") or ""
+                assert self._ray_cluster, "no RayCluster yet"
+            channel, stub = self._stub(f"{self._ray_cluster}-head-svc", 50055, trainer_pb2_grpc.TrainerStub)
+            try:
+                with channel:
+                    status: trainer_pb2.TrainerStatus = stub.GetStatus(trainer_pb2.GetTrainerStatusRequest(),
+                                                                       timeout=5)
+                return status
+            except grpc.RpcError:
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
 
     def fleet(self) -> rollout_manager_pb2.FleetStatus:
         channel, stub = self._stub(f"{RELEASE}-rollout-manager", 50051, rollout_manager_pb2_grpc.RolloutManagerStub)
@@ -182,6 +195,13 @@ class Rehearsal:
                 with contextlib.suppress(ValueError):
                     samples[key] = float(value)
         return samples
+
+    def object_keys(self, url: str) -> list[str]:
+        """The object store's keys under an s3:// URL, listed from a replay-buffer pod (it has the
+        store's address and keys)."""
+        script = ("import sys; from overworld.core.blobs import open_blob_store; "
+                  "print('\\n'.join(open_blob_store(sys.argv[1]).keys()))")
+        return self.exec(self.cluster.pod(f"{RELEASE}-replay-buffer"), "python", "-c", script, url).split()
 
     def exec(self, pod: Pod, *argv: str) -> str:
         return self.cluster.exec(pod, *argv)
