@@ -46,6 +46,7 @@ import numpy as np  # noqa: E402
 from overworld.core.fragment import Fragment, expected_tensors  # noqa: E402
 from overworld.core.net import free_port, wait_port  # noqa: E402
 from overworld.core.specs import Spaces, TensorSpec  # noqa: E402
+from overworld.server_binaries import ServerBinaryUnavailable, locate  # noqa: E402
 
 SPACES = Spaces(obs={"rgb": TensorSpec((64, 64, 3), "uint8")}, action={"action": TensorSpec((), "int64")})
 LENGTH = 256
@@ -552,15 +553,19 @@ def main(argv: list[str] | None = None) -> int:
         return serve_fronts(args)
     count, rounds = (12, 1) if args.quick else (args.fragments, args.rounds)
 
-    for binary in ("redis-server", "moto_server"):
-        if shutil.which(binary) is None and not (Path(sys.executable).parent / binary).exists():
-            print(f"{binary} is needed (redis-server: Debian package; moto_server: pip install 'moto[server]')")
-            return 2
+    if shutil.which("moto_server") is None and not (Path(sys.executable).parent / "moto_server").exists():
+        print("moto_server is needed: pip install 'moto[server]' (the dev extra)")
+        return 2
+    try:
+        redis_server = str(locate("redis-server"))  # the system's, or the project's pinned copy
+    except ServerBinaryUnavailable as err:
+        print(f"redis-server is needed: {err}")
+        return 2
     env = clean_env()
     work = Path(tempfile.mkdtemp(prefix="rb-bench-"))
     redis_port, s3_port = free_port(), free_port()
     redis_proc = subprocess.Popen(
-        ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--dir", str(work), "--save", "",
+        [redis_server, "--port", str(redis_port), "--bind", "127.0.0.1", "--dir", str(work), "--save", "",
          "--appendonly", "yes", "--appendfsync", "everysec"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     moto = shutil.which("moto_server") or str(Path(sys.executable).parent / "moto_server")
     s3_proc = subprocess.Popen([moto, "-H", "127.0.0.1", "-p", str(s3_port)], stdout=subprocess.DEVNULL,

@@ -58,18 +58,30 @@ def headline_rows(name: str, data: dict[str, Any]) -> list[str]:
                 f"{'≥ ' + str(data['target_ratio']) if key in judged else '(reported beside)'} |"
                 for key in data if key.startswith("worst_") and isinstance(data[key], (int, float))
                 ] + tls_rows(name, "ingest", {"1 front": data["tls_ingest"]} if "tls_ingest" in data else {})
+    if name == "e2e":
+        s, crafter = data["summary"], data.get("crafter_cow", {})
+        return [f"| e2e | CartPole to a 100-episode mean of {data['target_return']:.0f}, wall seconds from process "
+                f"start (median of seeds): Overworld vs Stable-Baselines3 (rl-zoo) | "
+                f"{s['overworld_wall_seconds_to_target_median']} vs {s['sb3_wall_seconds_to_target_median']} "
+                f"(ratio {s['wall_ratio_overworld_to_sb3']}) | ratio ≤ 1 |",
+                f"| e2e | CartPole env steps to {data['target_return']:.0f} (median): Overworld vs SB3 | "
+                f"{s['overworld_env_steps_to_target_median']} vs {s['sb3_env_steps_to_target_median']} | "
+                f"Overworld ≤ 68k |",
+                f"| e2e | seconds from `overworld run` to the first version swapped in at the workers / the "
+                f"first update (median) | {s['startup_median']['first_version_swapped_in_at_workers']} / "
+                f"{s['startup_median']['first_update']} | |",
+                f"| e2e | Crafter cow: whole pipeline env steps/s while training vs 2 bare Crafter processes | "
+                f"{crafter.get('env_steps_per_second_training')} vs "
+                f"{crafter.get('bare_processes_2_env_steps_per_second')} ({crafter.get('pipeline_vs_bare')}) | |"]
+    if name == "startup":
+        return [f"| startup | {row['knob']}: seconds to Ray Train's first step | {row['first_train_step']} | |"
+                for row in data["rows"]]
     if name == "trainer_memory":
         growth = data["peak_growth_mb_per_chain"]
         sizes = [row["chains"] for row in data["rows"]["iteration"]]
         return [f"| trainer_memory | {data['memory']} above the held memory, growth per extra chain, {sizes} chains "
                 f"of VPT-2x: iteration / recomputation / recomputation as before | {growth['iteration']} / "
                 f"{growth['recomputation_chunked']} / {growth['recomputation_whole_batch_before']} MB | flat |"]
-    if name == "e2e_cartpole":
-        return [f"| e2e_cartpole | env steps / wall seconds to a 100-episode mean of 450 | "
-                f"{data.get('steps_to_450')} / {data.get('wall_seconds_to_450')} | |",
-                f"| e2e_cartpole | env steps/s training through every service vs stepping the envs bare with "
-                f"random actions | {data.get('overworld_env_steps_per_second')} vs "
-                f"{data.get('bare_loop_env_steps_per_second')} | |"]
     return []
 
 

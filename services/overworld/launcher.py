@@ -7,6 +7,7 @@ import json
 import os
 import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -19,12 +20,13 @@ import grpc
 from overworld.core import authz, tls
 from overworld.core.config import ConfigError, RunConfig, check_generators, load_config, to_yaml
 from overworld.core.grpc_util import channel, wait_healthy
-from overworld.core.net import free_port
+from overworld.core.net import free_port, reserve_port
 from overworld.core.service import EXIT_CONFIG, PARENT_PID_ENV
 from overworld.envs.crafter_score import score_summary
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.v1 import trainer_pb2, trainer_pb2_grpc
 
+ROLLOUT_SIDE = ("rollout-manager", "model-registry", "replay-buffer", "gae")
 MAX_RESTARTS = 3  # per service; a restarted trainer continues from this run's latest checkpoint
 RESTARTABLE = ("trainer", "rollout-worker")
 
@@ -55,7 +57,7 @@ class Launcher:
         self.extra_env: dict[str, str] = {}  # for every service started (overworld.online's import path)
 
     def start(self, name: str, *flags: str, port: int | None = None) -> Child:
-        port = port or free_port()
+        port = port or (port_of(self.addresses[name]) if name in self.addresses else free_port())
         self.flags[name] = flags
         address = f"127.0.0.1:{port}"
         log_path = self.workdir / "logs" / f"{name}.log"
@@ -91,7 +93,7 @@ class Launcher:
         child.log_file.close()
         self.children.remove(child)
         self.restarts[child.name] = self.restarts.get(child.name, 0) + 1
-        port = int(child.address.rsplit(":", 1)[1])
+        port = port_of(child.address)
         print(f"\n{child.name} exited with code {child.proc.returncode}; restarting it "
               f"({self.restarts[child.name]} of {MAX_RESTARTS})", flush=True)
         flags = self.flags[child.name]
@@ -100,21 +102,45 @@ class Launcher:
         return self.start(child.name, *flags, port=port)
 
     def start_all(self, resume: str | None = None) -> None:
+        """Every service at once, on ports held from the start: each waits for the ones it needs by
+        itself (the trainer, started first, starts Ray meanwhile), so nobody idles while another
+        imports. Then wait until all of them answer their health checks."""
         print("starting services:", flush=True)
-        self.start_rollout_side(workers=False)
-        self.start_trainer(resume)
-        self.start_workers()
+        held = self.hold_ports(("trainer", *ROLLOUT_SIDE))
+        try:
+            self.start_trainer(resume)
+            self.start_rollout_side(wait=False)
+            for name in (*ROLLOUT_SIDE, "trainer"):
+                self.wait(name, 120)
+        finally:
+            for sock in held:
+                sock.close()
 
-    def start_rollout_side(self, workers: bool = True) -> None:
-        """Everything but the trainer (what overworld.online.start_rolloutmanager keeps running)."""
-        a = self.addresses
-        self.start("model-registry")
-        self.start("gae")
-        self.start("rollout-manager", "--config", str(self.config_path))
-        for name in ("model-registry", "gae", "rollout-manager"):
-            self.wait(name, 60)
-        self.start("replay-buffer", "--rollout-manager", a["rollout-manager"])
-        self.wait("replay-buffer", 60)
+    def hold_ports(self, names: tuple[str, ...]) -> list[socket.socket]:
+        """A loopback port for each of these services not started yet, its address known before it starts
+        and held until the caller closes the sockets (Ray, starting meanwhile, binds ports too)."""
+        held = []
+        for name in names:
+            if name not in self.addresses:
+                held.append(reserve_port())
+                self.addresses[name] = f"127.0.0.1:{held[-1].getsockname()[1]}"
+        return held
+
+    def start_rollout_side(self, workers: bool = True, wait: bool = True) -> None:
+        """Everything but the trainer (what overworld.online.start_rolloutmanager keeps running), at once."""
+        held = self.hold_ports(ROLLOUT_SIDE)
+        try:
+            a = self.addresses
+            self.start("rollout-manager", "--config", str(self.config_path))
+            self.start("model-registry")
+            self.start("replay-buffer", "--rollout-manager", a["rollout-manager"])
+            self.start("gae")
+            if wait:
+                for name in ROLLOUT_SIDE:
+                    self.wait(name, 120)
+        finally:
+            for sock in held:
+                sock.close()
         if workers:
             self.start_workers()
 
@@ -174,6 +200,10 @@ class Launcher:
                     c.proc.kill()
                 c.proc.wait()
                 c.log_file.close()
+
+
+def port_of(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
 
 
 @dataclass
@@ -341,6 +371,7 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
             if reached:
                 summary["status"] = "target_reached"
                 summary["steps_to_target"] = offset(trainer_status) + fleet.env_steps
+                summary["target_reached_unix"] = time.time()
                 break
             if max_env_steps is not None and offset(trainer_status) + fleet.env_steps >= max_env_steps:
                 summary["status"] = "max_env_steps"
@@ -391,7 +422,8 @@ def record_progress(path: Path, elapsed: float, env_steps: int, fleet: Any, trai
              **{f"{t.task}/{k}": v for t in fleet.tasks for k, v in t.mean_extras_last_100.items()
                 if k in ("cows_eaten", "achievement_eat_cow")},
              **{f"{t.task}/crafter_score": c["score"] for t in fleet.tasks
-                if (c := score_summary(t.total_extras, t.episodes))}}
+                if (c := score_summary(t.total_extras, t.episodes))},
+             **{k: round(v, 4) for k, v in trainer.metrics.items() if k.endswith("_seconds")}}  # the last iteration's
     with path.open("a") as f:
         f.write(json.dumps(entry) + "\n")
 

@@ -11,6 +11,8 @@ import pytest
 from overworld.envs.crafter_score import ACHIEVEMENTS, crafter_score, success_rates
 from overworld.envs.crafter_task import make_env
 from overworld.policies.impala import make_impala_policy
+from overworld.trainer.minestudio_metrics import crafter_metrics
+from overworld.v1 import rollout_manager_pb2
 
 
 def test_achievements_are_crafters_own() -> None:
@@ -77,3 +79,16 @@ def test_impala_policy_shapes() -> None:
         out, state = policy(obs, policy.initial_state(2), torch.zeros(2, 3, dtype=torch.bool))
         assert out.logits["action"].shape == (2, 3, 17) and out.vpred.shape == (2, 3)
         assert bool(state) == recurrent
+
+
+def test_the_trainer_logs_the_runs_crafter_score() -> None:
+    """The trainer's metrics (TensorBoard, W&B, console) carry the score over all the run's episodes,
+    from the rollout-manager's totals; tasks without achievements get none."""
+    extras = {f"achievement_{name}": (4.0 if name == "collect_wood" else 0.0) for name in ACHIEVEMENTS}
+    fleet = rollout_manager_pb2.FleetStatus(tasks=[
+        rollout_manager_pb2.TaskStats(task="crafter", episodes=8, total_extras=extras),
+        rollout_manager_pb2.TaskStats(task="cartpole", episodes=3, total_return=30.0)])
+    metrics = crafter_metrics(fleet)
+    assert metrics["crafter/crafter/success_rate/collect_wood"] == 50.0
+    assert metrics["crafter/crafter/score"] == pytest.approx(51 ** (1 / 22) - 1)
+    assert not any(k.startswith("crafter/cartpole") for k in metrics) and len(metrics) == 23

@@ -35,7 +35,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "replay-buffer": (_RM + "GetRunConfig", _RM + "GetSpaces"),
     # The trainer driver and its Ray Train workers (the same certificate on every Ray node).
     "trainer": (_RM + "GetRunConfig", _RM + "GetFleetStatus", _RM + "RequestVideo",
-                _RB + "Sample", _RB + "SetModelVersion", _RB + "GetStoreInfo",
+                _RB + "Sample", _RB + "SetModelVersion", _RB + "GetStoreInfo", _RB + "GetStats",
                 _GAE + "Estimate",
                 _MR + "Publish", _MR + "SetTag", _MR + "ListVersions", _MR + "GetPushStatus",
                 _TR + "ReportProgress", _TR + "GetStatus"),

@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hashlib
 import logging
 import time
 from pathlib import Path
@@ -147,6 +148,7 @@ class BaseTrainer:
         self.resumed_from: str | None = None
         self.start = {"model_version": 0, "env_steps": 0, "rho": self.rho}
         self.latest_checkpoint = ""
+        self.timings: dict[str, float] = {}  # seconds of each part of the last iteration (trainer/*_seconds)
         # How long fit() waits for the cluster to offer the workers' resources (train_config.
         # placement_timeout); the driver sets 0 for a Ray it started itself: that cluster cannot grow.
         self.placement_timeout = config.train_config.placement_timeout
@@ -256,6 +258,7 @@ class BaseTrainer:
         so `new_version=False` (re-send the current version) has nothing to publish."""
         if self.rank != 0 or not new_version:
             return
+        started = time.monotonic()
         version = self.model_version + 1
         data = to_bytes(self.unwrapped_model.state_dict())
         counters = {"iteration": self.iteration, "updates": self.updates, "samples_trained": self.samples_trained,
@@ -265,6 +268,7 @@ class BaseTrainer:
         self.model_version = version
         retry(lambda: self.buffer.SetModelVersion(
             replay_buffer_pb2.SetModelVersionRequest(model_version=version), timeout=30), "SetModelVersion", 60)
+        self.timings["publish"] = time.monotonic() - started
 
     def fetch_fragments_and_estimate_advantages(self, *, num_fragments: int | None = None) -> dict[str, Any]:
         """MineStudio's: this rank's share of `num_fragments` (default: fragments_per_iteration) with
@@ -275,7 +279,10 @@ class BaseTrainer:
         if num_fragments is not None and num_fragments != self.fragments_per_iteration:
             raise ValueError(f"num_fragments={num_fragments}: this trainer reads {self.fragments_per_iteration} per "
                              "iteration (num_workers x batch_size_per_gpu x batches_per_iteration); change those")
-        batch = self.estimate_advantages(chains_from_chunks(self.reader.next()))
+        started = time.monotonic()
+        batch = chains_from_chunks(self.reader.next())
+        self.timings["sample"] = time.monotonic() - started
+        batch = self.estimate_advantages(batch)
         return {"records": batch, "rewards": batch.reward.sum(1), "td_targets": batch.value_target,
                 "advantages": batch.advantage, "old_logps": batch.behaviour_logp, "old_pi_logits": None,
                 "old_vpreds": batch.old_vpred}
@@ -284,6 +291,7 @@ class BaseTrainer:
         """Fills in the batch's advantages and value targets (the gae service; V-trace if configured)
         and the learner's value predictions before the update."""
         t = self.config.train_config
+        started = time.monotonic()
         vpred, next_vpred, target_logp = self.compute_values(batch)
         normalizer = self.unwrapped_model.value_normalizer
         # Denormalised with the statistics the predictions were made with, before this batch moves them.
@@ -295,8 +303,10 @@ class BaseTrainer:
         if t.vtrace:
             request["behaviour_logp"] = batch.behaviour_logp.numpy()
             request["target_logp"] = target_logp.numpy()
+        valued = time.monotonic()
         adv, target = self.gae_client.estimate(request, self.discount, self.gae_lambda, vtrace=t.vtrace,
                                                rho_clip=t.vtrace_rho_clip, c_clip=t.vtrace_c_clip)
+        self.timings.update(values=valued - started, gae=time.monotonic() - valued)
         batch.advantage = torch.as_tensor(adv)
         batch.value_target = torch.as_tensor(target)
         batch.old_vpred = vpred
@@ -434,14 +444,53 @@ class BaseTrainer:
         log.info("rank %d resumed from %s: iteration %d, model version %d, env steps %d, rho %.4g",
                  self.rank, ckpt_id, self.iteration, self.model_version, self.env_steps, self.rho)
 
+    def publish_first_version(self) -> None:
+        """On the driver, while Ray starts: a fresh run's starting weights as version 1, tagged
+        `reference`, so that the workers step their envs with the learner's policy seconds after
+        `overworld run` instead of after Ray Train is up. The learner builds the same weights from the
+        same seed and does not publish them again (`publish_initial_version`). Nothing when the
+        registry already has a version or a checkpoint will be resumed: the learner publishes those."""
+        registry = ModelRegistryClient(self.model_registry)
+        try:
+            if registry.list_versions(timeout=60) or self._checkpoint_to_resume():
+                return
+            self.model, self.optimizer = self.build_starting_model()
+            registry.publish(1, to_bytes(self.unwrapped_model.state_dict()), config_hash=config_hash(self.config))
+            registry.set_tag("reference", 1)
+            log.info("published the starting weights as version 1 (before Ray Train)")
+        finally:
+            registry.close()
+            self.model = self.optimizer = self.reference = None  # type: ignore[assignment]  # the learner builds its own
+
+    def _checkpoint_to_resume(self) -> bool:
+        """Whether `restore()` will load a checkpoint (the same rules)."""
+        from overworld.trainer.minestudio_checkpoint import is_minestudio_checkpoint
+
+        store = checkpoint_store(self.config, self.workdir)
+        if self.extra.get("continue_run") and store.resolve("latest") is not None:
+            return True
+        which = (self.resume or "never").strip()
+        if which == "never":
+            return False
+        return is_minestudio_checkpoint(which) or store.resolve("latest" if which == "auto" else which) is not None
+
     def publish_initial_version(self) -> None:
         """Rank 0: publish the starting weights (version 1 on a fresh run, the next free version on a
-        resume) so every worker acts with the learner's policy from its first step."""
+        resume) so every worker acts with the learner's policy from its first step. When the driver
+        published these very weights already (`publish_first_version`), only adopt its version."""
         if self.rank != 0:
             return
         versions = self.registry.stub.ListVersions(model_registry_pb2.ListVersionsRequest(), timeout=30).versions
         latest = max((v.version for v in versions), default=0)
         has_reference = any("reference" in v.tags for v in versions)
+        if self.resumed_from is None and latest == 1 and self.model_version == 0:
+            data = to_bytes(self.unwrapped_model.state_dict())
+            if next(v for v in versions if v.version == 1).sha256 == hashlib.sha256(data).hexdigest():
+                self.model_version = 1
+                retry(lambda: self.buffer.SetModelVersion(
+                    replay_buffer_pb2.SetModelVersionRequest(model_version=1), timeout=30), "SetModelVersion", 60)
+                return
+            log.warning("version 1 in the registry is not this learner's starting weights: publishing them anew")
         self.model_version = max(latest, self.model_version)
         self.broadcast_model_to_rollout_workers(new_version=True)
         if not has_reference:
@@ -457,6 +506,19 @@ class BaseTrainer:
     def build_policy(self) -> Policy:
         _, policy, _, _ = run_spaces(self.config)
         return policy
+
+    def build_starting_model(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """(model, optimizer) from the run's seed: the same weights in the driver (`publish_first_version`)
+        and in every learner rank. Built on one thread: initialisers that factorise matrices (orthogonal
+        init's QR) round differently with more threads, and the driver's weights would differ from the
+        learner's. (Machines with different CPUs may still differ: the learner then publishes anew.)"""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            torch.manual_seed(self.config.seed)
+            return self._as_policy_model(*self.setup_model_and_optimizer(self.policy_generator))
+        finally:
+            torch.set_num_threads(threads)
 
     def _as_policy_model(self, model: Any, optimizer: torch.optim.Optimizer,
                          *rest: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -519,10 +581,9 @@ class BaseTrainer:
         self.rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
         require_usable_cuda()  # Ray gave this worker a GPU: it is used, or training stops here
         self.device = ray.train.torch.get_device()
-        torch.manual_seed(self.config.seed)
         torch.set_num_threads(1)
         self._connect()
-        self.model, self.optimizer = self._as_policy_model(*self.setup_model_and_optimizer(self.policy_generator))
+        self.model, self.optimizer = self.build_starting_model()
         torch.manual_seed(self.config.seed * 7919 + self.rank)  # minibatch order; a resume restores it
         try:
             self.restore()

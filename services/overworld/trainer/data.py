@@ -84,6 +84,8 @@ def chains_from_chunks(chunks: list[replay_buffer_pb2.SampledChunk]) -> Batch:
                 chain[key] = first[key]
             elif key.startswith("next_obs."):
                 chain[key] = last[key]
+            elif len(fragments) == 1:  # one fragment per chunk: its arrays as they are (np.stack copies once)
+                chain[key] = first[key]
             else:
                 chain[key] = np.concatenate([f.data[key] for f in fragments], axis=0)
         chains.append(chain)

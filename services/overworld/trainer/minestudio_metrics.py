@@ -8,7 +8,9 @@ metrics on rank 0 (a post_iteration hook, before the loggers):
   mean_discounted_reward, mean_episode_length}` (MineStudio's EpisodeStatistics.log_statistics);
 - `replay_buffer/{fragments_per_second, replay_buffer_size (chunk), model_version, avg_reuse,
   avg_staleness}` from the replay buffer's statistics;
-- `trainer/env_SPS_all_workers`: env steps per second of the whole fleet since the last iteration.
+- `trainer/env_SPS_all_workers`: env steps per second of the whole fleet since the last iteration;
+- `crafter/{task}/score` and `crafter/{task}/success_rate/{achievement}` for tasks whose episodes
+  report Crafter's achievements: over all the run's episodes, as the benchmark scores a run.
 """
 
 from __future__ import annotations
@@ -19,6 +21,7 @@ import time
 from typing import Any
 
 from overworld.core.config import RunConfig
+from overworld.envs.crafter_score import score_summary
 from overworld.v1 import replay_buffer_pb2
 
 log = logging.getLogger("overworld.trainer")
@@ -52,6 +55,7 @@ class MineStudioMetrics:
             return
         now = time.monotonic()
         metrics.update(self.episode_statistics(fleet, trainer.config, trainer.env_steps))
+        metrics.update(crafter_metrics(fleet))
         if self.inserted is not None and now > self.inserted[0]:
             metrics["replay_buffer/fragments_per_second"] = (
                 (stats.inserted_fragments - self.inserted[1]) / (now - self.inserted[0]))
@@ -92,6 +96,17 @@ class MineStudioMetrics:
             "episode_statistics/mean_episode_length": _mean([m["episode_length"] for m in train]),
         })
         return out
+
+
+def crafter_metrics(fleet: Any) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for t in fleet.tasks:
+        summary = score_summary(t.total_extras, t.episodes)
+        if summary is not None:
+            out[f"crafter/{t.task}/score"] = summary["score"]
+            out.update({f"crafter/{t.task}/success_rate/{name}": rate
+                        for name, rate in summary["success_rates"].items()})
+    return out
 
 
 def _mean(values: list[float]) -> float:

@@ -21,6 +21,7 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
+import grpc
 import torch
 
 from overworld.core.imports import import_object
@@ -30,6 +31,7 @@ from overworld.trainer.builtin_hooks import register_builtin_hooks
 from overworld.trainer.checkpoint import checkpoint_id
 from overworld.trainer.data import Batch
 from overworld.trainer.loss import LossConfig, LossTerms, ppo_loss
+from overworld.v1 import rollout_manager_pb2
 
 log = logging.getLogger("overworld.trainer.ppo")
 
@@ -76,24 +78,32 @@ class PPOTrainer(BaseTrainer):
             import_object(ref)(self)
         self.publish_initial_version()
         self.report("running", {})
-        last_env_steps = self._fleet_env_steps()
+        last_env_steps = self._fleet_env_steps(self._ask_fleet())
         try:
             while self.iteration < t.num_iterations:
                 self.iteration += 1
                 started = time.monotonic()
+                fleet = self._ask_fleet()  # answered while this iteration runs: no round trip of its own
                 self.hooks.run("pre_collect", self)
                 updates_before = self.updates
                 metrics = dict(self.train_iteration() or {})
-                fleet_steps = self._fleet_env_steps()
+                updated = time.monotonic()
+                fetched = sum(self.timings.get(part, 0.0) for part in ("sample", "values", "gae"))
+                self.timings["update"] = updated - started - fetched  # the PPO epochs (hooks included)
+                if self.iteration == 1 and self.rank == 0:
+                    log.info("first update done: %d optimizer steps", self.updates)  # bench/bench_e2e.py's timeline
+                fleet_steps = self._fleet_env_steps(fleet)
                 new_steps = max(0, fleet_steps - last_env_steps)
                 last_env_steps = fleet_steps
                 self.env_steps += new_steps
                 metrics.update({
-                    "trainer/iteration_seconds": time.monotonic() - started,
                     "trainer/utd_ratio": (self.updates - updates_before) / new_steps if new_steps else math.nan,
                     "trainer/env_steps_all_workers": float(self.env_steps),
                 })
                 self.hooks.run("post_iteration", self, metrics=metrics)
+                self.timings["post_iteration"] = time.monotonic() - updated
+                metrics.update({f"trainer/{k}_seconds": v for k, v in self.timings.items()})
+                metrics["trainer/iteration_seconds"] = time.monotonic() - started
                 if self.report("running", metrics):
                     log.info("stop requested: checkpointing iteration %d and finishing", self.iteration)
                     break
@@ -103,9 +113,16 @@ class PPOTrainer(BaseTrainer):
             self.save_checkpoint()
         self.report("finished", {})
 
-    def _fleet_env_steps(self) -> int:
+    def _ask_fleet(self) -> grpc.Future | None:
         try:
-            return int(self.manager.fleet_status(timeout=5).env_steps)
+            return self.manager.stub.GetFleetStatus.future(rollout_manager_pb2.GetFleetStatusRequest(), timeout=5)
+        except Exception:  # statistics only: never stall training on the manager
+            return None
+
+    @staticmethod
+    def _fleet_env_steps(asked: grpc.Future | None) -> int:
+        try:
+            return int(asked.result().env_steps) if asked is not None else 0
         except Exception:  # statistics only: never stall training on the manager
             return 0
 
@@ -251,8 +268,10 @@ class PPOTrainer(BaseTrainer):
         params = [p for p in self.model.parameters() if p.requires_grad]
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
-        finite = torch.tensor(float(all(p.grad is None or bool(torch.isfinite(p.grad).all()) for p in params)),
-                              device=self.device)
+        grads = [p.grad for p in params if p.grad is not None]
+        # One norm over every gradient (non-finite iff one of them is): a few ops, not one check per tensor.
+        norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
+        finite = torch.isfinite(norm).float()
         finite = self.all_reduce_sum(finite)
         if finite.item() < self.world_size:
             log.warning("non-finite gradient on some rank: skipping this optimizer step on every rank")
@@ -263,8 +282,9 @@ class PPOTrainer(BaseTrainer):
             return 1
         if t.max_grad_value is not None:
             torch.nn.utils.clip_grad_value_(params, t.max_grad_value)
+            norm = torch.nn.utils.get_total_norm(grads) if grads else norm  # the values changed
         if t.max_grad_norm and t.max_grad_norm > 0:
-            torch.nn.utils.clip_grad_norm_(params, t.max_grad_norm)
+            torch.nn.utils.clip_grads_with_norm_(params, t.max_grad_norm, norm)
         if self.scaler is not None:
             self.scaler.step(self.optimizer)
             self.scaler.update()
