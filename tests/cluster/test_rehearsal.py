@@ -44,6 +44,7 @@ def rehearsal() -> Iterator[Rehearsal]:
         yield started
 
 
+
 def progress(rehearsal: Rehearsal) -> tuple[int, int]:
     """(model version, env steps) as the trainer reports them."""
     status = rehearsal.trainer_status()
@@ -272,6 +273,7 @@ def test_deleting_every_service_pod_and_the_stores_once(rehearsal: Rehearsal) ->
 @pytest.mark.skipif(not FULL, reason="OVERWORLD_REHEARSAL_FULL=1: one more Ray recovery (the default run "
                                      "deletes the Ray worker together with the head)")
 def test_deleting_a_ray_worker_alone(rehearsal: Rehearsal) -> None:
+    """The trainer loses a Ray node while its head stays up, and trains on."""
     cluster_name = rehearsal.rayjob()["status"]["rayClusterName"]
     owner = next(name for name in rehearsal.cluster.workloads if name.startswith(f"{cluster_name}-worker"))
     version, steps = progress(rehearsal)
@@ -280,7 +282,8 @@ def test_deleting_a_ray_worker_alone(rehearsal: Rehearsal) -> None:
 
 
 def test_deleting_the_ray_head_and_a_ray_worker_once(rehearsal: Rehearsal) -> None:
-    """KubeRay retries the RayJob on a new RayCluster; the trainer resumes from the object store."""
+    """The RayCluster gets a new head and worker (new addresses, empty disks), the job is submitted
+    again, and the trainer resumes from its newest checkpoint in the object store."""
     cluster = rehearsal.cluster
     cluster_name = rehearsal.rayjob()["status"]["rayClusterName"]
     owner = next(name for name in cluster.workloads if name.startswith(f"{cluster_name}-worker"))
