@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 
 SB3_STAMP := .venv-sb3/.installed-sb3-2.9.2
 
-.PHONY: run test test-fast test-minestudio bench sb3 lint protos install clean
+.PHONY: run test test-fast test-minestudio rehearsal bench sb3 lint protos install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -33,6 +33,12 @@ test: $(STAMP)
 
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# The cluster rehearsal (tests/cluster, also part of `make test`): the rendered chart as pods, each in
+# network, PID, mount and UTS namespaces of its own on a bridge; pods deleted, workers scaled and cut
+# off, a kubectl resume. Needs root (ip netns); docs/operations.md says what it covers.
+rehearsal: $(STAMP)
+	$(PY) -m pytest -q tests/cluster $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 bench: $(STAMP) $(SB3_STAMP)
 	mkdir -p bench/results

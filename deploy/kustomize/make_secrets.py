@@ -1,4 +1,4 @@
-"""Make the Secrets of the kustomize base, which are never committed: MinIO's root credentials,
+"""Make the Secrets of the kustomize base, which are never committed: the object store's S3 keys,
 Redis' password, and a CA of the deployment with a certificate per identity (mutual TLS between the
 services, core/tls.py). They go to base/secrets/ (git-ignored); `kubectl kustomize` fails until
 they exist. Needs the overworld package (`pip install -e .`).
@@ -22,7 +22,7 @@ def make(out: Path, run: str = RELEASE, days: int = 3650) -> None:
     from overworld.core import authz, tls
 
     out.mkdir(parents=True, exist_ok=True, mode=0o700)
-    for name, text in (("minio.env", f"root-user=overworld\nroot-password={secrets.token_urlsafe(24)}\n"),
+    for name, text in (("s3.env", f"access-key=overworld\nsecret-key={secrets.token_urlsafe(30)}\n"),
                        ("redis.env", f"redis-password={secrets.token_urlsafe(24)}\n")):
         path = out / name
         path.touch(mode=0o600)
@@ -38,8 +38,8 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--out", type=Path, default=HERE / "base" / "secrets")
     parser.add_argument("--force", action="store_true", help="replace existing secrets")
     args = parser.parse_args(argv)
-    if (args.out / "minio.env").exists() and not args.force:
-        print(f"{args.out} exists; --force replaces it (MinIO's data then needs the old password)", file=sys.stderr)
+    if (args.out / "s3.env").exists() and not args.force:
+        print(f"{args.out} exists; --force replaces it (the object store's data then needs the old keys)", file=sys.stderr)
         return 1
     make(args.out)
     print(f"wrote {args.out}")

@@ -1,8 +1,8 @@
 """Regenerate the kustomize base and monitoring component from the Helm chart.
 
 The chart is the single source of the manifests; the kustomize tree is its render with the
-Helm-only parts taken out (hook annotations, Helm labels, and the Secrets Helm generates, MinIO's
-and Redis' passwords and the TLS certificates, which become secretGenerators over the files
+Helm-only parts taken out (hook annotations, Helm labels, and the Secrets Helm generates, the object
+store's keys and Redis' password and the TLS certificates, which become secretGenerators over the files
 make_secrets.py writes: nothing secret is committed). Run after changing the chart:
 
     python deploy/kustomize/render_base.py          # rewrite the generated files

@@ -11,7 +11,7 @@ from typing import Any
 
 from overworld.core.blobs import open_blob_store
 from overworld.core.config import load_config
-from overworld.core.grpc_util import serve
+from overworld.core.grpc_util import FRONT_MAX_CONNECTION_AGE_S, serve
 
 DEFAULT_PORTS = {"rollout-manager": 50051, "replay-buffer": 50052, "gae": 50053, "model-registry": 50054,
                  "trainer": 50055, "rollout-worker": 50056, "run-controller": 0}
@@ -80,8 +80,8 @@ def replay_buffer(args: argparse.Namespace, done: threading.Event) -> Any:
         # Replicas started together clear once; a plain restart of one front clears nothing.
         service.discard_buffered(token=f"{config_hash(config)}:{config.train_config.resume or ''}")
     # add_to_server: the same wire protocol, fragments stored as received and sent as stored.
-    return Served(serve([(add_to_server, service, "overworld.v1.ReplayBuffer")], args.host, args.port),
-                  service.stop, index.close)
+    return Served(serve([(add_to_server, service, "overworld.v1.ReplayBuffer")], args.host, args.port,
+                        max_connection_age=FRONT_MAX_CONNECTION_AGE_S), service.stop, index.close)
 
 
 def gae(args: argparse.Namespace, done: threading.Event) -> Any:
@@ -89,7 +89,7 @@ def gae(args: argparse.Namespace, done: threading.Event) -> Any:
     from overworld.v1 import gae_pb2_grpc
 
     return Served(serve([(gae_pb2_grpc.add_GaeServicer_to_server, GaeService(), "overworld.v1.Gae")],
-                        args.host, args.port))
+                        args.host, args.port, max_connection_age=FRONT_MAX_CONNECTION_AGE_S))
 
 
 def model_registry(args: argparse.Namespace, done: threading.Event) -> Any:

@@ -106,13 +106,27 @@ def chart_crds() -> list[dict[str, Any]]:
     return [yaml.safe_load(path.read_text()) for path in sorted((CHART / "crds").glob("*.yaml"))]
 
 
+def closed(schema: Any) -> Any:
+    """The schema with every object that lists its properties closed to others (`additionalProperties:
+    false`), unless it keeps unknown fields on purpose: stricter than an API server, which prunes."""
+    if isinstance(schema, dict):
+        schema = {k: closed(v) for k, v in schema.items()}
+        if ("properties" in schema and "additionalProperties" not in schema
+                and not schema.get("x-kubernetes-preserve-unknown-fields")):
+            schema["additionalProperties"] = False
+        return schema
+    if isinstance(schema, list):
+        return [closed(item) for item in schema]
+    return schema
+
+
 @functools.cache
 def custom_schemas() -> dict[tuple[str, str], dict[str, Any]]:
     """(apiVersion, kind) -> openAPIV3Schema, from the fixtures and the chart's own CRDs."""
     schemas: dict[tuple[str, str], dict[str, Any]] = {}
     for path in sorted(CRD_FIXTURES.glob("*.yaml")):
         doc = yaml.safe_load(path.read_text())
-        schemas[(f"{doc['group']}/{doc['version']}", doc["kind"])] = doc["openAPIV3Schema"]
+        schemas[(f"{doc['group']}/{doc['version']}", doc["kind"])] = closed(doc["openAPIV3Schema"])
     for crd in chart_crds():
         for version in crd["spec"]["versions"]:
             api_version = f"{crd['spec']['group']}/{version['name']}"
@@ -128,6 +142,8 @@ def pod_templates(obj: dict[str, Any]) -> Iterator[tuple[str, dict[str, Any]]]:
     yield "headGroupSpec", cluster["headGroupSpec"]["template"]
     for group in cluster.get("workerGroupSpecs", []):
         yield f"workerGroupSpecs[{group['groupName']}]", group["template"]
+    if "submitterPodTemplate" in obj["spec"]:
+        yield "submitterPodTemplate", obj["spec"]["submitterPodTemplate"]
 
 
 def validate_object(obj: dict[str, Any], version: str = KUBE_VERSIONS[-1]) -> None:

@@ -52,6 +52,8 @@ def selector_matches(selector: dict[str, Any], labels: dict[str, str]) -> bool:
             return False
         if expr["operator"] == "Exists" and expr["key"] not in labels:
             return False
+        if expr["operator"] == "DoesNotExist" and expr["key"] in labels:
+            return False
     return True
 
 
@@ -145,9 +147,9 @@ def test_schema_rejects_bad_values(values: dict[str, Any], message: str) -> None
 @pytest.mark.parametrize(
     ("values", "message"),
     [
-        ({"minio": {"enabled": False}}, "externalS3.endpoint"),
+        ({"seaweedfs": {"enabled": False}}, "externalS3.endpoint"),
         (
-            {"minio": {"enabled": False}, "externalS3": {"endpoint": "https://s3"}},
+            {"seaweedfs": {"enabled": False}, "externalS3": {"endpoint": "https://s3"}},
             "externalS3.existingSecret",
         ),
         ({"redis": {"enabled": False}}, "externalRedis.url or externalRedis.existingSecret"),
@@ -191,7 +193,7 @@ def test_service_wiring(values_file: Any) -> None:
     existing = {
         s
         for s in (
-            values.get("minio", {}).get("auth", {}).get("existingSecret"),
+            values.get("seaweedfs", {}).get("auth", {}).get("existingSecret"),
             values.get("externalS3", {}).get("existingSecret"),
             values.get("externalRedis", {}).get("existingSecret"),
         )
@@ -209,7 +211,7 @@ def test_service_wiring(values_file: Any) -> None:
         if component not in SERVICES:
             continue
         (container,) = containers(deployment)
-        assert container["command"] == ["overworld"]
+        assert "command" not in container, f"{name}: the image's entrypoint must run"
         assert container["args"][:2] == ["serve", component], name
         env = env_of(container)
         port = int(env["OVERWORLD_PORT"])
@@ -242,7 +244,7 @@ def test_service_wiring(values_file: Any) -> None:
         if "OVERWORLD_BLOBS" in env:
             assert env["OVERWORLD_BLOBS"].startswith("s3://")
             endpoint = env["OVERWORLD_S3_ENDPOINT"]
-            if values.get("minio", {}).get("enabled", True):
+            if values.get("seaweedfs", {}).get("enabled", True):
                 check_address(endpoint.removeprefix("http://"))
         for value in env.values():
             if isinstance(value, dict) and "secretKeyRef" in value:
@@ -277,7 +279,9 @@ def test_rollout_manager_gets_the_default_run_config(
     path = tmp_path / "config.yaml"
     path.write_text(run_config_text(default_objects))
     loaded = load_config(path)  # the services' own strict loader, as the rollout-manager runs it
-    assert loaded == load_config(CHART / "files" / "run-config.yaml")
+    default = load_config(CHART / "files" / "run-config.yaml")
+    default.run_id = "overworld"
+    assert loaded == default
     assert loaded.task_name == "crafter-cow"
 
 
@@ -287,16 +291,40 @@ def test_a_users_run_config_replaces_the_default(tmp_path: Path) -> None:
     example = REPO / "examples" / "cartpole.yaml"
     path = tmp_path / "config.yaml"
     path.write_text(run_config_text(render({"run": {"config": yaml.safe_load(example.read_text())}})))
-    assert load_config(path) == load_config(example)  # verbatim: no default key merged in
+    expected = load_config(example)
+    expected.run_id = "overworld"
+    assert load_config(path) == expected  # no default key merged in, only the run id
+
+
+def test_the_run_id_outlives_the_rollout_manager(tmp_path: Path) -> None:
+    """Without a run_id in its config the rollout-manager makes one up at every start: a deleted
+    pod would come back as a new run, with an empty replay index and no checkpoints to resume."""
+    from overworld.core.config import load_config
+
+    def run_id(values: dict[str, Any]) -> str:
+        path = tmp_path / "config.yaml"
+        path.write_text(run_config_text(render(values, release="cow")))
+        return load_config(path).run_id
+
+    assert run_id({}) == "cow"
+    assert run_id({"run": {"id": "cow-2"}}) == "cow-2"
+    assert run_id({"run": {"id": "ignored", "config": {"task_name": "t", "run_id": "mine"}}}) == "mine"
 
 
 def test_gpu_workers() -> None:
-    gpu = by_kind(render(), "Deployment")["overworld-rollout-worker"]
+    """GPU pods are placed by their nvidia.com/gpu limit (the device plugin's resource) and tolerate
+    the GPU taint; no node label that only GPU feature discovery sets is required."""
+    objects = render()
+    gpu = by_kind(objects, "Deployment")["overworld-rollout-worker"]
     pod = gpu["spec"]["template"]["spec"]
     (container,) = pod["containers"]
     assert container["resources"]["limits"]["nvidia.com/gpu"] == 1
-    assert pod["nodeSelector"] == {"nvidia.com/gpu.present": "true"}
+    assert "nodeSelector" not in pod
     assert {"key": "nvidia.com/gpu", "operator": "Exists", "effect": "NoSchedule"} in pod["tolerations"]
+    (training_run,) = by_kind(objects, "TrainingRun").values()
+    (group,) = build_rayjob(training_run, attempt=1)["spec"]["rayClusterSpec"]["workerGroupSpecs"]
+    assert "nodeSelector" not in group["template"]["spec"]
+    assert group["template"]["spec"]["containers"][0]["resources"]["limits"]["nvidia.com/gpu"] == 1
     assert any(v["name"] == "dshm" and v["emptyDir"]["medium"] == "Memory" for v in pod["volumes"])
     cpu = by_kind(render(values_from_files([CHART / "ci" / "cpu-values.yaml"])), "Deployment")
     worker = cpu["overworld-rollout-worker"]
@@ -306,6 +334,14 @@ def test_gpu_workers() -> None:
 
 
 def test_replicas_follow_values() -> None:
+    default = by_kind(render(), "Deployment")
+    # kubectl scale owns the fleet size: the chart never declares it, so helm upgrade keeps it.
+    assert "replicas" not in default["overworld-rollout-worker"]["spec"]
+    assert default["overworld-replay-buffer"]["spec"]["replicas"] == 2
+    handed_over = by_kind(render({"replayBuffer": {"replicaCount": None}, "gae": {"replicaCount": None}}),
+                          "Deployment")
+    assert "replicas" not in handed_over["overworld-replay-buffer"]["spec"]
+    assert "replicas" not in handed_over["overworld-gae"]["spec"]
     objects = render(
         {
             "replayBuffer": {"replicaCount": 5},
@@ -366,7 +402,7 @@ def test_network_policies_let_the_release_in() -> None:
         training_run["spec"]["podLabels"],  # the trainer's Ray pods
         job["spec"]["template"]["metadata"]["labels"],  # the bucket hook
     ]
-    for component in (*SERVICES, "redis", "minio"):
+    for component in (*SERVICES, "redis", "object-store"):
         policy = policies[f"overworld-{component}"]
         grpc_rule = policy["spec"]["ingress"][0]
         selector = grpc_rule["from"][0]["podSelector"]
@@ -489,12 +525,14 @@ def test_images_and_naming_overrides() -> None:
 def test_default_values_make_a_runnable_trainer(default_objects: list[dict[str, Any]]) -> None:
     """The rendered TrainingRun becomes a RayJob that is valid and carries the trainer's wiring."""
     (training_run,) = by_kind(default_objects, "TrainingRun").values()
-    rayjob = build_rayjob(training_run, attempt=1, resume_from=training_run["spec"]["resumeFrom"])
+    assert "resumeFrom" not in training_run["spec"]
+    rayjob = build_rayjob(training_run, attempt=1, resume_from=training_run["spec"].get("resumeFrom", ""))
     rayjob["metadata"]["ownerReferences"] = [
         {"apiVersion": "overworld.dev/v1alpha1", "kind": "TrainingRun", "name": "overworld", "uid": "u-1"}
     ]
     validate_object(rayjob)
-    assert rayjob["spec"]["entrypoint"] == "overworld serve trainer --ray-address auto"
+    assert rayjob["spec"]["entrypoint"] == "overworld serve trainer --ray-address auto --resume latest"
+    assert rayjob["spec"]["backoffLimit"] == 2
     cluster = rayjob["spec"]["rayClusterSpec"]
     assert (
         cluster["rayVersion"] == yaml.safe_load((CHART / "values.yaml").read_text())["trainer"]["rayVersion"]
@@ -515,20 +553,23 @@ def test_bucket_hook_job() -> None:
     annotations = job["metadata"]["annotations"]
     assert annotations["helm.sh/hook"] == "post-install,post-upgrade"
     assert "before-hook-creation" in annotations["helm.sh/hook-delete-policy"]
-    script = job["spec"]["template"]["spec"]["containers"][0]["args"][0]
-    assert 'mc mb --ignore-existing "store/$BUCKET"' in script
+    (container,) = job["spec"]["template"]["spec"]["containers"]
+    assert container["image"] == "ghcr.io/overworld-rl/overworld-services:0.1.0"
+    script = container["args"][0]
+    compile(script, "create-bucket", "exec")
+    assert "store.make_bucket(bucket)" in script
     assert not by_kind(render({"objectStore": {"createBucket": False}}), "Job")
 
 
 def test_checkpoint_storage_survives_uninstall() -> None:
     objects = render()
-    for name in ("overworld-minio", "overworld-redis"):
+    for name in ("overworld-seaweedfs", "overworld-redis"):
         statefulset = by_kind(objects, "StatefulSet")[name]
         assert statefulset["spec"]["persistentVolumeClaimRetentionPolicy"] == {
             "whenDeleted": "Retain",
             "whenScaled": "Retain",
         }
-    secret = by_kind(objects, "Secret")["overworld-minio"]
+    secret = by_kind(objects, "Secret")["overworld-s3"]
     assert secret["metadata"]["annotations"]["helm.sh/resource-policy"] == "keep"
     (crd,) = chart_crds()
     assert (CHART / "crds").is_dir() and crd["kind"] == "CustomResourceDefinition"  # Helm never deletes crds/
@@ -562,6 +603,8 @@ def test_run_controller_rbac_covers_what_it_calls(default_objects: list[dict[str
     needed = {
         *(("overworld.dev", "trainingruns", v) for v in ("get", "list", "watch", "patch")),
         ("overworld.dev", "trainingruns/status", "patch"),
+        # kopf.adopt sets blockOwnerDeletion on the RayJobs' owner reference.
+        ("overworld.dev", "trainingruns/finalizers", "update"),
         *(("ray.io", "rayjobs", v) for v in ("get", "list", "watch", "create", "delete")),
         ("", "events", "create"),
     }
@@ -575,3 +618,111 @@ def test_run_controller_rbac_covers_what_it_calls(default_objects: list[dict[str
     assert container["command"] == ["python", "-m", "overworld.run_controller"]
     namespace_env = next(e for e in container["env"] if e["name"] == "OVERWORLD_NAMESPACE")
     assert namespace_env["valueFrom"] == {"fieldRef": {"fieldPath": "metadata.namespace"}}
+
+
+# --- what a first real install would hit ---------------------------------------------------------
+
+
+def image_entrypoint(dockerfile: Path, target: str | None = None) -> list[str]:
+    """ENTRYPOINT of a Dockerfile's stage (the last one when no target is named)."""
+    from dockerfile_parse import DockerfileParser
+
+    entrypoint: list[str] = []
+    stage = None
+    for instruction in DockerfileParser(str(dockerfile)).structure:
+        if instruction["instruction"] == "FROM":
+            stage = instruction["value"].split()[-1] if " AS " in instruction["value"].upper() else None
+            if target is not None and stage == target:
+                entrypoint = []
+        elif instruction["instruction"] == "ENTRYPOINT" and (target is None or stage == target):
+            entrypoint = json.loads(instruction["value"])
+    return entrypoint
+
+
+def test_rollout_worker_runs_the_images_entrypoint() -> None:
+    """The Minecraft worker image wraps `overworld` in `xvfb-run` (the game needs a display); a
+    container `command` would replace that wrapper."""
+    worker = containers(by_kind(render(), "Deployment")["overworld-rollout-worker"])[0]
+    dockerfile = REPO / "docker" / "rollout-worker.Dockerfile"
+    argv = worker.get("command") or image_entrypoint(dockerfile, "minecraft")
+    argv = [*argv, *worker["args"]]
+    assert argv[:5] == ["xvfb-run", "-a", "overworld", "serve", "rollout-worker"], argv
+    runtime = [*(worker.get("command") or image_entrypoint(dockerfile, "runtime")), *worker["args"]]
+    assert runtime[:3] == ["overworld", "serve", "rollout-worker"]
+
+
+@pytest.mark.parametrize("values_file", CI_VALUES, ids=CI_IDS)
+def test_no_minio_image_and_a_published_object_store(values_file: Any) -> None:
+    """MinIO stopped publishing free images in October 2025: nothing may pull one."""
+    objects = render(values_from_files([values_file]))
+    images = {
+        c["image"]
+        for obj in objects
+        if obj["kind"] in ("Deployment", "StatefulSet", "Job")
+        for c in obj["spec"]["template"]["spec"]["containers"]
+    }
+    assert not [image for image in images if "minio" in image], images
+    store = by_kind(objects, "StatefulSet").get("overworld-seaweedfs")
+    if store is not None:
+        (container,) = containers(store)
+        assert container["image"] == "ghcr.io/chrislusf/seaweedfs:4.42"
+        assert container["command"] == ["weed"] and "-s3" in container["args"]
+        assert {e["name"] for e in container["env"]} == {"AWS_ACCESS_KEY_ID", "AWS_SECRET_ACCESS_KEY"}
+
+
+SCHEDULING = {
+    "priorityClassName": "rl-high",
+    "runtimeClassName": "nvidia",
+    "affinity": {"nodeAffinity": {"requiredDuringSchedulingIgnoredDuringExecution": {"nodeSelectorTerms": [
+        {"matchExpressions": [{"key": "pool", "operator": "In", "values": ["rl"]}]}]}}},
+    "topologySpreadConstraints": [{"maxSkew": 1, "topologyKey": "kubernetes.io/hostname",
+                                   "whenUnsatisfiable": "ScheduleAnyway"}],
+}
+
+
+def test_scheduling_knobs_reach_every_pod() -> None:
+    components = ("rolloutManager", "rolloutWorker", "replayBuffer", "gae", "modelRegistry", "runController",
+                  "redis", "seaweedfs")
+    values: dict[str, Any] = {name: dict(SCHEDULING) for name in components}
+    values["trainer"] = {"head": dict(SCHEDULING), "workerGroup": dict(SCHEDULING)}
+    objects = render(values)
+    pods = {o["metadata"]["name"]: o["spec"]["template"]["spec"]
+            for o in objects if o["kind"] in ("Deployment", "StatefulSet")}
+    (training_run,) = by_kind(objects, "TrainingRun").values()
+    cluster = build_rayjob(training_run, attempt=1)["spec"]["rayClusterSpec"]
+    pods["ray-head"] = cluster["headGroupSpec"]["template"]["spec"]
+    pods["ray-worker"] = cluster["workerGroupSpecs"][0]["template"]["spec"]
+    assert len(pods) == 10
+    for name, pod in pods.items():
+        for key, value in SCHEDULING.items():
+            assert pod.get(key) == value, (name, key)
+    for obj in objects:
+        validate_object(obj)
+
+
+def test_resume_from_is_left_to_kubectl() -> None:
+    """An empty trainingRun.resumeFrom is not rendered, so Helm never owns the field and a
+    `kubectl patch ... resumeFrom` survives `helm upgrade` (server-side apply)."""
+    (training_run,) = by_kind(render(), "TrainingRun").values()
+    assert "resumeFrom" not in training_run["spec"]
+    (pinned,) = by_kind(render({"trainingRun": {"resumeFrom": "latest"}}), "TrainingRun").values()
+    assert pinned["spec"]["resumeFrom"] == "latest"
+
+
+def test_replicated_fronts_are_reached_through_headless_services() -> None:
+    """Clients balance over every replica (gRPC round_robin over DNS): the address they get must be
+    a headless Service selecting the pods."""
+    objects = render()
+    services = by_kind(objects, "Service")
+    deployments = by_kind(objects, "Deployment")
+    worker_env = env_of(containers(deployments["overworld-rollout-worker"])[0])
+    (training_run,) = by_kind(objects, "TrainingRun").values()
+    trainer_env = {e["name"]: e.get("value") for e in training_run["spec"]["env"]}
+    for variable, component in (("OVERWORLD_REPLAY_BUFFER", "replay-buffer"), ("OVERWORLD_GAE", "gae")):
+        envs = [trainer_env] + ([worker_env] if variable in worker_env else [])
+        for env in envs:
+            host = env[variable].rsplit(":", 1)[0]
+            service = services[host]
+            assert service["spec"]["clusterIP"] == "None", host
+            labels = deployments[f"overworld-{component}"]["spec"]["template"]["metadata"]["labels"]
+            assert all(labels.get(k) == v for k, v in service["spec"]["selector"].items())

@@ -3,7 +3,7 @@ and environment exactly as rendered, and start the real services with them on th
 
 The only translation is what a cluster would do for us: Service DNS names (and their ports)
 map to loopback ports, Secrets (the Helm-generated certificates and passwords) and the run-config
-ConfigMap are resolved from the rendered objects, the bundled Redis and MinIO are a real
+ConfigMap are resolved from the rendered objects, the bundled Redis and object store are a real
 redis-server (with the rendered password) and an S3-protocol server on loopback (the bucket is made
 as the hook Job makes it), and the trainer's RayJob cluster (`--ray-address auto`) is a local Ray
 (`--ray-address ""`). Then the services must pass their probes (plaintext, on the health port, as
@@ -56,9 +56,11 @@ class Cluster:
         self.ports: dict[tuple[str, int], int] = {}
         for name, service in by_kind(objects, "Service").items():
             for port in service["spec"]["ports"]:
-                self.ports[(name, port["port"])] = free_port()
+                # A headless Service reaches the same pods as its ClusterIP twin.
+                key = (name.removesuffix("-headless"), port["port"])
+                self.ports[(name, port["port"])] = self.ports.setdefault(key, free_port())
         self.ports[(f"{RELEASE}-redis", 6379)] = redis_port
-        self.ports[(f"{RELEASE}-minio", 9000)] = s3_port
+        self.ports[(f"{RELEASE}-seaweedfs", 8333)] = s3_port
         self.secrets = {
             name: {k: base64.b64decode(v).decode() for k, v in secret["data"].items()}
             for name, secret in by_kind(objects, "Secret").items()
@@ -206,7 +208,8 @@ def test_rendered_services_find_each_other_and_train(tmp_path: Path, s3_server: 
             grpc_port = next(p["containerPort"] for p in container["ports"] if p["name"] == "grpc")
             own = cluster.ports.get((f"{RELEASE}-{component}", grpc_port)) or free_port()
             env = cluster.environment(container["env"], cluster.mounts(deployment, container), own)
-            start(component, [shutil_which(container["command"][0]), *container["args"]], env)
+            # No command: the image's entrypoint, `overworld` (docker/services.Dockerfile).
+            start(component, [shutil_which("overworld"), *container["args"]], env)
             addresses[component] = f"127.0.0.1:{own}"
             probe_port = container["readinessProbe"]["grpc"]["port"]
             assert probe_port == int(next(e["value"] for e in container["env"] if e["name"] == "OVERWORLD_HEALTH_PORT"))

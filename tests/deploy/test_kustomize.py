@@ -56,7 +56,7 @@ def test_no_secret_is_committed_and_the_build_needs_them(tmp_path: Path) -> None
     tree = tmp_path / "kustomize"
     shutil.copytree(KUSTOMIZE, tree, ignore=shutil.ignore_patterns("secrets"))
     result = subprocess.run([kubectl(), "kustomize", str(tree / "base")], capture_output=True, text=True, timeout=120)
-    assert result.returncode != 0 and "secrets/minio.env" in result.stderr, result.stderr
+    assert result.returncode != 0 and "secrets/s3.env" in result.stderr, result.stderr
     tracked = subprocess.run(["git", "ls-files", str(KUSTOMIZE)], capture_output=True, text=True, check=True,
                              cwd=KUSTOMIZE).stdout
     assert "secrets/" not in tracked and ".env" not in tracked, tracked
@@ -152,7 +152,7 @@ def test_external_storage(built: dict[str, list[dict[str, Any]]]) -> None:
     kinds = {o["kind"] for o in objects}
     assert not kinds & {"StatefulSet", "Job"}
     assert all(name.startswith("overworld-tls-") for name in by_kind(objects, "Secret"))  # only certificates
-    assert "overworld-minio" not in json.dumps(objects) and "overworld-redis:" not in json.dumps(objects)
+    assert "overworld-seaweedfs" not in json.dumps(objects) and "overworld-redis:" not in json.dumps(objects)
     for name in ("overworld-replay-buffer", "overworld-model-registry"):
         env = {e["name"]: e for e in containers(by_kind(objects, "Deployment")[name])[0]["env"]}
         assert env["OVERWORLD_INDEX"] == {

@@ -113,18 +113,61 @@ CASES: list[dict[str, Any]] = [
     {
         "name": "learner stalled: the last update is older than fifteen minutes",
         "alert": "OverworldLearnerStalled",
-        # The last update happened at t=60s and never again.
+        # The attempt started at t=0, the last update happened at t=60s and never again.
         "series": [
-            {"series": f"overworld_trainer_last_update_timestamp_seconds{{{SEL}}}", "values": "60x60"}
+            {"series": f"overworld_training_run_active_since_timestamp_seconds{{{SEL}}}", "values": "0x60"},
+            {"series": f"overworld_trainer_last_update_timestamp_seconds{{{SEL}}}", "values": "60x60"},
         ],
         "quiet_at": ["10m", "20m"],
         "fires_at": {"30m": {"severity": "critical"}},
     },
     {
+        "name": "learner stalled before its first report",
+        "alert": "OverworldLearnerStalled",
+        "series": [
+            {"series": f"overworld_training_run_active_since_timestamp_seconds{{{SEL}}}", "values": "0x60"},
+            {"series": f"overworld_trainer_last_update_timestamp_seconds{{{SEL}}}", "values": "0x60"},
+        ],
+        "quiet_at": ["20m"],
+        "fires_at": {"30m": {"severity": "critical"}},
+    },
+    {
+        "name": "learner quiet before the first progress report (Ray, data, first batch)",
+        "alert": "OverworldLearnerStalled",
+        # The trainer exports 0 until rank 0 reports; the first report comes after 12 minutes.
+        "series": [
+            {"series": f"overworld_training_run_active_since_timestamp_seconds{{{SEL}}}", "values": "0x60"},
+            {"series": f"overworld_trainer_last_update_timestamp_seconds{{{SEL}}}",
+             "values": "0x11 720+60x48"},
+        ],
+        "quiet_at": ["5m", "11m", "20m", "40m"],
+        "fires_at": {},
+    },
+    {
+        "name": "learner quiet after the run succeeded",
+        "alert": "OverworldLearnerStalled",
+        # Updates until 10m; then the run succeeds: the controller stops exporting the attempt and
+        # the trainer's pods go away.
+        "series": [
+            {"series": f"overworld_training_run_active_since_timestamp_seconds{{{SEL}}}", "values": "0x10 _x50"},
+            {"series": f"overworld_trainer_last_update_timestamp_seconds{{{SEL}}}", "values": "0+60x10 _x50"},
+        ],
+        "quiet_at": ["20m", "40m", "60m"],
+        "fires_at": {},
+    },
+    {
+        "name": "learner quiet while no TrainingRun is active (disabled, stopped, not created)",
+        "alert": "OverworldLearnerStalled",
+        "series": [{"series": f"overworld_rollout_workers{{{SEL}}}", "values": "2x60"}],
+        "quiet_at": ["20m", "60m"],
+        "fires_at": {},
+    },
+    {
         "name": "learner healthy: an update every minute",
         "alert": "OverworldLearnerStalled",
         "series": [
-            {"series": f"overworld_trainer_last_update_timestamp_seconds{{{SEL}}}", "values": "0+60x60"}
+            {"series": f"overworld_training_run_active_since_timestamp_seconds{{{SEL}}}", "values": "0x60"},
+            {"series": f"overworld_trainer_last_update_timestamp_seconds{{{SEL}}}", "values": "0+60x60"},
         ],
         "quiet_at": ["30m", "60m"],
         "fires_at": {},
@@ -325,3 +368,20 @@ def test_dashboards_are_well_formed() -> None:
                 assert panel["targets"] and panel["datasource"]["uid"] == "${datasource}", panel["title"]
         variables = {v["name"] for v in dashboard["templating"]["list"]}
         assert variables == {"datasource", "namespace", "release"}
+
+
+# Gauges every replay-buffer replica reads from the shared Redis index: each replica reports the
+# buffer's whole size, so summing them over replicas multiplies it.
+GLOBAL_BUFFER_GAUGES = (
+    "overworld_replay_buffer_fragments",
+    "overworld_replay_buffer_bytes",
+    "overworld_replay_buffer_capacity_fragments",
+)
+
+
+def test_buffer_size_panels_do_not_add_up_replicas() -> None:
+    for path in DASHBOARDS:
+        for where, expr in dashboard_queries(path):
+            for gauge in GLOBAL_BUFFER_GAUGES:
+                for match in re.finditer(rf"(\w+)\s*(?:by \([^)]*\))?\s*\(\s*{gauge}\{{", expr):
+                    assert match[1] in ("max", "min", "avg"), f"{path.name} {where}: {match[1]}({gauge})"

@@ -10,14 +10,11 @@ import os
 import signal
 import sys
 import time
-import uuid
 from collections.abc import AsyncIterator
-from datetime import UTC, datetime
 from pathlib import Path
 from typing import Any
 
 import grpc
-import kmock
 import pytest
 import yaml
 
@@ -30,7 +27,8 @@ from overworld.run_controller.rayjob import (
     trainer_entrypoint,
 )
 from overworld.v1 import trainer_pb2, trainer_pb2_grpc
-from tests.deploy.deploy_support import kubectl, validate_object
+from tests.deploy.deploy_support import kubectl, pod_templates, validate_object
+from tests.deploy.kube_support import FOREGROUND, kubernetes_api, write_kubeconfig
 
 NAMESPACE = "rl"
 RUN = "cow-hunt"
@@ -56,7 +54,7 @@ def training_run(**spec: Any) -> dict[str, Any]:
                 {"name": "OVERWORLD_ROLLOUT_MANAGER", "value": "overworld-rollout-manager:50051"},
                 {
                     "name": "OVERWORLD_S3_SECRET_KEY",
-                    "valueFrom": {"secretKeyRef": {"name": "overworld-minio", "key": "root-password"}},
+                    "valueFrom": {"secretKeyRef": {"name": "overworld-s3", "key": "secret-key"}},
                 },
             ],
             "workerGroup": {
@@ -76,7 +74,8 @@ def training_run(**spec: Any) -> dict[str, Any]:
 
 
 def test_entrypoint_carries_resume_and_extra_args() -> None:
-    assert trainer_entrypoint() == "overworld serve trainer --ray-address auto"
+    # Every try resumes: KubeRay runs the same entrypoint again for each retry (backoffLimit).
+    assert trainer_entrypoint() == "overworld serve trainer --ray-address auto --resume latest"
     assert trainer_entrypoint("latest") == "overworld serve trainer --ray-address auto --resume latest"
     assert (
         trainer_entrypoint("ckpt 7", ["--log-every", "10"])
@@ -97,9 +96,12 @@ def test_rayjob_is_valid_and_complete() -> None:
     assert (
         spec["entrypoint"] == "overworld serve trainer --ray-address auto --resume ckpt-000042 --log-every 10"
     )
+    assert spec["backoffLimit"] == 2 and spec["submissionMode"] == "K8sJobMode"
     cluster = spec["rayClusterSpec"]
     assert cluster["rayVersion"] == "2.60.0"
+    # The head runs the trainer driver only: Ray schedules no task or actor there.
     assert cluster["headGroupSpec"]["rayStartParams"]["num-gpus"] == "0"
+    assert cluster["headGroupSpec"]["rayStartParams"]["num-cpus"] == "0"
     (group,) = cluster["workerGroupSpecs"]
     assert group["replicas"] == group["minReplicas"] == group["maxReplicas"] == 2
     worker_pod = group["template"]["spec"]
@@ -117,6 +119,74 @@ def test_rayjob_is_valid_and_complete() -> None:
             "OVERWORLD_S3_SECRET_KEY",
         }
         assert {"name": "dshm", "emptyDir": {"medium": "Memory"}} in pod["volumes"]
+
+
+def restricted_violations(template: dict[str, Any]) -> list[str]:
+    """What the `restricted` Pod Security Standard would refuse in a pod template."""
+    pod = template["spec"]
+    problems = []
+    pod_context = pod.get("securityContext") or {}
+    if (pod_context.get("seccompProfile") or {}).get("type") not in ("RuntimeDefault", "Localhost"):
+        problems.append("pod seccompProfile")
+    for container in pod["containers"]:
+        context = container.get("securityContext") or {}
+        name = container["name"]
+        if context.get("allowPrivilegeEscalation") is not False:
+            problems.append(f"{name}: allowPrivilegeEscalation")
+        if "ALL" not in ((context.get("capabilities") or {}).get("drop") or []):
+            problems.append(f"{name}: capabilities.drop ALL")
+        if not (context.get("runAsNonRoot") or pod_context.get("runAsNonRoot")):
+            problems.append(f"{name}: runAsNonRoot")
+        if context.get("privileged"):
+            problems.append(f"{name}: privileged")
+    if any("hostPath" in volume for volume in pod.get("volumes") or []):
+        problems.append("hostPath volume")
+    return problems
+
+
+def test_every_pod_of_the_rayjob_is_restricted_and_pulls_with_the_secrets() -> None:
+    """KubeRay's default submitter pod has no pull secrets and no security context: in a namespace
+    enforcing `restricted`, or with a private registry, the job would never be submitted."""
+    job = build_rayjob(training_run(imagePullSecrets=["regcred"], serviceAccountName="trainer"), attempt=1)
+    templates = dict(pod_templates(job))
+    assert set(templates) == {"headGroupSpec", "workerGroupSpecs[gpu]", "submitterPodTemplate"}
+    for where, template in templates.items():
+        assert restricted_violations(template) == [], where
+        assert template["spec"]["imagePullSecrets"] == [{"name": "regcred"}], where
+        assert template["spec"]["containers"][0]["image"] == job_image(job), where
+        assert template["metadata"]["labels"]["app.kubernetes.io/instance"] == "overworld", where
+    submitter = templates["submitterPodTemplate"]["spec"]
+    assert submitter["restartPolicy"] == "Never"
+    assert "command" not in submitter["containers"][0]  # KubeRay fills in `ray job submit ...`
+    assert job["spec"]["submitterConfig"] == {"backoffLimit": 2}
+
+
+def job_image(job: dict[str, Any]) -> str:
+    image: str = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["image"]
+    return image
+
+
+def test_ray_pods_outlast_the_trainers_checkpoint_on_stop() -> None:
+    """Deleting a RayJob (resume) or its head pod stops the trainer through Ray's job API; the
+    trainer checkpoints within STOP_TIMEOUT_SECONDS, so Ray's stop wait and the pods' grace period
+    must be longer (Ray: 3 s, Kubernetes: 30 s by default)."""
+    from overworld.run_controller import rayjob
+    from overworld.trainer.service import STOP_TIMEOUT_SECONDS
+
+    assert rayjob.TRAINER_STOP_SECONDS == STOP_TIMEOUT_SECONDS
+    job = build_rayjob(training_run(), attempt=1)
+    templates = dict(pod_templates(job))
+    head = templates["headGroupSpec"]["spec"]
+    wait = int(next(e["value"] for e in head["containers"][0]["env"] if e["name"] == "RAY_JOB_STOP_WAIT_TIME_S"))
+    assert STOP_TIMEOUT_SECONDS < wait < head["terminationGracePeriodSeconds"]
+    assert templates["workerGroupSpecs[gpu]"]["spec"]["terminationGracePeriodSeconds"] > wait
+    pre_stop = head["containers"][0]["lifecycle"]["preStop"]["exec"]["command"]
+    assert pre_stop[:3] == ["python", "-m", "overworld.run_controller.ray_prestop"]
+    assert pre_stop[pre_stop.index("--timeout") + 1] == str(wait)
+    # `ray start --block` as PID 1 ignores SIGTERM: each pod's hook ends Ray, or it waits out its grace.
+    assert "--stop-ray" in pre_stop
+    worker = templates["workerGroupSpecs[gpu]"]["spec"]["containers"][0]
+    assert worker["lifecycle"]["preStop"]["exec"]["command"] == ["ray", "stop", "--force"]
 
 
 def test_rayjob_names_fit_kuberay_limits() -> None:
@@ -154,56 +224,13 @@ def test_phase_of_rayjob_status(status: dict[str, str], phase: str) -> None:
 # --- the operator process against kmock, driven by kubectl ---------------------------------------
 
 
-class Emulator(kmock.KubernetesEmulator):
-    """kmock's emulator plus what a real API server adds: server-side metadata and typed lists."""
-
-    async def _handle(self, request: kmock.Request) -> Any:
-        if request.action == kmock.action.CREATE and isinstance(request.data, dict):
-            meta = request.data.setdefault("metadata", {})
-            meta.setdefault("uid", str(uuid.uuid4()))
-            meta.setdefault("creationTimestamp", datetime.now(tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
-            meta.setdefault("generation", 1)
-            meta.setdefault("resourceVersion", str(time.monotonic_ns()))
-        return await super()._handle(request)
-
-    async def _serve_list(self, request: kmock.Request) -> Any:
-        payload = await super()._serve_list(request)
-        resource = request.resource
-        assert resource is not None
-        info = self.resources[resource]
-        group = f"{resource.group}/{resource.version}" if resource.group else resource.version
-        return {"apiVersion": group, "kind": f"{info.kind}List", **payload}
-
-
 class Trainer(trainer_pb2_grpc.TrainerServicer):
-    """Stands in for the trainer driver on the Ray head: answers GetStatus."""
+    """Stands in for the trainer driver on the Ray head: answers GetStatus with `status`."""
+
+    status: dict[str, Any] = {}
 
     async def GetStatus(self, request: Any, context: Any) -> trainer_pb2.TrainerStatus:  # noqa: N802
-        return trainer_pb2.TrainerStatus(
-            state="running", model_version=7, samples_trained=123456, latest_checkpoint="ckpt-000007"
-        )
-
-
-@contextlib.asynccontextmanager
-async def kubernetes_api() -> AsyncIterator[tuple[Emulator, str]]:
-    verbs = {"get", "list", "watch", "create", "patch", "update", "delete"}
-    async with Emulator() as emulator, kmock.Server(emulator) as server:
-        emulator.resources["overworld.dev/v1alpha1/trainingruns"] = kmock.ResourceInfo(
-            kind="TrainingRun", namespaced=True, singular="trainingrun", verbs=verbs, subresources={"status"}
-        )
-        emulator.resources["ray.io/v1/rayjobs"] = kmock.ResourceInfo(
-            kind="RayJob", namespaced=True, singular="rayjob", verbs=verbs, subresources={"status"}
-        )
-        emulator.resources["v1/events"] = kmock.ResourceInfo(kind="Event", namespaced=True, verbs=verbs)
-        emulator.resources["v1/namespaces"] = kmock.ResourceInfo(
-            kind="Namespace", namespaced=False, verbs=verbs
-        )
-        emulator.objects["v1/namespaces", None, NAMESPACE] = {
-            "apiVersion": "v1",
-            "kind": "Namespace",
-            "metadata": {"name": NAMESPACE},
-        }
-        yield emulator, str(server.url)
+        return trainer_pb2.TrainerStatus(**Trainer.status)
 
 
 @contextlib.asynccontextmanager
@@ -253,29 +280,14 @@ def test_create_and_resume_with_kubectl(tmp_path: Path) -> None:
 
 
 async def create_and_resume(tmp_path: Path) -> None:
-    async with kubernetes_api() as (_, url), fake_trainer() as trainer_address:
+    async with kubernetes_api(NAMESPACE) as (_, url), fake_trainer() as trainer_address:
         await drive_controller(url, trainer_address, tmp_path)
 
 
 async def drive_controller(url: str, trainer_address: str, tmp_path: Path) -> None:
-    kubeconfig = tmp_path / "kubeconfig"
-    kubeconfig.write_text(
-        yaml.safe_dump(
-            {
-                "apiVersion": "v1",
-                "kind": "Config",
-                "clusters": [{"name": "kmock", "cluster": {"server": url}}],
-                "users": [{"name": "tester", "user": {"token": "kmock"}}],
-                "contexts": [
-                    {
-                        "name": "kmock",
-                        "context": {"cluster": "kmock", "user": "tester", "namespace": NAMESPACE},
-                    }
-                ],
-                "current-context": "kmock",
-            }
-        )
-    )
+    Trainer.status = {"state": "running", "model_version": 7, "samples_trained": 123456, "env_steps": 654321,
+                      "latest_checkpoint": "ckpt-000007"}
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", url, NAMESPACE)
     log = tmp_path / "controller.log"
     env = {
         **os.environ,
@@ -311,7 +323,7 @@ async def drive_controller(url: str, trainer_address: str, tmp_path: Path) -> No
             return status
 
         first = (await eventually(rayjobs, "the first RayJob", log))[f"{RUN}-a1"]
-        assert first["spec"]["entrypoint"] == "overworld serve trainer --ray-address auto"
+        assert first["spec"]["entrypoint"] == "overworld serve trainer --ray-address auto --resume latest"
         (owner,) = first["metadata"]["ownerReferences"]
         run_uid = json.loads(await run_kubectl(kubeconfig, "get", "trainingrun", RUN, "-o", "json"))[
             "metadata"
@@ -324,7 +336,12 @@ async def drive_controller(url: str, trainer_address: str, tmp_path: Path) -> No
             log,
         )
 
-        # KubeRay starts the job: the phase follows, and the trainer's progress appears.
+        # KubeRay takes the RayJob (its finalizer stops the Ray job before the RayJob goes) and starts
+        # the job: the phase follows, and the trainer's progress appears.
+        await run_kubectl(
+            kubeconfig, "patch", "rayjob", f"{RUN}-a1", "--type", "merge",
+            "-p", json.dumps({"metadata": {"finalizers": [KUBERAY_FINALIZER]}}),
+        )
         await run_kubectl(
             kubeconfig,
             "patch",
@@ -350,7 +367,7 @@ async def drive_controller(url: str, trainer_address: str, tmp_path: Path) -> No
                 phase="Running",
                 jobStatus="RUNNING",
                 modelVersion=7,
-                envSteps=123456,
+                envSteps=654321,  # the env steps column shows env steps, not samples trained
                 latestCheckpoint="ckpt-000007",
             ),
             "phase Running with the trainer's progress",
@@ -368,6 +385,20 @@ async def drive_controller(url: str, trainer_address: str, tmp_path: Path) -> No
             "-p",
             '{"spec":{"resumeFrom":"ckpt-000042"}}',
         )
+        # Attempt 1 is being deleted; KubeRay's finalizer holds it while its trainer checkpoints.
+        # Attempt 2 must not start before attempt 1 is gone: two trainers of one run would overlap.
+        await eventually(
+            lambda: _deleting(rayjobs, f"{RUN}-a1"), "attempt 1 marked for deletion", log
+        )
+        # Foreground: the RayJob stays until its RayCluster and pods are gone, not only KubeRay's finalizer.
+        assert FOREGROUND in (await rayjobs())[f"{RUN}-a1"]["metadata"]["finalizers"]
+        for _ in range(6):
+            assert f"{RUN}-a2" not in await rayjobs(), "attempt 2 created while attempt 1 still exists"
+            await asyncio.sleep(0.5)
+        await run_kubectl(
+            kubeconfig, "patch", "rayjob", f"{RUN}-a1", "--type", "merge",
+            "-p", json.dumps({"metadata": {"finalizers": None}}),
+        )
         jobs = await eventually(
             lambda: _only(rayjobs, {f"{RUN}-a2"}), "RayJob of attempt 2 (and attempt 1 deleted)", log
         )
@@ -375,6 +406,7 @@ async def drive_controller(url: str, trainer_address: str, tmp_path: Path) -> No
         assert (
             second["spec"]["entrypoint"] == "overworld serve trainer --ray-address auto --resume ckpt-000042"
         )
+        assert second["spec"]["backoffLimit"] == 2
         assert second["metadata"]["labels"][ATTEMPT_LABEL] == "2"
         await eventually(
             lambda: _matches(
@@ -382,6 +414,19 @@ async def drive_controller(url: str, trainer_address: str, tmp_path: Path) -> No
             ),
             "status attempt 2",
             log,
+        )
+
+        # Attempt 2 runs from ckpt-000042 and writes ckpt-000050: a KubeRay retry of attempt 2 must
+        # continue from there, not roll back to ckpt-000042 again.
+        Trainer.status = {**Trainer.status, "resumed_from": "ckpt-000042", "latest_checkpoint": "ckpt-000050"}
+        await run_kubectl(
+            kubeconfig, "patch", "rayjob", f"{RUN}-a2", "--subresource=status", "--type", "merge",
+            "-p", json.dumps({"status": {"jobStatus": "RUNNING", "jobDeploymentStatus": "Running",
+                                         "rayClusterName": f"{RUN}-a2-b8c1d"}}),
+        )
+        await eventually(
+            lambda: _entrypoint_resumes(rayjobs, f"{RUN}-a2", "ckpt-000050"),
+            "attempt 2's retries resuming from its newest checkpoint", log,
         )
 
         # And "latest" once more: attempt 3.
@@ -394,6 +439,12 @@ async def drive_controller(url: str, trainer_address: str, tmp_path: Path) -> No
             "merge",
             "-p",
             '{"spec":{"resumeFrom":"latest"}}',
+        )
+        # The garbage collector (played here) removes attempt 2 once its pods are gone.
+        await eventually(lambda: _deleting(rayjobs, f"{RUN}-a2"), "attempt 2 marked for deletion", log)
+        await run_kubectl(
+            kubeconfig, "patch", "rayjob", f"{RUN}-a2", "--type", "merge",
+            "-p", json.dumps({"metadata": {"finalizers": None}}),
         )
         jobs = await eventually(lambda: _only(rayjobs, {f"{RUN}-a3"}), "RayJob of attempt 3", log)
         assert jobs[f"{RUN}-a3"]["spec"]["entrypoint"].endswith("--resume latest")
@@ -415,6 +466,19 @@ async def drive_controller(url: str, trainer_address: str, tmp_path: Path) -> No
 async def _matches(probe: Any, **expected: Any) -> bool:
     status = await probe()
     return all(status.get(key) == value for key, value in expected.items())
+
+
+KUBERAY_FINALIZER = "ray.io/rayjob-finalizer"
+
+
+async def _deleting(probe: Any, name: str) -> bool:
+    jobs: dict[str, Any] = await probe()
+    return name in jobs and bool(jobs[name]["metadata"].get("deletionTimestamp"))
+
+
+async def _entrypoint_resumes(probe: Any, name: str, checkpoint: str) -> bool:
+    jobs: dict[str, Any] = await probe()
+    return name in jobs and jobs[name]["spec"]["entrypoint"].endswith(f"--resume {checkpoint}")
 
 
 async def _only(probe: Any, names: set[str]) -> dict[str, Any] | None:

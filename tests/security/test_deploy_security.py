@@ -51,7 +51,7 @@ def test_secrets_live_only_in_secrets(values_file: Path) -> None:
     for where, value in secrets.items():
         if "PRIVATE KEY" in value:  # a distinctive piece of each key, as it and as base64
             value = "".join(value.splitlines()[1:-1])[10:50]
-        if len(value) >= 16 and "CERTIFICATE" not in value and "/root-user" not in where:
+        if len(value) >= 16 and "CERTIFICATE" not in value and "/access-key" not in where:
             needles[where] = value
     assert needles, "no generated secret rendered"
     for obj in objects:
@@ -77,7 +77,7 @@ def test_generated_secrets_differ_between_installs() -> None:
     """Generated (random), not fixed: two installs share no password, key or CA."""
     first, second = (secret_values(render({})) for _ in range(2))
     for where in first:
-        if not where.endswith("/root-user"):
+        if not where.endswith("/access-key"):
             assert first[where] != second[where], f"{where} is the same in two installs"
 
 
@@ -222,8 +222,8 @@ def test_kustomize_secrets_are_made_not_committed(tmp_path: Path) -> None:
     spec.loader.exec_module(module)
     module.make(tmp_path / "a")
     module.make(tmp_path / "b")
-    assert (tmp_path / "a/minio.env").read_text() != (tmp_path / "b/minio.env").read_text()
+    assert (tmp_path / "a/s3.env").read_text() != (tmp_path / "b/s3.env").read_text()
     assert oct((tmp_path / "a/tls/gae/tls.key").stat().st_mode & 0o777) == "0o600"
     kustomization = yaml.safe_load((REPO / "deploy/kustomize/base/kustomization.yaml").read_text())
     generated = {g["name"] for g in kustomization["secretGenerator"]}
-    assert generated == {"overworld-minio", "overworld-redis", *(f"overworld-tls-{i}" for i in IDENTITIES)}
+    assert generated == {"overworld-s3", "overworld-redis", *(f"overworld-tls-{i}" for i in IDENTITIES)}

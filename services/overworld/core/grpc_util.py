@@ -23,6 +23,10 @@ CHANNEL_OPTIONS = [
     ("grpc.keepalive_timeout_ms", 10_000),
     ("grpc.http2.max_pings_without_data", 0),
     ("grpc.keepalive_permit_without_calls", 1),
+    # A name that resolves to several addresses (a headless Service: one per ready pod) is
+    # balanced call by call over all of them, and a dead pod's calls go to the others.
+    ("grpc.lb_policy_name", "round_robin"),
+    ("grpc.dns_min_time_between_resolutions_ms", 5_000),
 ]
 
 
@@ -121,21 +125,32 @@ def _health_only(servicer: health.HealthServicer, host: str, port: int) -> grpc.
     return server
 
 
+# Replicated fronts (replay-buffer, gae) close each connection after this long (GOAWAY, then the
+# grace for calls in flight): clients resolve the name again and spread over replicas added since.
+FRONT_MAX_CONNECTION_AGE_S = 120.0
+FRONT_MAX_CONNECTION_AGE_GRACE_S = 30.0
+
+
 def serve(
     registrations: Iterable[tuple[Callable[[Any, grpc.Server], None], Any, str]],
     host: str = "127.0.0.1",
     port: int = 0,
     max_workers: int = 64,
+    max_connection_age: float | None = None,
 ) -> Server:
     """Start a gRPC server with the given (add_XServicer_to_server, servicer, full_service_name) triples.
 
     With this process's TLS credentials (core/tls.py) the port is mutual TLS and every call is checked
     against core/authz.py; without, plaintext. $OVERWORLD_HEALTH_PORT adds a plaintext port serving
     only the health service (the chart's probes)."""
+    options = list(SERVER_OPTIONS)
+    if max_connection_age:
+        options += [("grpc.max_connection_age_ms", int(max_connection_age * 1000)),
+                    ("grpc.max_connection_age_grace_ms", int(FRONT_MAX_CONNECTION_AGE_GRACE_S * 1000))]
     files = tls.credentials()
     # Authorization first: a caller who may not call a method learns nothing about its requests.
     interceptors = [*([authz.Authorizer(files.run())] if files else []), RequestValidation()]
-    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=SERVER_OPTIONS,
+    server = grpc.server(futures.ThreadPoolExecutor(max_workers=max_workers), options=options,
                          interceptors=interceptors)
     names = []
     for add, servicer, name in registrations:

@@ -1,4 +1,4 @@
-"""S3 blob store over the `minio` SDK (MinIO in the cluster, any S3-protocol server elsewhere).
+"""S3 blob store over the `minio` SDK (SeaweedFS in the cluster, any S3-protocol server elsewhere).
 
 `s3://BUCKET/PREFIX`: every key is stored as `PREFIX/key` in BUCKET; the bucket is created when it
 is missing. The endpoint and credentials come from OVERWORLD_S3_ENDPOINT (`http://host:port` or

@@ -21,6 +21,7 @@ from typing import Any
 import aiohttp
 import grpc
 import kopf
+from prometheus_client import Gauge
 
 from overworld.run_controller import progress
 from overworld.run_controller.kube import ApiError, KubeApi, Resource
@@ -34,14 +35,22 @@ from overworld.run_controller.rayjob import (
     RUN_LABEL,
     VERSION,
     build_rayjob,
+    entrypoint_resume,
     phase_of,
     rayjob_name,
+    with_resume,
 )
 
 TRAINING_RUNS = Resource(GROUP, VERSION, PLURAL)
 RAYJOBS = Resource(RAY_GROUP, RAY_VERSION, RAY_PLURAL)
 PROGRESS_INTERVAL = float(os.environ.get("OVERWORLD_PROGRESS_INTERVAL", "30"))
 ANNOTATION_PREFIX = "overworld.dev"
+ACTIVE_SINCE = Gauge(
+    "overworld_training_run_active_since_timestamp_seconds",
+    "Start of the current attempt of a TrainingRun that is Pending or Running (absent otherwise)",
+    ["training_run"],
+)
+_exported_active: set[str] = set()
 
 # The namespace the operator serves (None: every namespace); set by operator.main().
 NAMESPACE: str | None = None
@@ -117,8 +126,29 @@ async def on_create(
             "message": f"RayJob {name} created",
             "observedGeneration": body.metadata.get("generation", 1),
             "lastTransitionTime": _now(),
+            "attemptStartTime": _now(),
         }
     )
+
+
+async def _delete_rayjob(namespace: str, name: str, logger: kopf.Logger) -> None:
+    """Delete a RayJob and return only once it is gone: with foreground propagation the API keeps it
+    until its RayCluster and pods are deleted (and KubeRay's finalizer has stopped the Ray job, which
+    lets the trainer checkpoint). Until then this raises TemporaryError, and kopf retries."""
+    try:
+        await api().delete(RAYJOBS, namespace, name, propagation="Foreground")
+    except ApiError as exc:
+        if exc.status == 404:
+            return
+        raise kopf.TemporaryError(f"cannot delete RayJob {name}: {exc}", delay=10) from exc
+    try:
+        await api().get(RAYJOBS, namespace, name)
+    except ApiError as exc:
+        if exc.status == 404:
+            logger.info(f"RayJob {name} deleted")
+            return
+        raise kopf.TemporaryError(f"cannot read RayJob {name}: {exc}", delay=10) from exc
+    raise kopf.TemporaryError(f"waiting for RayJob {name} (and its pods) to be deleted", delay=3)
 
 
 @kopf.on.update(GROUP, VERSION, PLURAL, field="spec.resumeFrom")
@@ -138,17 +168,14 @@ async def on_resume(
     previous = int(status.get("attempt") or 0)
     attempt = previous + 1
     namespace = body.metadata.namespace or "default"
-    name = await _create_rayjob(body, attempt, resume_from, logger)
     old_job = str(
         status.get("rayJob") or (rayjob_name(body.metadata.name or "", previous) if previous else "")
     )
-    if old_job and old_job != name:
-        try:
-            await api().delete(RAYJOBS, namespace, old_job)
-            logger.info(f"deleted RayJob {old_job} of attempt {previous}")
-        except ApiError as exc:
-            if exc.status != 404:
-                raise kopf.TemporaryError(f"cannot delete RayJob {old_job}: {exc}", delay=10) from exc
+    # The previous attempt's trainer must be gone (and have checkpointed) before the next one
+    # starts: two trainers of one run would publish versions and checkpoints over each other.
+    if old_job and old_job != rayjob_name(body.metadata.name or "", attempt):
+        await _delete_rayjob(namespace, old_job, logger)
+    name = await _create_rayjob(body, attempt, resume_from, logger)
     patch.status.update(
         {
             "phase": "Pending",
@@ -160,6 +187,7 @@ async def on_resume(
             "message": f"attempt {attempt} resumes from {resume_from} (was {old!r})",
             "observedGeneration": body.metadata.get("generation", 1),
             "lastTransitionTime": _now(),
+            "attemptStartTime": _now(),
         }
     )
 
@@ -224,10 +252,46 @@ async def refresh_progress(training_run: dict[str, Any], logger: logging.Logger)
     update: dict[str, Any] = {"modelVersion": current.model_version, "envSteps": current.env_steps}
     if current.latest_checkpoint:
         update["latestCheckpoint"] = current.latest_checkpoint
+        await _retry_from(job, current.latest_checkpoint, logger)
     if any(status.get(key) != value for key, value in update.items()):
         await api().merge_patch(
             TRAINING_RUNS, namespace, meta["name"], {"status": update}, subresource="status"
         )
+
+
+async def _retry_from(job: dict[str, Any], checkpoint: str, logger: logging.Logger) -> None:
+    """Keep KubeRay's retries of an attempt that started from a named checkpoint going forward.
+
+    KubeRay runs the RayJob's entrypoint again for each retry (backoffLimit). An attempt started
+    with ``--resume latest`` continues from the newest checkpoint anyway; one started from a named
+    checkpoint (a roll-back) would start from it again and lose what it trained since. So once this
+    attempt's trainer reports a newer checkpoint, the entrypoint names that one."""
+    entrypoint = str((job.get("spec") or {}).get("entrypoint") or "")
+    resume = entrypoint_resume(entrypoint)
+    if resume in ("", "latest", checkpoint):
+        return
+    meta = job["metadata"]
+    patch = {"spec": {"entrypoint": with_resume(entrypoint, checkpoint)}}
+    await api().merge_patch(RAYJOBS, meta.get("namespace") or "default", meta["name"], patch)
+    logger.info(f"RayJob {meta['name']}: a retry now resumes from {checkpoint} (was {resume})")
+
+
+def export_active(runs: list[dict[str, Any]]) -> None:
+    """ACTIVE_SINCE for each run that should be training (Pending or Running), none for the others:
+    the learner-stall alert counts from the later of this and the trainer's last update."""
+    active: set[str] = set()
+    for training_run in runs:
+        status = training_run.get("status") or {}
+        since = status.get("attemptStartTime")
+        if status.get("phase") in ("Pending", "Running") and since:
+            name = training_run["metadata"]["name"]
+            started = datetime.datetime.strptime(since, "%Y-%m-%dT%H:%M:%SZ").replace(tzinfo=datetime.UTC)
+            ACTIVE_SINCE.labels(name).set(started.timestamp())
+            active.add(name)
+    for name in _exported_active - active:
+        ACTIVE_SINCE.remove(name)
+    _exported_active.clear()
+    _exported_active.update(active)
 
 
 async def _progress_loop(namespace: str | None) -> None:
@@ -239,6 +303,7 @@ async def _progress_loop(namespace: str | None) -> None:
         await asyncio.sleep(PROGRESS_INTERVAL)
         try:
             runs = await api().list(TRAINING_RUNS, namespace)
+            export_active(runs)
             for training_run in runs:
                 await refresh_progress(training_run, logger)
         except (ApiError, kopf.TemporaryError, OSError, aiohttp.ClientError) as exc:

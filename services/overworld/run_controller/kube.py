@@ -97,9 +97,12 @@ class KubeApi:
             "PATCH", resource.path(namespace, name, subresource), body, "application/merge-patch+json"
         )
 
-    async def delete(self, resource: Resource, namespace: str, name: str) -> dict[str, Any]:
+    async def delete(
+        self, resource: Resource, namespace: str, name: str, propagation: str = "Background"
+    ) -> dict[str, Any]:
+        """Delete an object; ``Foreground`` keeps it (with a deletionTimestamp) until its dependents are gone."""
         return await self._request(
             "DELETE",
             resource.path(namespace, name),
-            {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": "Background"},
+            {"apiVersion": "v1", "kind": "DeleteOptions", "propagationPolicy": propagation},
         )

@@ -9,6 +9,7 @@ import os
 from collections.abc import Sequence
 
 import kopf
+from prometheus_client import start_http_server
 
 from overworld.run_controller import handlers
 
@@ -28,6 +29,12 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         default=os.environ.get("OVERWORLD_LIVENESS", ""),
         help="liveness endpoint, e.g. http://0.0.0.0:8080/healthz (env OVERWORLD_LIVENESS)",
     )
+    parser.add_argument(
+        "--metrics-port",
+        type=int,
+        default=int(os.environ.get("OVERWORLD_METRICS_PORT", "0")),
+        help="serve Prometheus metrics on this port (env OVERWORLD_METRICS_PORT); 0: off",
+    )
     parser.add_argument("--verbose", action="store_true", help="debug logging")
     return parser.parse_args(argv)
 
@@ -40,6 +47,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",
     )
     handlers.NAMESPACE = args.namespace or None
+    if args.metrics_port:
+        start_http_server(args.metrics_port)
     # One controller per namespace; no peering objects (they would need their own CRD).
     asyncio.run(
         kopf.operator(

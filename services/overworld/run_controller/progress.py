@@ -39,6 +39,6 @@ async def read_progress(address: str, timeout: float = 5.0) -> Progress:
     return Progress(
         state=status.state,
         model_version=int(status.model_version),
-        env_steps=int(status.samples_trained),
+        env_steps=int(status.env_steps),
         latest_checkpoint=status.latest_checkpoint,
     )

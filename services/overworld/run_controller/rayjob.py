@@ -17,6 +17,7 @@ RAY_PLURAL = "rayjobs"
 
 RUN_LABEL = "overworld.dev/training-run"
 ATTEMPT_LABEL = "overworld.dev/attempt"
+ROLE_LABEL = "overworld.dev/ray-role"
 
 TRAINER_PORT = 50055
 METRICS_PORT = 9090
@@ -29,6 +30,23 @@ MAX_RUN_NAME = 40
 RAY_UID = 1000
 RAY_GID = 100
 
+# On SIGTERM the trainer asks rank 0 to checkpoint after the current iteration and waits for it
+# up to overworld.trainer.service.STOP_TIMEOUT_SECONDS (120 s). Ray's job supervisor gives a
+# stopped job RAY_JOB_STOP_WAIT_TIME_S (3 s by default) before SIGKILL, and Kubernetes gives a pod
+# terminationGracePeriodSeconds (30 s by default): both must be longer.
+TRAINER_STOP_SECONDS = 120
+JOB_STOP_WAIT_SECONDS = TRAINER_STOP_SECONDS + 30
+TERMINATION_GRACE_SECONDS = JOB_STOP_WAIT_SECONDS + 30
+# KubeRay's retries of one attempt (each on a new RayCluster) when spec.backoffLimit is not set.
+DEFAULT_BACKOFF_LIMIT = 2
+DASHBOARD_PORT = 8265
+
+RESTRICTED_CONTAINER_SECURITY = {
+    "allowPrivilegeEscalation": False,
+    "runAsNonRoot": True,
+    "capabilities": {"drop": ["ALL"]},
+}
+
 TLS_MOUNT = "/etc/overworld/tls"
 
 
@@ -38,11 +56,26 @@ def rayjob_name(run_name: str, attempt: int) -> str:
 
 
 def trainer_entrypoint(resume_from: str = "", extra_args: Sequence[str] = ()) -> str:
-    """The RayJob entrypoint: the trainer joining the RayJob's cluster."""
-    argv = ["overworld", "serve", "trainer", "--ray-address", "auto"]
-    if resume_from:
-        argv += ["--resume", resume_from]
+    """The RayJob entrypoint: the trainer joining the RayJob's cluster.
+
+    It always resumes: KubeRay runs the same entrypoint again on a new RayCluster for each retry
+    (``backoffLimit``), and a retry must continue from the checkpoint the failed try wrote, not
+    start over. ``latest`` on a run without a checkpoint starts fresh."""
+    argv = ["overworld", "serve", "trainer", "--ray-address", "auto", "--resume", resume_from or "latest"]
     argv += list(extra_args)
+    return shlex.join(argv)
+
+
+def entrypoint_resume(entrypoint: str) -> str:
+    """The ``--resume`` value of an entrypoint made by :func:`trainer_entrypoint` ("" if none)."""
+    argv = shlex.split(entrypoint)
+    return argv[argv.index("--resume") + 1] if "--resume" in argv[:-1] else ""
+
+
+def with_resume(entrypoint: str, resume_from: str) -> str:
+    """The same entrypoint resuming from ``resume_from`` instead."""
+    argv = shlex.split(entrypoint)
+    argv[argv.index("--resume") + 1] = resume_from
     return shlex.join(argv)
 
 
@@ -58,32 +91,14 @@ def _resources(resources: Mapping[str, Any] | None, gpus: int = 0) -> dict[str, 
     return result
 
 
-def _pod_template(
-    spec: Mapping[str, Any],
-    group: Mapping[str, Any],
-    *,
-    container_name: str,
-    labels: Mapping[str, str],
-    ports: list[dict[str, Any]],
-    gpus: int,
-) -> dict[str, Any]:
-    container: dict[str, Any] = {
-        "name": container_name,
-        "image": spec["image"],
-        "imagePullPolicy": spec.get("imagePullPolicy", "IfNotPresent"),
-        "env": copy.deepcopy(list(spec.get("env") or [])),
-        "ports": ports,
-        "resources": _resources(group.get("resources"), gpus),
-        "securityContext": {
-            "allowPrivilegeEscalation": False,
-            "runAsNonRoot": True,
-            "capabilities": {"drop": ["ALL"]},
-        },
-        "volumeMounts": [
-            {"name": "dshm", "mountPath": "/dev/shm"},
-            {"name": "tmp", "mountPath": "/tmp"},
-        ],
-    }
+# Pod-level scheduling fields a TrainingRun's head and workerGroup may carry, copied as given.
+SCHEDULING_FIELDS = ("nodeSelector", "tolerations", "affinity", "topologySpreadConstraints",
+                     "priorityClassName", "runtimeClassName")
+
+
+def _pod_spec(spec: Mapping[str, Any], group: Mapping[str, Any], container: dict[str, Any],
+              volumes: list[dict[str, Any]]) -> dict[str, Any]:
+    """A restricted pod (Pod Security Standards): numeric non-root user, RuntimeDefault seccomp."""
     pod_spec: dict[str, Any] = {
         "containers": [container],
         "securityContext": {
@@ -93,27 +108,91 @@ def _pod_template(
             "fsGroup": RAY_GID,
             "seccompProfile": {"type": "RuntimeDefault"},
         },
-        "volumes": [
-            # Ray's object store lives in /dev/shm; the container default (64 MiB) is far too small.
-            {"name": "dshm", "emptyDir": {"medium": "Memory"}},
-            {"name": "tmp", "emptyDir": {}},
-        ],
+        "volumes": volumes,
     }
-    if spec.get("tlsSecret"):
-        # The trainer's identity on every Ray node: the driver and its Ray Train workers call the
-        # services with it (core/tls.py reads OVERWORLD_TLS_DIR).
-        container["env"].append({"name": "OVERWORLD_TLS_DIR", "value": TLS_MOUNT})
-        container["volumeMounts"].append({"name": "tls", "mountPath": TLS_MOUNT, "readOnly": True})
-        pod_spec["volumes"].append({"name": "tls", "secret": {"secretName": spec["tlsSecret"], "defaultMode": 0o440}})
     if spec.get("serviceAccountName"):
         pod_spec["serviceAccountName"] = spec["serviceAccountName"]
     if spec.get("imagePullSecrets"):
         pod_spec["imagePullSecrets"] = [{"name": name} for name in spec["imagePullSecrets"]]
-    if group.get("nodeSelector"):
-        pod_spec["nodeSelector"] = dict(group["nodeSelector"])
-    if group.get("tolerations"):
-        pod_spec["tolerations"] = copy.deepcopy(list(group["tolerations"]))
+    for field in SCHEDULING_FIELDS:
+        if group.get(field):
+            pod_spec[field] = copy.deepcopy(group[field])
+    return pod_spec
+
+
+def _ray_pod_template(
+    spec: Mapping[str, Any],
+    group: Mapping[str, Any],
+    *,
+    container_name: str,
+    labels: Mapping[str, str],
+    ports: list[dict[str, Any]],
+    gpus: int,
+    head: bool,
+) -> dict[str, Any]:
+    env = copy.deepcopy(list(spec.get("env") or []))
+    container: dict[str, Any] = {
+        "name": container_name,
+        "image": spec["image"],
+        "imagePullPolicy": spec.get("imagePullPolicy", "IfNotPresent"),
+        "env": env,
+        "ports": ports,
+        "resources": _resources(group.get("resources"), gpus),
+        "securityContext": copy.deepcopy(RESTRICTED_CONTAINER_SECURITY),
+        "volumeMounts": [
+            {"name": "dshm", "mountPath": "/dev/shm"},
+            {"name": "tmp", "mountPath": "/tmp"},
+        ],
+    }
+    if head:
+        # A deleted head pod (drain, eviction, `kubectl delete`) stops the trainer the way KubeRay
+        # stops a deleted RayJob: through Ray's job API, which sends SIGTERM and waits
+        # RAY_JOB_STOP_WAIT_TIME_S; the trainer checkpoints and exits. The container's own
+        # SIGTERM never reaches the trainer (it goes to `ray start`).
+        env.append({"name": "RAY_JOB_STOP_WAIT_TIME_S", "value": str(JOB_STOP_WAIT_SECONDS)})
+        pre_stop = ["python", "-m", "overworld.run_controller.ray_prestop", "--dashboard",
+                    f"http://127.0.0.1:{DASHBOARD_PORT}", "--timeout", str(JOB_STOP_WAIT_SECONDS), "--stop-ray"]
+    else:
+        pre_stop = ["ray", "stop", "--force"]
+    # `ray start --block` (PID 1) ignores SIGTERM: without stopping Ray here, every Ray pod would
+    # take its whole grace period to go, and each resume or retry minutes longer.
+    container["lifecycle"] = {"preStop": {"exec": {"command": pre_stop}}}
+    volumes: list[dict[str, Any]] = [
+        # Ray's object store lives in /dev/shm; the container default (64 MiB) is far too small.
+        {"name": "dshm", "emptyDir": {"medium": "Memory"}},
+        {"name": "tmp", "emptyDir": {}},
+    ]
+    if spec.get("tlsSecret"):
+        # The trainer's identity on every Ray node: the driver and its Ray Train workers call the
+        # services with it (core/tls.py reads OVERWORLD_TLS_DIR).
+        env.append({"name": "OVERWORLD_TLS_DIR", "value": TLS_MOUNT})
+        container["volumeMounts"].append({"name": "tls", "mountPath": TLS_MOUNT, "readOnly": True})
+        volumes.append({"name": "tls", "secret": {"secretName": spec["tlsSecret"], "defaultMode": 0o440}})
+    pod_spec = _pod_spec(spec, group, container, volumes)
+    pod_spec["terminationGracePeriodSeconds"] = TERMINATION_GRACE_SECONDS
     return {"metadata": {"labels": dict(labels)}, "spec": pod_spec}
+
+
+def _submitter_pod_template(spec: Mapping[str, Any], labels: Mapping[str, str]) -> dict[str, Any]:
+    """The pod that runs `ray job submit` (K8sJobMode). KubeRay's default one has the head's image but
+    no pull secrets and no security context: a private registry or a namespace enforcing the
+    `restricted` Pod Security Standard never gets the job submitted. KubeRay fills in the command
+    (`ray job submit ... -- <entrypoint>`) because the container has none."""
+    container = {
+        "name": "ray-job-submitter",
+        "image": spec["image"],
+        "imagePullPolicy": spec.get("imagePullPolicy", "IfNotPresent"),
+        # The Ray CLI writes to $HOME; the image's home is not ours to write in a restricted pod.
+        "env": [{"name": "HOME", "value": "/tmp"}],
+        "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},
+        "securityContext": copy.deepcopy(RESTRICTED_CONTAINER_SECURITY),
+        "volumeMounts": [{"name": "tmp", "mountPath": "/tmp"}],
+    }
+    head = spec.get("head") or {}
+    pod_spec = _pod_spec(spec, head, container, [{"name": "tmp", "emptyDir": {}}])
+    pod_spec["restartPolicy"] = "Never"
+    pod_spec["automountServiceAccountToken"] = False  # it talks to the Ray head only
+    return {"metadata": {"labels": {**labels, ROLE_LABEL: "submitter"}}, "spec": pod_spec}
 
 
 def _env_port(spec: Mapping[str, Any], name: str, default: int) -> int:
@@ -148,7 +227,7 @@ def build_rayjob(training_run: Mapping[str, Any], attempt: int, resume_from: str
     metrics = [{"name": "metrics", "containerPort": metrics_port, "protocol": "TCP"}] if metrics_port else []
     head_ports = [
         {"name": "gcs-server", "containerPort": 6379, "protocol": "TCP"},
-        {"name": "dashboard", "containerPort": 8265, "protocol": "TCP"},
+        {"name": "dashboard", "containerPort": DASHBOARD_PORT, "protocol": "TCP"},
         {"name": "client", "containerPort": 10001, "protocol": "TCP"},
         {"name": "trainer", "containerPort": trainer_port, "protocol": "TCP"},
         *metrics,
@@ -157,15 +236,12 @@ def build_rayjob(training_run: Mapping[str, Any], attempt: int, resume_from: str
     worker_ports: list[dict[str, Any]] = []
     cluster_spec: dict[str, Any] = {
         "headGroupSpec": {
-            # The head schedules no training work; the GPU workers do.
-            "rayStartParams": {"dashboard-host": "0.0.0.0", "num-gpus": "0"},
-            "template": _pod_template(
-                spec,
-                spec.get("head") or {},
-                container_name="ray-head",
-                labels=labels,
-                ports=head_ports,
-                gpus=0,
+            # The head schedules no training work (no CPUs, no GPUs for Ray tasks); the workers do.
+            # The trainer driver itself runs there as the job's entrypoint.
+            "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0", "num-gpus": "0"},
+            "template": _ray_pod_template(
+                spec, spec.get("head") or {}, container_name="ray-head", labels=labels,
+                ports=head_ports, gpus=0, head=True,
             ),
         },
         "workerGroupSpecs": [
@@ -175,13 +251,9 @@ def build_rayjob(training_run: Mapping[str, Any], attempt: int, resume_from: str
                 "minReplicas": replicas,
                 "maxReplicas": replicas,
                 "rayStartParams": {},
-                "template": _pod_template(
-                    spec,
-                    worker_group,
-                    container_name="ray-worker",
-                    labels=labels,
-                    ports=worker_ports,
-                    gpus=gpus,
+                "template": _ray_pod_template(
+                    spec, worker_group, container_name="ray-worker", labels=labels,
+                    ports=worker_ports, gpus=gpus, head=False,
                 ),
             }
         ],
@@ -192,9 +264,13 @@ def build_rayjob(training_run: Mapping[str, Any], attempt: int, resume_from: str
         # KubeRay (>= 1.5.1) makes a random token Secret, sets RAY_AUTH_MODE/RAY_AUTH_TOKEN in every Ray
         # container and uses the token itself (job submission, status): the Jobs API runs nobody's code.
         cluster_spec["authOptions"] = {"mode": "token"}
+    backoff_limit = spec.get("backoffLimit")
     job_spec: dict[str, Any] = {
         "entrypoint": trainer_entrypoint(resume_from, spec.get("trainerArgs") or ()),
         "submissionMode": "K8sJobMode",
+        "submitterPodTemplate": _submitter_pod_template(spec, labels),
+        "submitterConfig": {"backoffLimit": 2},
+        "backoffLimit": DEFAULT_BACKOFF_LIMIT if backoff_limit is None else int(backoff_limit),
         "shutdownAfterJobFinishes": bool(spec.get("shutdownAfterJobFinishes", True)),
         "rayClusterSpec": cluster_spec,
     }

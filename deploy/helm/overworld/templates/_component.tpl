@@ -1,7 +1,7 @@
 {{/*
 One Overworld service: a Deployment running `overworld serve <component>` (with the certificate
-of identity <component>; probes on the plaintext health-only port) and, unless
-.headless is set, a ClusterIP Service for its gRPC (and metrics) port.
+of identity <component>; probes on the plaintext health-only port), with .service a ClusterIP
+Service for its gRPC (and metrics) port, with .headless also a headless Service.
 
 Usage: include "overworld.component" (dict
   "context" $                 root context
@@ -12,6 +12,7 @@ Usage: include "overworld.component" (dict
   "image" .Values.image
   "gpu" nil or .Values.rolloutWorker.gpu
   "service" true
+  "headless" false            also a headless Service <name>-headless (clients balance over its pods)
   "configMount" false         mount the run config at /etc/overworld
   "shm" ""                    size of an in-memory /dev/shm, "" for none)
 */}}
@@ -33,7 +34,10 @@ spec:
   strategy:
     type: Recreate
   {{- else }}
+  {{- /* null: kubectl scale or an HPA owns the size (never declared, so never reset or contested) */}}
+  {{- if not (kindIs "invalid" $v.replicaCount) }}
   replicas: {{ $v.replicaCount }}
+  {{- end }}
   strategy:
     type: RollingUpdate
     rollingUpdate:
@@ -74,7 +78,8 @@ spec:
         - name: {{ .component }}
           image: {{ include "overworld.image" (dict "image" .image "context" $) }}
           imagePullPolicy: {{ .image.pullPolicy }}
-          command: ["overworld"]
+          # No command: the image's entrypoint runs (`overworld`, or `xvfb-run -a overworld` in the
+          # Minecraft worker image, which needs a display for the game).
           args:
             - serve
             - {{ .component }}
@@ -184,5 +189,27 @@ spec:
       protocol: TCP
       appProtocol: http
     {{- end }}
+{{- end }}
+{{- if .headless }}
+---
+apiVersion: v1
+kind: Service
+metadata:
+  name: {{ printf "%s-%s-headless" (include "overworld.fullname" $) .component }}
+  namespace: {{ $.Release.Namespace }}
+  labels:
+    {{- include "overworld.componentLabels" $labels | nindent 4 }}
+    overworld.dev/headless: "true"
+  {{- include "overworld.annotations" (dict "context" $) | indent 2 }}
+spec:
+  clusterIP: None
+  selector:
+    {{- include "overworld.componentSelectorLabels" $labels | nindent 4 }}
+  ports:
+    - name: grpc
+      port: {{ $v.port }}
+      targetPort: grpc
+      protocol: TCP
+      appProtocol: grpc
 {{- end }}
 {{- end -}}

@@ -107,8 +107,8 @@ include "overworld.address" (dict "context" $ "component" "rollout-manager" "por
 {{- printf "%s-redis" (include "overworld.fullname" .) -}}
 {{- end -}}
 
-{{- define "overworld.minioName" -}}
-{{- printf "%s-minio" (include "overworld.fullname" .) -}}
+{{- define "overworld.objectStoreName" -}}
+{{- printf "%s-seaweedfs" (include "overworld.fullname" .) -}}
 {{- end -}}
 
 {{- define "overworld.configMapName" -}}
@@ -123,24 +123,24 @@ include "overworld.address" (dict "context" $ "component" "rollout-manager" "por
 Secret holding the S3 credentials, and its keys.
 */}}
 {{- define "overworld.s3SecretName" -}}
-{{- if .Values.minio.enabled -}}
-{{- default (include "overworld.minioName" .) .Values.minio.auth.existingSecret -}}
+{{- if .Values.seaweedfs.enabled -}}
+{{- default (printf "%s-s3" (include "overworld.fullname" .)) .Values.seaweedfs.auth.existingSecret -}}
 {{- else -}}
 {{- .Values.externalS3.existingSecret -}}
 {{- end -}}
 {{- end -}}
 
 {{- define "overworld.s3AccessKeyKey" -}}
-{{- ternary "root-user" .Values.externalS3.accessKeyKey .Values.minio.enabled -}}
+{{- ternary "access-key" .Values.externalS3.accessKeyKey .Values.seaweedfs.enabled -}}
 {{- end -}}
 
 {{- define "overworld.s3SecretKeyKey" -}}
-{{- ternary "root-password" .Values.externalS3.secretKeyKey .Values.minio.enabled -}}
+{{- ternary "secret-key" .Values.externalS3.secretKeyKey .Values.seaweedfs.enabled -}}
 {{- end -}}
 
 {{- define "overworld.s3Endpoint" -}}
-{{- if .Values.minio.enabled -}}
-{{- printf "http://%s:9000" (include "overworld.minioName" .) -}}
+{{- if .Values.seaweedfs.enabled -}}
+{{- printf "http://%s:8333" (include "overworld.objectStoreName" .) -}}
 {{- else -}}
 {{- .Values.externalS3.endpoint -}}
 {{- end -}}
@@ -211,14 +211,19 @@ Addresses of the services, by the flag names of docs/architecture.md.
   value: {{ include "overworld.address" (dict "context" . "component" "rollout-manager" "port" .Values.rolloutManager.port) | quote }}
 {{- end -}}
 
+{{/*
+The replicated fronts are reached through their headless Services: DNS gives the client every
+ready pod and the client balances its calls over them (gRPC round_robin); a ClusterIP would pin
+each long-lived connection to one pod.
+*/}}
 {{- define "overworld.env.replayBuffer" -}}
 - name: OVERWORLD_REPLAY_BUFFER
-  value: {{ include "overworld.address" (dict "context" . "component" "replay-buffer" "port" .Values.replayBuffer.port) | quote }}
+  value: {{ include "overworld.address" (dict "context" . "component" "replay-buffer-headless" "port" .Values.replayBuffer.port) | quote }}
 {{- end -}}
 
 {{- define "overworld.env.gae" -}}
 - name: OVERWORLD_GAE
-  value: {{ include "overworld.address" (dict "context" . "component" "gae" "port" .Values.gae.port) | quote }}
+  value: {{ include "overworld.address" (dict "context" . "component" "gae-headless" "port" .Values.gae.port) | quote }}
 {{- end -}}
 
 {{- define "overworld.env.modelRegistry" -}}
@@ -246,7 +251,8 @@ The environment of the trainer (in the RayJob's head and worker pods).
 {{- end -}}
 
 {{/*
-Pod-level scheduling block. Usage: include "overworld.scheduling" .Values.gae
+Pod-level scheduling block: nodeSelector, tolerations, affinity, topologySpreadConstraints,
+priorityClassName, runtimeClassName. Usage: include "overworld.scheduling" .Values.gae
 */}}
 {{- define "overworld.scheduling" -}}
 {{- with .nodeSelector }}
@@ -261,17 +267,27 @@ tolerations:
 affinity:
   {{- toYaml . | nindent 2 }}
 {{- end }}
+{{- with .topologySpreadConstraints }}
+topologySpreadConstraints:
+  {{- toYaml . | nindent 2 }}
+{{- end }}
+{{- with .priorityClassName }}
+priorityClassName: {{ . | quote }}
+{{- end }}
+{{- with .runtimeClassName }}
+runtimeClassName: {{ . | quote }}
+{{- end }}
 {{- end -}}
 
 {{/*
 Checks of the values that the JSON schema cannot express.
 */}}
 {{- define "overworld.validateValues" -}}
-{{- if and (not .Values.minio.enabled) (not .Values.externalS3.endpoint) -}}
-{{- fail "minio.enabled=false needs externalS3.endpoint (an S3 endpoint such as https://s3.amazonaws.com)" -}}
+{{- if and (not .Values.seaweedfs.enabled) (not .Values.externalS3.endpoint) -}}
+{{- fail "seaweedfs.enabled=false needs externalS3.endpoint (an S3 endpoint such as https://s3.amazonaws.com)" -}}
 {{- end -}}
-{{- if and (not .Values.minio.enabled) (not .Values.externalS3.existingSecret) -}}
-{{- fail "minio.enabled=false needs externalS3.existingSecret (a Secret with the access and secret keys)" -}}
+{{- if and (not .Values.seaweedfs.enabled) (not .Values.externalS3.existingSecret) -}}
+{{- fail "seaweedfs.enabled=false needs externalS3.existingSecret (a Secret with the access and secret keys)" -}}
 {{- end -}}
 {{- if and (not .Values.redis.enabled) (not .Values.externalRedis.url) (not .Values.externalRedis.existingSecret) -}}
 {{- fail "redis.enabled=false needs externalRedis.url or externalRedis.existingSecret" -}}

@@ -1,0 +1,824 @@
+"""The rehearsal cluster: the rendered chart run as pods on one machine.
+
+What Kubernetes would do, done here, and nothing more:
+
+- **pods**: each a process tree in namespaces of its own (:mod:`tests.cluster.netns`), started with
+  its container's command, arguments and environment exactly as rendered (the image's ENTRYPOINT
+  when the container has no command, read from `docker/*.Dockerfile`); Secrets (env and volumes:
+  each pod's identity certificate, Redis' password, the S3 keys, KubeRay's Ray token), fieldRefs and
+  ConfigMap volumes resolved; emptyDirs fresh directories (tmpfs for `medium: Memory`), gone with
+  the pod; a StatefulSet's volume claims directories that outlive their pods. A deleted pod runs
+  its preStop hook, gets SIGTERM on its PID 1, and SIGKILL after its grace period; a killed one
+  gets SIGKILL at once. A container that exits is restarted (restartPolicy Always), its emptyDirs
+  kept, as the kubelet does.
+- **controllers**: Deployments and StatefulSets keep their replica count (a deleted pod comes back
+  with a new address); the bucket Job runs once.
+- **cluster DNS**: a DNS server on the control host (every pod's resolv.conf, with the cluster's
+  search domains) answers for Services with their ready pods (readiness from the rendered probe:
+  a plaintext gRPC health check on the health-only port, as the kubelet's, the HTTP path for
+  httpGet ones, a TCP connect for exec ones): a ClusterIP name with one ready
+  pod, a headless one with all of them; /etc/hosts holds only the pod's own name.
+- **the API server** is kmock (:mod:`tests.deploy.kube_support`) in the control namespace, and
+  the run-controller pod (the rendered Deployment) talks to it through a kubeconfig instead of a
+  service-account token; kubectl runs in the control namespace.
+- **KubeRay** (:mod:`tests.cluster.kuberay`) turns the controller's RayJobs into a RayCluster (head
+  and worker pods started as KubeRay starts them) and a submitter pod running KubeRay's own
+  `ray job submit` command, and follows the job as KubeRay does.
+
+Substituted, because the images are not on this machine: the Python services run from this
+checkout's virtual environment; the chart's SeaweedFS container is moto's S3 server with its
+requests recorded on the pod's volume (:mod:`tests.cluster.s3_pod`; it does not check the S3 keys
+it is given). Not enforced: NetworkPolicies (the bridge filters nothing; the chart's tests check
+the rendered policies), resource limits, user ids (processes run as root).
+"""
+
+from __future__ import annotations
+
+import base64
+import contextlib
+import json
+import os
+import random
+import shlex
+import signal
+import socket
+import socketserver
+import string
+import subprocess
+import sys
+import threading
+import time
+import urllib.request
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+from tests.cluster.netns import Host, Network, enter_netns, wait_until
+
+REPO = Path(__file__).resolve().parents[2]
+VENV_BIN = Path(sys.executable).parent
+NAMESPACE = "rl"
+RELEASE = "overworld"
+DOMAIN = f"{NAMESPACE}.svc.cluster.local"
+SHM_SIZE = "1g"
+SERVICE_IMAGE_ENTRYPOINTS = {
+    "overworld-services": ("services.Dockerfile", None),
+    "overworld-rollout-worker": ("rollout-worker.Dockerfile", "runtime"),
+}
+OBJECT_STORE_IMAGE = "chrislusf/seaweedfs"
+
+
+def image_entrypoint(image: str) -> list[str]:
+    from tests.deploy.test_chart import image_entrypoint as read_entrypoint
+
+    for repository, (dockerfile, target) in SERVICE_IMAGE_ENTRYPOINTS.items():
+        if f"/{repository}" in image:
+            return read_entrypoint(REPO / "docker" / dockerfile, target)
+    return []
+
+
+def random_suffix(length: int = 5) -> str:
+    return "".join(random.choices(string.ascii_lowercase + string.digits, k=length))
+
+
+@dataclass
+class Volume:
+    mount_path: str
+    kind: str  # "dir" (emptyDir, claim, ConfigMap or Secret files) or "memory" (tmpfs)
+    source: Path | None = None
+    read_only: bool = False
+
+
+@dataclass
+class PodTemplate:
+    """What a pod is made of, resolved from a pod spec (everything but its address)."""
+
+    labels: dict[str, str]
+    argv: list[str]
+    env: dict[str, str]
+    volumes: list[Volume]
+    grace: float = 30.0
+    restart: str = "Always"
+    pre_stop: list[str] | None = None
+    readiness: tuple[str, int, str] | None = None  # ("tcp"|"http"|"grpc", port, path or gRPC service)
+    env_from_pod: Callable[[Pod], dict[str, str]] | None = None
+    claims: dict[str, str] = field(default_factory=dict)  # volume name -> claim directory key
+
+
+@dataclass
+class Pod:
+    name: str
+    owner: str
+    template: PodTemplate
+    host: Host
+    root: Path
+    proc: subprocess.Popen[bytes] | None = None
+    ready: bool = False
+    deleting: bool = False
+    phase: str = "Pending"  # Running | Succeeded | Failed | Terminated
+    exit_code: int | None = None
+    restarts: int = 0
+    started: float = 0.0
+    ended: float = 0.0
+    next_restart: float = 0.0
+    env: dict[str, str] = field(default_factory=dict)
+
+    @property
+    def ip(self) -> str:
+        return self.host.address
+
+    @property
+    def log(self) -> Path:
+        return self.root / "log.txt"
+
+    def pid1(self) -> int | None:
+        """Host pid of the container's PID 1 (the child of `unshare --fork`)."""
+        if self.proc is None or self.proc.poll() is not None:
+            return None
+        children = Path(f"/proc/{self.proc.pid}/task/{self.proc.pid}/children")
+        with contextlib.suppress(OSError):
+            pids = children.read_text().split()
+            if pids:
+                return int(pids[0])
+        return None
+
+
+@dataclass
+class Workload:
+    name: str
+    kind: str  # Deployment | StatefulSet | Job | RayHead | RayWorkers | Submitter
+    template: PodTemplate
+    replicas: int
+    owner: str = ""  # a RayJob's name for KubeRay's pods
+    attempts: int = 0  # pods a Job has started
+
+
+@dataclass
+class ServiceEntry:
+    name: str
+    selector: dict[str, str]
+    headless: bool
+
+
+class Cluster:
+    def __init__(self, objects: list[dict[str, Any]], workdir: Path) -> None:
+        self.objects = objects
+        self.workdir = workdir
+        self.network = Network()
+        self.lock = threading.RLock()
+        self.workloads: dict[str, Workload] = {}
+        self.pods: list[Pod] = []
+        self.services: dict[str, ServiceEntry] = {}
+        self.events: list[tuple[float, str, str]] = []
+        self.created_dirs: list[Path] = []
+        self._clusterip_choice: dict[str, str] = {}
+        self._stop = threading.Event()
+        self._threads: list[threading.Thread] = []
+        self._servers: list[socketserver.BaseServer] = []
+        self.control: Host | None = None
+        self.socket_dir = Path(f"/tmp/{self.network.prefix}-sockets")
+        self.api_port = 6443
+        self.kuberay: Any = None
+        self.secrets = {
+            o["metadata"]["name"]: {k: base64.b64decode(v).decode() for k, v in (o.get("data") or {}).items()}
+            for o in objects
+            if o["kind"] == "Secret"
+        }
+        self.config_maps = {o["metadata"]["name"]: o.get("data") or {} for o in objects if o["kind"] == "ConfigMap"}
+
+    # --- lifecycle ---------------------------------------------------------------------------
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        self.socket_dir.mkdir(parents=True, exist_ok=True)
+        self.network.create()
+        self.control = self.network.add_host("control")
+        self._run_in_control(self._serve_api, "apiserver")
+        self._run_in_control(self._serve_dns, "dns")
+        wait_until(lambda: self._api_up(), 30, "the API server")
+        for obj in self.objects:
+            if obj["kind"] == "Service":
+                self.add_service(obj["metadata"]["name"], obj["spec"].get("selector") or {},
+                                 obj["spec"].get("clusterIP") == "None")
+        self._run_in_control(self._reconcile_loop, "controllers")
+
+    def stop(self) -> None:
+        """Kill every pod, remove every namespace, link and file the cluster made; safe to call twice."""
+        self._stop.set()
+        try:
+            for server in self._servers:
+                server.shutdown()
+            with self.lock:
+                pods = list(self.pods)
+            for pod in pods:
+                self._kill(pod)
+            for thread in self._threads:
+                thread.join(timeout=5)
+        finally:
+            self.network.destroy()
+            for path in reversed(self.created_dirs):
+                with contextlib.suppress(OSError):
+                    path.rmdir()
+        for sock in self.socket_dir.glob("*.sock"):
+            sock.unlink()
+        with contextlib.suppress(OSError):
+            self.socket_dir.rmdir()
+
+    def _run_in_control(self, target: Callable[[], None], name: str) -> None:
+        assert self.control is not None
+        netns_path = Path("/var/run/netns") / self.control.netns
+
+        def run() -> None:
+            enter_netns(netns_path)
+            target()
+
+        thread = threading.Thread(target=run, name=f"rehearsal-{name}", daemon=True)
+        thread.start()
+        self._threads.append(thread)
+
+    def event(self, kind: str, what: str) -> None:
+        with self.lock:
+            self.events.append((time.monotonic(), kind, what))
+
+    # --- the API server (kmock) in the control namespace -----------------------------------------
+
+    def _serve_api(self) -> None:
+        import asyncio
+
+        from tests.deploy.kube_support import kubernetes_api
+
+        async def serve() -> None:
+            async with kubernetes_api(NAMESPACE, host="0.0.0.0", port=self.api_port):
+                while not self._stop.is_set():
+                    await asyncio.sleep(0.2)
+
+        asyncio.run(serve())
+
+    def _api_up(self) -> bool:
+        assert self.control is not None
+        out = subprocess.run(["ip", "netns", "exec", self.control.netns, "python3", "-c",
+                              f"import socket; socket.create_connection(('127.0.0.1', {self.api_port}), 1)"],
+                             capture_output=True, timeout=10)
+        return out.returncode == 0
+
+    def api(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
+        """A request to the API server; only from the control namespace (the controllers' thread)."""
+        data = json.dumps(body).encode() if body is not None else None
+        request = urllib.request.Request(f"http://127.0.0.1:{self.api_port}{path}", data=data, method=method,
+                                         headers={"Content-Type": content_type})
+        with urllib.request.urlopen(request, timeout=10) as response:
+            text = response.read()
+        return json.loads(text) if text else {}
+
+    def kubeconfig(self, server_host: str) -> Path:
+        from tests.deploy.kube_support import write_kubeconfig
+
+        path = self.workdir / f"kubeconfig-{server_host}"
+        return write_kubeconfig(path, f"http://{server_host}:{self.api_port}", NAMESPACE)
+
+    def kubectl(self, *args: str, check: bool = True) -> str:
+        from tests.deploy.deploy_support import kubectl
+
+        assert self.control is not None
+        result = subprocess.run(["ip", "netns", "exec", self.control.netns, kubectl(), "--kubeconfig",
+                                 str(self.kubeconfig("127.0.0.1")), "--request-timeout=10s", *args],
+                                capture_output=True, text=True, timeout=60)
+        if check and result.returncode != 0:
+            raise AssertionError(f"kubectl {' '.join(args)}: {result.stderr}")
+        return result.stdout
+
+    # --- port forwarding (like `kubectl port-forward`), for the test's own gRPC and HTTP calls ---
+
+    def forward(self, target: str, port: int) -> str:
+        """A Unix socket in this machine's filesystem that reaches `target:port` inside the cluster
+        (a Service name, or a pod IP); returns the gRPC target `unix:PATH`."""
+        path = self.socket_dir / f"{target[:60]}-{port}.sock"  # AF_UNIX paths are short
+        if path.exists():
+            return f"unix:{path}"
+        cluster = self
+
+        class Relay(socketserver.BaseRequestHandler):
+            def handle(self) -> None:
+                address = cluster.resolve(target)
+                if address is None:
+                    return
+                try:
+                    upstream = socket.create_connection((address, port), timeout=5)
+                except OSError:
+                    return
+                upstream.settimeout(None)
+                pipes = [threading.Thread(target=_pipe, args=(self.request, upstream), daemon=True),
+                         threading.Thread(target=_pipe, args=(upstream, self.request), daemon=True)]
+                for pipe in pipes:
+                    pipe.start()
+                for pipe in pipes:
+                    pipe.join()
+
+        server = socketserver.ThreadingUnixStreamServer(str(path), Relay)
+        server.daemon_threads = True
+        self._servers.append(server)
+        self._run_in_control(server.serve_forever, f"forward-{target}")
+        return f"unix:{path}"
+
+    # --- Services ------------------------------------------------------------------------------
+
+    def add_service(self, name: str, selector: dict[str, str], headless: bool) -> None:
+        with self.lock:
+            self.services[name] = ServiceEntry(name, dict(selector), headless)
+
+    def remove_service(self, name: str) -> None:
+        with self.lock:
+            self.services.pop(name, None)
+
+    def endpoints(self, service: str) -> list[Pod]:
+        with self.lock:
+            entry = self.services.get(service)
+            if entry is None:
+                return []
+            return [p for p in self.pods if p.ready and not p.deleting and p.phase == "Running"
+                    and all(p.template.labels.get(k) == v for k, v in entry.selector.items())]
+
+    def resolve(self, name: str) -> str | None:
+        """What a pod would connect to for a Service name (or an IP, as is)."""
+        if name[0].isdigit():
+            return name
+        short = name.split(".")[0]
+        pods = self.endpoints(short)
+        return pods[0].ip if pods else None
+
+    def addresses(self, name: str) -> list[str]:
+        """The cluster DNS answer for a name: a Service's ready pods (one for a ClusterIP), or a pod."""
+        name = name.rstrip(".").lower()
+        for suffix in (f".{DOMAIN}", f".{NAMESPACE}.svc", f".{NAMESPACE}"):
+            name = name.removesuffix(suffix)
+        with self.lock:
+            entry = self.services.get(name)
+            if entry is None:
+                return [p.ip for p in self.pods if p.name == name and p.phase == "Running" and not p.deleting]
+            pods = self.endpoints(name)
+            if not pods:
+                return []
+            if entry.headless:
+                return sorted(p.ip for p in pods)
+            chosen = self._clusterip_choice.get(name)
+            if chosen not in [p.ip for p in pods]:
+                chosen = pods[0].ip
+                self._clusterip_choice[name] = chosen
+            return [chosen]
+
+    def _serve_dns(self) -> None:
+        """The cluster's DNS (port 53 of the control host): A records from :meth:`addresses`, with a
+        1 s TTL; every pod's resolv.conf points here (gRPC's c-ares resolver, in Ray for one, does
+        not read /etc/hosts)."""
+        sock = socket.socket(socket.AF_INET, socket.SOCK_DGRAM)
+        sock.bind(("0.0.0.0", 53))
+        sock.settimeout(0.5)
+        while not self._stop.is_set():
+            try:
+                query, client = sock.recvfrom(512)
+            except TimeoutError:
+                continue
+            with contextlib.suppress(Exception):
+                sock.sendto(self._dns_answer(query), client)
+        sock.close()
+
+    def _dns_answer(self, query: bytes) -> bytes:
+        labels, offset = [], 12
+        while query[offset]:
+            length = query[offset]
+            labels.append(query[offset + 1:offset + 1 + length].decode())
+            offset += 1 + length
+        qtype = int.from_bytes(query[offset + 1:offset + 3], "big")
+        question = query[12:offset + 5]
+        name = ".".join(labels)
+        found = self.addresses(name)
+        records = found if qtype == 1 else []  # A records; a known name has no AAAA (NOERROR, empty)
+        flags = 0x8180 if found else 0x8183  # NOERROR / NXDOMAIN
+        header = query[:2] + flags.to_bytes(2, "big") + (1).to_bytes(2, "big") + len(records).to_bytes(2, "big")
+        answers = b"".join(b"\xc0\x0c" + (1).to_bytes(2, "big") + (1).to_bytes(2, "big") + (1).to_bytes(4, "big")
+                           + (4).to_bytes(2, "big") + socket.inet_aton(ip) for ip in records)
+        return header + b"\x00\x00\x00\x00" + question + answers
+
+    # --- workloads -----------------------------------------------------------------------------
+
+    def add_workload(self, workload: Workload) -> None:
+        with self.lock:
+            self.workloads[workload.name] = workload
+
+    def scale(self, name: str, replicas: int) -> None:
+        """`kubectl scale`: the controller starts new pods, or deletes the newest (a StatefulSet:
+        the highest ordinals) gracefully."""
+        with self.lock:
+            workload = self.workloads[name]
+            workload.replicas = replicas
+            live = sorted(self.pods_of(name), key=lambda p: (p.name if workload.kind == "StatefulSet" else p.started))
+        for pod in live[replicas:]:
+            self.delete_pod(pod, graceful=True, wait=False)
+
+    def remove_workload(self, name: str, graceful: bool = True) -> list[threading.Thread]:
+        with self.lock:
+            self.workloads.pop(name, None)
+            pods = self.pods_of(name)
+        return [self.delete_pod(pod, graceful=graceful, wait=False) for pod in pods]
+
+    def pods_of(self, owner: str, include_ended: bool = False) -> list[Pod]:
+        with self.lock:
+            return [p for p in self.pods if p.owner == owner and (include_ended or
+                                                                  (not p.deleting and p.phase != "Terminated"))]
+
+    def pod(self, owner: str) -> Pod:
+        pods = self.pods_of(owner)
+        assert pods, f"no pod of {owner}"
+        return pods[0]
+
+    # --- pods ----------------------------------------------------------------------------------
+
+    def _start_pod(self, workload: Workload, ordinal: int | None = None) -> Pod:
+        name = f"{workload.name}-{ordinal}" if ordinal is not None else f"{workload.name}-{random_suffix()}"
+        host = self.network.add_host(name[:40])
+        assert self.control is not None
+        (host.hosts_file.parent / "resolv.conf").write_text(
+            f"nameserver {self.control.address}\nsearch {DOMAIN} svc.cluster.local cluster.local\noptions ndots:5\n")
+        root = self.workdir / "pods" / f"{name}-{host.address}"
+        root.mkdir(parents=True)
+        pod = Pod(name, workload.name, workload.template, host, root)
+        with self.lock:
+            self.pods.append(pod)
+        self._launch(pod)
+        self.event("pod-start", name)
+        return pod
+
+    def _launch(self, pod: Pod) -> None:
+        template = pod.template
+        mounts, read_only = [], []
+        # Parents before what is mounted inside them (/etc/overworld, then /etc/overworld/tls), as the
+        # container runtime orders them, each mount point made inside what is mounted above it; /tmp
+        # last; read-only once everything is mounted.
+        ordered = sorted(template.volumes, key=lambda v: (v.mount_path == "/tmp", len(Path(v.mount_path).parts)))
+        for index, volume in enumerate(ordered):
+            target = Path(volume.mount_path)
+            missing = [d for d in (target, *target.parents) if not d.exists()]
+            if missing:  # mount points; removed again by stop()
+                target.mkdir(parents=True)
+                self.created_dirs.extend(reversed(missing))
+            quoted = shlex.quote(str(target))
+            if volume.kind == "memory":
+                mounts.append(f"mount -t tmpfs -o size={SHM_SIZE} tmpfs {quoted}")
+                continue
+            source = volume.source or pod.root / f"volume-{index}"
+            source.mkdir(parents=True, exist_ok=True)
+            mounts.append(f"mkdir -p {quoted}; mount --bind {shlex.quote(str(source))} {quoted}")
+            if volume.read_only:
+                read_only.append(f"mount -o remount,bind,ro {quoted}")
+        mounts += read_only
+        script = "set -e; hostname \"$OWR_POD_NAME\"; " + "; ".join(mounts) + '; exec "$@"'
+        env = {
+            "PATH": f"{VENV_BIN}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+            "PYTHONPATH": f"{REPO / 'services'}:{REPO}",
+            "HOME": "/tmp",
+            "LANG": "C.UTF-8",
+            "OVERWORLD_LOG_FORMAT": "text",
+            "RAY_USAGE_STATS_ENABLED": "0",
+            "OWR_POD_NAME": pod.name,
+            **template.env,
+            **(template.env_from_pod(pod) if template.env_from_pod else {}),
+        }
+        pod.env = env
+        argv = ["ip", "netns", "exec", pod.host.netns, "unshare", "--pid", "--fork", "--kill-child",
+                "--mount-proc", "--uts", "--propagation", "private", "/bin/sh", "-c", script, "sh",
+                *template.argv]
+        with pod.log.open("ab") as log:
+            log.write(f"--- start {time.strftime('%H:%M:%S')}: {shlex.join(template.argv)}\n".encode())
+            log.flush()
+            # If this harness dies (even by SIGKILL), the pod dies with it: PR_SET_PDEATHSIG, kept by
+            # `ip netns exec` and `unshare`, which kills its PID namespace. Pods are only started
+            # from the controllers' thread, which lives as long as the cluster.
+            pod.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+                                        stdin=subprocess.DEVNULL, cwd="/", start_new_session=True,
+                                        preexec_fn=_die_with_parent)
+        pod.phase = "Running"
+        pod.ready = False
+        pod.started = time.monotonic()
+
+    def delete_pod(self, pod: Pod, graceful: bool = False, wait: bool = True) -> threading.Thread:
+        """`kubectl delete pod` (graceful: preStop, SIGTERM, grace period) or a node loss (SIGKILL).
+        Its disk goes with it; the workload's controller starts a new pod elsewhere."""
+        with self.lock:
+            if pod.deleting:
+                thread = threading.Thread(target=lambda: None)
+                thread.start()
+                return thread
+            pod.deleting = True
+            pod.ready = False
+
+        def run() -> None:
+            if graceful:
+                self._terminate(pod)
+            self._kill(pod)
+            self.network.remove_host(pod.host)
+            self.event("pod-gone", pod.name)
+
+        thread = threading.Thread(target=run, name=f"delete-{pod.name}", daemon=True)
+        thread.start()
+        if wait:
+            thread.join()
+        return thread
+
+    def _terminate(self, pod: Pod) -> None:
+        deadline = time.monotonic() + pod.template.grace
+        pid1 = pod.pid1()
+        if pid1 is None:
+            return
+        if pod.template.pre_stop:
+            with pod.log.open("ab") as log:
+                hook = subprocess.Popen(["nsenter", "-t", str(pid1), "-a", *pod.template.pre_stop], env=pod.env,
+                                        stdout=log, stderr=subprocess.STDOUT)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                hook.wait(timeout=max(1.0, deadline - time.monotonic()))
+            if hook.poll() is None:
+                hook.kill()
+                hook.wait()
+        with contextlib.suppress(ProcessLookupError):
+            os.kill(pid1, signal.SIGTERM)
+        assert pod.proc is not None
+        with contextlib.suppress(subprocess.TimeoutExpired):
+            pod.proc.wait(timeout=max(0.1, deadline - time.monotonic()))
+
+    def _kill(self, pod: Pod) -> None:
+        if pod.proc is not None and pod.proc.poll() is None:
+            pod.proc.kill()  # unshare --kill-child: PID 1 and with it the whole PID namespace die
+            pod.proc.wait()
+        with self.lock:
+            pod.phase = "Terminated"
+            pod.ready = False
+            pod.ended = time.monotonic()
+
+    def exec(self, pod: Pod, *argv: str, timeout: float = 60) -> str:
+        """`kubectl exec`: a command in the pod's namespaces (network, mounts, hosts file) and environment."""
+        pid1 = pod.pid1()
+        assert pid1 is not None, f"{pod.name} is not running"
+        command = [sys.executable, *argv[1:]] if argv[0] in ("python", "python3") else list(argv)
+        result = subprocess.run(["nsenter", "-t", str(pid1), "-a", *command], env=pod.env, capture_output=True,
+                                text=True, timeout=timeout)
+        assert result.returncode == 0, f"exec in {pod.name}: {result.stderr[-2000:]}"
+        return result.stdout
+
+    def run_outside(self, label: str, argv: list[str], timeout: float = 120) -> str:
+        """Run a command on a host of its own on the pod network, with the cluster's DNS, that no
+        workload owns (someone else's pod); return its stdout. The host is removed afterwards."""
+        host = self.network.add_host(label)
+        assert self.control is not None
+        (host.hosts_file.parent / "resolv.conf").write_text(
+            f"nameserver {self.control.address}\nsearch {DOMAIN} svc.cluster.local cluster.local\noptions ndots:5\n")
+        env = {"PATH": f"{VENV_BIN}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+               "PYTHONPATH": f"{REPO / 'services'}:{REPO}", "HOME": "/tmp", "LANG": "C.UTF-8"}
+        try:
+            result = subprocess.run(["ip", "netns", "exec", host.netns, *argv], env=env, capture_output=True,
+                                    text=True, timeout=timeout, cwd=REPO)
+        finally:
+            self.network.remove_host(host)
+        assert result.returncode == 0, f"{shlex.join(argv)} on {label}: {result.stderr[-3000:]}"
+        return result.stdout
+
+    def freeze(self, pod: Pod, frozen: bool) -> None:
+        """SIGSTOP / SIGCONT every process of a pod."""
+        for line in subprocess.run(["ip", "netns", "pids", pod.host.netns], capture_output=True, text=True,
+                                   check=False).stdout.split():
+            with contextlib.suppress(ProcessLookupError):
+                os.kill(int(line), signal.SIGSTOP if frozen else signal.SIGCONT)
+
+    # --- the controllers' loop (in the control namespace) -----------------------------------------
+
+    def _reconcile_loop(self) -> None:
+        while not self._stop.is_set():
+            try:
+                self._kubelet()
+                self._controllers()
+                self._probe_readiness()
+                if self.kuberay is not None:
+                    self.kuberay.reconcile()
+            except Exception as err:  # keep the cluster running; the tests see the consequences
+                print(f"rehearsal controller error: {err!r}", file=sys.stderr, flush=True)
+            self._stop.wait(0.5)
+
+    def _kubelet(self) -> None:
+        now = time.monotonic()
+        with self.lock:
+            pods = [p for p in self.pods if not p.deleting and p.phase == "Running"]
+        for pod in pods:
+            if pod.proc is None or pod.proc.poll() is None:
+                continue
+            pod.exit_code = pod.proc.returncode
+            pod.ready = False
+            if pod.template.restart == "Always":
+                if pod.next_restart == 0.0:
+                    backoff = min(10.0 * 2 ** max(0, pod.restarts - 1), 60.0) if pod.restarts else 1.0
+                    pod.next_restart = now + backoff
+                elif now >= pod.next_restart:
+                    pod.restarts += 1
+                    pod.next_restart = 0.0
+                    self.event("container-restart", pod.name)
+                    self._launch(pod)
+            else:
+                with self.lock:
+                    pod.phase = "Succeeded" if pod.exit_code == 0 else "Failed"
+                    pod.ended = now
+
+    def _controllers(self) -> None:
+        with self.lock:
+            workloads = list(self.workloads.values())
+        for workload in workloads:
+            live = self.pods_of(workload.name)
+            if workload.kind == "StatefulSet":
+                names = {p.name for p in live}
+                for ordinal in range(workload.replicas):
+                    if f"{workload.name}-{ordinal}" not in names:
+                        self._start_pod(workload, ordinal)
+            elif workload.kind in ("Job", "Submitter"):
+                finished = [p for p in self.pods_of(workload.name, include_ended=True) if p.phase == "Succeeded"]
+                running = [p for p in live if p.phase in ("Pending", "Running")]
+                if not finished and not running and workload.attempts < workload.replicas:
+                    workload.attempts += 1
+                    self._start_pod(workload)
+            else:
+                for _ in range(workload.replicas - len(live)):
+                    self._start_pod(workload)
+
+    def _probe_readiness(self) -> None:
+        with self.lock:
+            pods = [p for p in self.pods if not p.ready and not p.deleting and p.phase == "Running"]
+        for pod in pods:
+            probe = pod.template.readiness
+            if probe is None:
+                pod.ready = pod.proc is not None and pod.proc.poll() is None
+                continue
+            kind, port, path = probe
+            try:
+                if kind == "grpc":
+                    ok = self._grpc_serving(pod, port, path)
+                elif kind == "http":
+                    with urllib.request.urlopen(f"http://{pod.ip}:{port}{path}", timeout=1) as response:
+                        ok = response.status < 400
+                else:
+                    with socket.create_connection((pod.ip, port), timeout=1):
+                        ok = True
+            except OSError:
+                ok = False
+            if ok and not pod.ready:
+                pod.ready = True
+                self.event("pod-ready", pod.name)
+
+    def _grpc_serving(self, pod: Pod, port: int, service: str) -> bool:
+        """The kubelet's gRPC probe: grpc.health.v1 Check, plaintext, no client certificate. (Through
+        a forward: gRPC's own threads live in this machine's network namespace.)"""
+        import grpc
+        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        with grpc.insecure_channel(self.forward(pod.ip, port)) as channel:
+            try:
+                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
+                                                                  timeout=1)
+            except grpc.RpcError:
+                return False
+        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+    # --- from rendered manifests -------------------------------------------------------------------
+
+    def template_from_pod_spec(self, pod_spec: dict[str, Any], labels: dict[str, str],
+                               claims: dict[str, Path] | None = None) -> PodTemplate:
+        """A PodTemplate from a rendered pod spec: its first container, volumes, probe, hooks."""
+        container = pod_spec["containers"][0]
+        image = container.get("image", "")
+        argv = [*(container.get("command") or image_entrypoint(image)), *(container.get("args") or [])]
+        env = self.container_env(container.get("env") or [])
+        volumes = self._volumes(pod_spec, container, claims or {})
+        if OBJECT_STORE_IMAGE in image:
+            port = next(p["containerPort"] for p in container["ports"] if p["name"] == "s3")
+            argv = [sys.executable, str(REPO / "tests" / "cluster" / "s3_pod.py"), "--port", str(port), "--data", "/data"]
+        if argv and argv[0] in ("python", "python3"):
+            argv[0] = sys.executable
+        probe = container.get("readinessProbe") or {}
+        readiness: tuple[str, int, str] | None = None
+        ports = {p.get("name"): p["containerPort"] for p in container.get("ports") or []}
+        if "grpc" in probe:
+            readiness = ("grpc", int(probe["grpc"]["port"]), probe["grpc"].get("service", ""))
+        elif "httpGet" in probe:
+            port = probe["httpGet"]["port"]
+            readiness = ("http", int(ports.get(port, port)), probe["httpGet"].get("path", "/"))
+        elif "exec" in probe and ports:
+            readiness = ("tcp", next(iter(ports.values())), "")
+        pre_stop = (((container.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}).get("command")
+        if pre_stop and pre_stop[0] in ("python", "python3"):
+            pre_stop = [sys.executable, *pre_stop[1:]]
+        return PodTemplate(labels=dict(labels), argv=argv, env=env, volumes=volumes,
+                           grace=float(pod_spec.get("terminationGracePeriodSeconds", 30)),
+                           restart=pod_spec.get("restartPolicy", "Always"), pre_stop=pre_stop,
+                           readiness=readiness)
+
+    def container_env(self, items: list[dict[str, Any]]) -> dict[str, str]:
+        env: dict[str, str] = {}
+        for item in items:
+            if "valueFrom" in item:
+                source = item["valueFrom"]
+                if "secretKeyRef" in source:
+                    ref = source["secretKeyRef"]
+                    env[item["name"]] = self.secrets[ref["name"]][ref["key"]]
+                elif source.get("fieldRef", {}).get("fieldPath") == "metadata.namespace":
+                    env[item["name"]] = NAMESPACE
+                else:
+                    raise NotImplementedError(f"env {item['name']}: {source}")
+            else:
+                env[item["name"]] = str(item.get("value", ""))
+        return env
+
+    def _volumes(self, pod_spec: dict[str, Any], container: dict[str, Any],
+                 claims: dict[str, Path]) -> list[Volume]:
+        declared = {v["name"]: v for v in pod_spec.get("volumes") or []}
+        volumes = []
+        for mount in container.get("volumeMounts") or []:
+            name = mount["name"]
+            volume = declared.get(name)
+            if name in claims:
+                volumes.append(Volume(mount["mountPath"], "dir", claims[name]))
+            elif volume is not None and "configMap" in volume:
+                source = self.workdir / "config-maps" / volume["configMap"]["name"]
+                source.mkdir(parents=True, exist_ok=True)
+                for key, text in self.config_maps[volume["configMap"]["name"]].items():
+                    (source / key).write_text(text)
+                volumes.append(Volume(mount["mountPath"], "dir", source))
+            elif volume is not None and "secret" in volume:
+                volumes.append(Volume(mount["mountPath"], "dir", self._secret_files(volume["secret"]),
+                                      read_only=bool(mount.get("readOnly"))))
+            elif volume is not None and (volume.get("emptyDir") or {}).get("medium") == "Memory":
+                volumes.append(Volume(mount["mountPath"], "memory"))
+            elif volume is not None and "emptyDir" in volume:
+                volumes.append(Volume(mount["mountPath"], "dir"))
+            else:
+                raise NotImplementedError(f"volume {name}: {volume}")
+        return volumes
+
+    def _secret_files(self, source: dict[str, Any]) -> Path:
+        """A Secret volume: one file per key, with the volume's defaultMode (as the kubelet writes them)."""
+        name = source["secretName"]
+        directory = self.workdir / "secrets" / name
+        directory.mkdir(parents=True, exist_ok=True)
+        for key, text in self.secrets[name].items():
+            path = directory / key
+            path.write_text(text)
+            path.chmod(int(source.get("defaultMode", 0o644)))
+        return directory
+
+    def workload_from_manifest(self, obj: dict[str, Any], replicas: int | None = None) -> Workload:
+        spec = obj["spec"]
+        template = spec["template"]
+        claims: dict[str, Path] = {}
+        for claim in spec.get("volumeClaimTemplates") or []:
+            # One claim per StatefulSet (replicas 1 here): it outlives the pod, as a PVC does.
+            claims[claim["metadata"]["name"]] = self.workdir / "claims" / f"{claim['metadata']['name']}-{obj['metadata']['name']}-0"
+        pod_template = self.template_from_pod_spec(template["spec"], template["metadata"].get("labels") or {}, claims)
+        count = replicas if replicas is not None else int(spec.get("replicas", 1) if obj["kind"] != "Job" else 1)
+        if obj["kind"] == "Job":
+            count = int(spec.get("backoffLimit", 6)) + 1
+            pod_template.restart = "Never"
+        return Workload(obj["metadata"]["name"], obj["kind"], pod_template, count)
+
+    def logs(self, owner_prefix: str = "", tail: int = 3000) -> str:
+        with self.lock:
+            pods = [p for p in self.pods if p.owner.startswith(owner_prefix)]
+        out = []
+        for pod in pods:
+            with contextlib.suppress(OSError):
+                out.append(f"--- {pod.name} ({pod.ip}, {pod.phase}, exit {pod.exit_code}):\n"
+                           f"{pod.log.read_text(errors='replace')[-tail:]}")
+        return "\n".join(out)
+
+
+def _die_with_parent() -> None:
+    import ctypes
+
+    ctypes.CDLL(None).prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
+
+
+def _pipe(source: socket.socket, sink: socket.socket) -> None:
+    try:
+        while True:
+            data = source.recv(65536)
+            if not data:
+                break
+            sink.sendall(data)
+    except OSError:
+        pass
+    finally:
+        for sock in (source, sink):
+            with contextlib.suppress(OSError):
+                sock.shutdown(socket.SHUT_RDWR)
+
+
+@contextlib.contextmanager
+def running(cluster: Cluster) -> Iterator[Cluster]:
+    try:
+        cluster.start()
+        yield cluster
+    finally:
+        cluster.stop()

@@ -1,0 +1,90 @@
+"""A pod that is not the run's, trying its services over the pod network (issue 16's "Done when",
+in the rehearsal). Run inside a network namespace of its own on the rehearsal's bridge:
+
+    ip netns exec NS python tests/cluster/intruder.py SPEC.json
+
+SPEC: {"targets": {pod: [service kind, "ip:port"]}, "other_ca": dir, "stolen": {identity: dir},
+       "ray_dashboard": "ip:8265", "redis": "ip:6379"}. Prints JSON: per target the status code of a
+plaintext health check and of one with a certificate of another CA; per stolen identity and target
+the (code, details) of every method of that service the identity may not call; the Ray Jobs API's
+HTTP status without a token and with a wrong one; Redis' answer to a command without its password.
+"""
+
+from __future__ import annotations
+
+import json
+import runpy
+import socket
+import sys
+import urllib.error
+import urllib.request
+from pathlib import Path
+from typing import Any
+
+import grpc
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from overworld.core import authz, tls
+
+RPCS_MODULE = Path(__file__).resolve().parents[1] / "security" / "rpcs.py"
+
+
+def health(channel: grpc.Channel) -> str:
+    try:
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5)
+    except grpc.RpcError as err:
+        return err.code().name
+    return "OK"
+
+
+def secure(address: str, directory: str) -> grpc.Channel:
+    cert, key, ca = tls.CredentialFiles(Path(directory)).pems
+    return grpc.secure_channel(address, grpc.ssl_channel_credentials(ca, key, cert),
+                               options=[("grpc.ssl_target_name_override", tls.SERVER_NAME)])
+
+
+def jobs_api(address: str, token: str | None) -> int:
+    request = urllib.request.Request(f"http://{address}/api/jobs/")
+    if token is not None:
+        request.add_header("Authorization", f"Bearer {token}")
+    try:
+        with urllib.request.urlopen(request, timeout=10) as reply:
+            return int(reply.status)
+    except urllib.error.HTTPError as err:
+        return int(err.code)
+
+
+def redis_without_password(address: str) -> str:
+    host, _, port = address.rpartition(":")
+    with socket.create_connection((host, int(port)), timeout=10) as connection:
+        connection.sendall(b"GET ow\r\n")
+        return connection.recv(200).decode(errors="replace").split()[0]
+
+
+def main(spec_path: str) -> int:
+    spec = json.loads(Path(spec_path).read_text())
+    rpcs = runpy.run_path(str(RPCS_MODULE))
+    out: dict[str, Any] = {"plaintext": {}, "other_ca": {}, "denied": {}}
+    for pod, (_, address) in spec["targets"].items():
+        with grpc.insecure_channel(address) as channel:
+            out["plaintext"][pod] = health(channel)
+        with secure(address, spec["other_ca"]) as channel:
+            out["other_ca"][pod] = health(channel)
+    for identity, directory in spec["stolen"].items():
+        answers: dict[str, list[Any]] = {}
+        for pod, (service, address) in spec["targets"].items():
+            with secure(address, directory) as channel:
+                for rpc in rpcs["RPCS"]:
+                    if rpc.service == service and not authz.allowed(identity, rpc.path):
+                        code, details = rpcs["call_raw"](channel, rpc, [b""], 5)
+                        answers[f"{pod} {rpc.path}"] = [code.name, details]
+        out["denied"][identity] = answers
+    out["ray_jobs_api"] = {"no token": jobs_api(spec["ray_dashboard"], None),
+                           "wrong token": jobs_api(spec["ray_dashboard"], "0" * 44)}
+    out["redis"] = redis_without_password(spec["redis"])
+    print(json.dumps(out))
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main(sys.argv[1]))

@@ -1,0 +1,170 @@
+"""Hosts made of Linux namespaces: each pod gets its own network namespace (one veth on a bridge that
+lives in a switch namespace of its own, a 10.213.0.0/16 address that only exists on that bridge), its
+own PID, mount and UTS namespaces (PID 1 is the container's command, `hostname` is the pod name),
+its volumes bind-mounted at their mount paths, and its own /etc/hosts and /etc/resolv.conf
+(`ip netns exec` reads /etc/netns/<ns>/).
+
+Nothing is added to the machine's own network namespace. Every name starts with `owr<pid>-`, so
+that :func:`remove_leftovers` can find and remove what a crashed earlier run left behind.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import ctypes
+import os
+import re
+import shutil
+import signal
+import subprocess
+import threading
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+SUBNET = "10.213"
+NAME_PREFIX = "owr"
+NETNS_DIR = Path("/var/run/netns")
+ETC_NETNS = Path("/etc/netns")
+CLONE_NEWNET = 0x40000000
+
+
+def ip(*args: str, check: bool = True) -> subprocess.CompletedProcess[str]:
+    return subprocess.run(["ip", *args], capture_output=True, text=True, check=check, timeout=30)
+
+
+def _alive(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
+
+
+def _kill_namespace_processes(netns: str) -> None:
+    pids = ip("netns", "pids", netns, check=False).stdout.split()
+    for pid in pids:
+        with contextlib.suppress(ProcessLookupError, ValueError):
+            os.kill(int(pid), signal.SIGKILL)
+
+
+def delete_netns(netns: str) -> None:
+    _kill_namespace_processes(netns)
+    ip("netns", "delete", netns, check=False)
+    hosts_dir = ETC_NETNS / netns
+    if hosts_dir.is_dir():
+        for child in hosts_dir.iterdir():
+            child.unlink()
+        hosts_dir.rmdir()
+
+
+def remove_leftovers() -> list[str]:
+    """Delete the namespaces of earlier rehearsals whose pytest process is gone."""
+    removed = []
+    names = [line.split()[0] for line in ip("netns", "list", check=False).stdout.splitlines() if line.strip()]
+    names += [p.name for p in ETC_NETNS.glob(f"{NAME_PREFIX}*")] if ETC_NETNS.is_dir() else []
+    for name in sorted(set(names)):
+        match = re.match(rf"^{NAME_PREFIX}(\d+)-", name)
+        if match and not _alive(int(match[1])):
+            delete_netns(name)
+            removed.append(name)
+    for sockets in Path("/tmp").glob(f"{NAME_PREFIX}*-sockets"):  # the cluster's port-forward sockets
+        match = re.match(rf"^{NAME_PREFIX}(\d+)-", sockets.name)
+        if match and not _alive(int(match[1])):
+            shutil.rmtree(sockets, ignore_errors=True)
+            removed.append(str(sockets))
+    return removed
+
+
+def enter_netns(path: Path) -> None:
+    """Move the calling thread (only it, and the threads it starts later) into a network namespace."""
+    libc = ctypes.CDLL(None, use_errno=True)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        if libc.setns(fd, CLONE_NEWNET) != 0:
+            raise OSError(ctypes.get_errno(), f"setns({path})")
+    finally:
+        os.close(fd)
+
+
+@dataclass
+class Host:
+    """One network namespace with one address on the bridge."""
+
+    netns: str
+    veth: str
+    address: str
+    hosts_file: Path
+
+
+@dataclass
+class Network:
+    """The bridge and the hosts on it."""
+
+    prefix: str = field(default_factory=lambda: f"{NAME_PREFIX}{os.getpid()}")
+    switch: str = ""
+    _next: int = 2
+    _lock: threading.Lock = field(default_factory=threading.Lock)
+    hosts: dict[str, Host] = field(default_factory=dict)
+
+    def create(self) -> None:
+        self.switch = f"{self.prefix}-switch"
+        ip("netns", "add", self.switch)
+        ip("-n", self.switch, "link", "add", "br0", "type", "bridge")
+        ip("-n", self.switch, "link", "set", "br0", "up")
+
+    def add_host(self, label: str) -> Host:
+        with self._lock:
+            index = self._next
+            self._next += 1
+        if index >= 250 * 250:
+            raise RuntimeError("out of rehearsal addresses")
+        netns = f"{self.prefix}-{label}-{index}"
+        veth = f"v{index}"
+        address = f"{SUBNET}.{index // 250}.{index % 250 + 2}"
+        ip("netns", "add", netns)
+        ip("-n", self.switch, "link", "add", veth, "type", "veth", "peer", "name", "eth0", "netns", netns)
+        ip("-n", self.switch, "link", "set", veth, "master", "br0", "up")
+        ip("-n", netns, "addr", "add", f"{address}/16", "dev", "eth0")
+        ip("-n", netns, "link", "set", "lo", "up")
+        ip("-n", netns, "link", "set", "eth0", "up")
+        # A default route as a pod has one (Ray finds its node address through it); it leads onto
+        # the bridge only, where nothing answers for any address outside the rehearsal.
+        ip("-n", netns, "route", "add", "default", "dev", "eth0")
+        hosts_dir = ETC_NETNS / netns
+        hosts_dir.mkdir(parents=True, exist_ok=True)
+        (hosts_dir / "hosts").write_text(f"127.0.0.1 localhost\n{address} {label}\n")
+        host = Host(netns, veth, address, hosts_dir / "hosts")
+        self.hosts[netns] = host
+        return host
+
+    def remove_host(self, host: Host) -> None:
+        delete_netns(host.netns)
+        self.hosts.pop(host.netns, None)
+
+    def set_link(self, host: Host, up: bool) -> None:
+        """Cut a host off the bridge (or reconnect it): its sockets stay open and hear nothing."""
+        ip("-n", self.switch, "link", "set", host.veth, "up" if up else "down")
+
+    def destroy(self) -> None:
+        for host in list(self.hosts.values()):
+            self.remove_host(host)
+        if self.switch:
+            delete_netns(self.switch)
+
+
+def wait_until(probe, timeout: float, what: str, interval: float = 0.5):  # type: ignore[no-untyped-def]
+    """Poll `probe` until it returns something truthy; raise TimeoutError naming `what`."""
+    deadline = time.monotonic() + timeout
+    last_error: Exception | None = None
+    while time.monotonic() < deadline:
+        try:
+            value = probe()
+            if value:
+                return value
+        except Exception as err:  # a probe of something that is still starting
+            last_error = err
+        time.sleep(interval)
+    raise TimeoutError(f"{what}: not within {timeout:.0f}s (last error: {last_error})")

@@ -1,0 +1,234 @@
+"""The rehearsal: the chart rendered with CPU values and a CartPole run, brought up as pods, and the
+calls a person (or a dashboard) would make to see how it is doing.
+
+    with Rehearsal.up(workdir) as rehearsal:
+        rehearsal.wait_training(versions=3)
+        rehearsal.delete("overworld-gae")
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import shutil
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import grpc
+import yaml
+
+from overworld.core import tls
+from overworld.v1 import (
+    model_registry_pb2,
+    model_registry_pb2_grpc,
+    replay_buffer_pb2,
+    replay_buffer_pb2_grpc,
+    rollout_manager_pb2,
+    rollout_manager_pb2_grpc,
+    trainer_pb2,
+    trainer_pb2_grpc,
+)
+from tests.cluster.cluster import NAMESPACE, RELEASE, REPO, Cluster, Pod, Workload
+from tests.cluster.kuberay import KubeRay
+from tests.cluster.netns import Network, remove_leftovers, wait_until
+from tests.deploy.deploy_support import CHART, by_kind, render, values_from_files
+
+RUN = RELEASE  # the TrainingRun the chart creates
+STORES = (f"{RELEASE}-redis", f"{RELEASE}-seaweedfs")
+SERVICES = tuple(f"{RELEASE}-{name}" for name in ("rollout-manager", "model-registry", "gae", "replay-buffer",
+                                                   "rollout-worker"))
+CONTROLLER = f"{RELEASE}-run-controller"
+
+
+def rehearsal_values() -> dict[str, Any]:
+    """The CPU values of the chart, a CartPole run that checkpoints and logs to the object store, two
+    replay-buffer fronts, stores on volumes, a one-worker Ray cluster whose worker declares a GPU."""
+    values = values_from_files([CHART / "ci" / "cpu-values.yaml"])
+    config = yaml.safe_load((REPO / "examples" / "cartpole.yaml").read_text())
+    # save_path: the chart's (--save-path / OVERWORLD_SAVE_PATH, the object store) replaces the config's.
+    config["train_config"].update(save_interval=5, keep_interval=0, num_iterations=100000)
+    config["logger_config"]["tensorboard"] = True  # files for the trainer to sync to the object store
+    values["run"] = {"config": config}
+    values["rolloutWorker"]["replicaCount"] = 1
+    values["replayBuffer"]["replicaCount"] = 2
+    values["redis"]["persistence"] = {"enabled": True}
+    values["seaweedfs"]["persistence"] = {"enabled": True}
+    values["trainer"]["workerGroup"].update(replicas=1, gpus=1)
+    values["trainingRun"] = {"resumeFrom": ""}
+    values["runController"] = {"progressIntervalSeconds": 2}
+    return values
+
+
+class Rehearsal:
+    def __init__(self, workdir: Path) -> None:
+        self.objects = render(rehearsal_values(), release=RELEASE, namespace=NAMESPACE)
+        self.cluster = Cluster(self.objects, workdir)
+        self.kuberay = KubeRay(self.cluster)
+        self.cluster.kuberay = self.kuberay
+        self._ray_cluster = ""  # the RayCluster the trainer was last found on
+
+    @classmethod
+    @contextlib.contextmanager
+    def up(cls, workdir: Path) -> Iterator[Rehearsal]:
+        remove_leftovers()
+        rehearsal = cls(workdir)
+        try:
+            rehearsal.start()
+            yield rehearsal
+        finally:
+            rehearsal.cluster.stop()
+            shutil.rmtree(workdir, ignore_errors=True)
+
+    # --- bring-up, in the order a cluster settles into anyway ----------------------------------
+
+    def start(self) -> None:
+        cluster = self.cluster
+        cluster.start()
+        workloads = {o["metadata"]["name"]: o for o in self.objects if o["kind"] in ("Deployment", "StatefulSet")}
+        for name in STORES:
+            cluster.add_workload(cluster.workload_from_manifest(workloads[name]))
+        self.wait_ready(STORES, 60)
+        (job,) = by_kind(self.objects, "Job").values()  # the post-install hook: the bucket
+        cluster.add_workload(cluster.workload_from_manifest(job))
+        for name in SERVICES:
+            cluster.add_workload(cluster.workload_from_manifest(workloads[name]))
+        controller = cluster.workload_from_manifest(workloads[CONTROLLER])
+        assert cluster.control is not None
+        controller.template.env["KUBECONFIG"] = str(cluster.kubeconfig(cluster.control.address))
+        cluster.add_workload(controller)
+        self.wait_ready(SERVICES, 120)
+        wait_until(lambda: any(p.phase == "Succeeded" for p in cluster.pods_of(job["metadata"]["name"], True)),
+                   60, "the bucket Job")
+        manifest = cluster.workdir / "trainingrun.yaml"
+        (training_run,) = by_kind(self.objects, "TrainingRun").values()
+        manifest.write_text(yaml.safe_dump(training_run))
+        cluster.kubectl("create", "--validate=false", "-f", str(manifest))
+
+    def wait_ready(self, owners: tuple[str, ...], timeout: float) -> None:
+        def ready() -> bool:
+            return all(self.cluster.pods_of(o) and all(p.ready for p in self.cluster.pods_of(o)) for o in owners)
+
+        try:
+            wait_until(ready, timeout, f"pods of {owners} ready")
+        except TimeoutError as err:
+            raise AssertionError(f"{err}\n{self.cluster.logs()}") from err
+
+    # --- what kubectl and the dashboards would show --------------------------------------------
+
+    def rayjob(self, name: str | None = None) -> dict[str, Any]:
+        run = json.loads(self.cluster.kubectl("get", "trainingrun", RUN, "-o", "json"))
+        job_name = name or (run.get("status") or {}).get("rayJob")
+        assert job_name, f"TrainingRun has no RayJob yet: {run.get('status')}"
+        job: dict[str, Any] = json.loads(self.cluster.kubectl("get", "rayjob", job_name, "-o", "json"))
+        return job
+
+    def training_run(self) -> dict[str, Any]:
+        run: dict[str, Any] = json.loads(self.cluster.kubectl("get", "trainingrun", RUN, "-o", "json"))
+        return run
+
+    def identity(self, name: str) -> Path:
+        """A directory with the certificate of identity `name`, from its rendered Secret (as a person
+        copies the operator's out of the cluster for `overworld status`)."""
+        directory = self.cluster.workdir / "identities" / name
+        if not directory.is_dir():
+            directory.mkdir(parents=True)
+            for key, text in self.cluster.secrets[f"{RELEASE}-tls-{name}"].items():
+                (directory / key).write_text(text)
+        return directory
+
+    def _stub(self, target: str, port: int, stub_class: Any) -> tuple[grpc.Channel, Any]:
+        """A stub over mutual TLS as the operator (`overworld status`'s identity), through a forward."""
+        cert, key, ca = tls.CredentialFiles(self.identity("operator")).pems
+        channel = grpc.secure_channel(self.cluster.forward(target, port),
+                                      grpc.ssl_channel_credentials(ca, key, cert),
+                                      options=[("grpc.ssl_target_name_override", tls.SERVER_NAME)])
+        return channel, stub_class(channel)
+
+    def registry_version(self) -> int:
+        channel, stub = self._stub(f"{RELEASE}-model-registry", 50054, model_registry_pb2_grpc.ModelRegistryStub)
+        with channel:
+            versions = stub.ListVersions(model_registry_pb2.ListVersionsRequest(), timeout=5).versions
+        return max((v.version for v in versions), default=0)
+
+    def trainer_status(self) -> trainer_pb2.TrainerStatus:
+        """The trainer's status, from the Ray head of the TrainingRun's current RayJob. Which RayCluster
+        that is (two kubectl calls) is looked up again only when the one known last does not answer:
+        the tests poll this, and kubectl costs a busy core a fraction of a second each time."""
+        for attempt in range(2):
+            if attempt or not self._ray_cluster:
+                self._ray_cluster = (self.rayjob().get("status") or {}).get("rayClusterName") or ""
+                assert self._ray_cluster, "no RayCluster yet"
+            channel, stub = self._stub(f"{self._ray_cluster}-head-svc", 50055, trainer_pb2_grpc.TrainerStub)
+            try:
+                with channel:
+                    status: trainer_pb2.TrainerStatus = stub.GetStatus(trainer_pb2.GetTrainerStatusRequest(),
+                                                                       timeout=5)
+                return status
+            except grpc.RpcError:
+                if attempt:
+                    raise
+        raise AssertionError("unreachable")
+
+    def fleet(self) -> rollout_manager_pb2.FleetStatus:
+        channel, stub = self._stub(f"{RELEASE}-rollout-manager", 50051, rollout_manager_pb2_grpc.RolloutManagerStub)
+        with channel:
+            fleet: rollout_manager_pb2.FleetStatus = stub.GetFleetStatus(
+                rollout_manager_pb2.GetFleetStatusRequest(), timeout=5)
+        return fleet
+
+    def buffer_stats(self, pod: Pod) -> replay_buffer_pb2.BufferStats:
+        channel, stub = self._stub(pod.ip, 50052, replay_buffer_pb2_grpc.ReplayBufferStub)
+        with channel:
+            stats: replay_buffer_pb2.BufferStats = stub.GetStats(replay_buffer_pb2.GetStatsRequest(), timeout=5)
+        return stats
+
+    def metrics(self, pod: Pod, port: int = 9090) -> dict[str, float]:
+        """A pod's Prometheus metrics (as a scrape would read them): name{labels} -> value."""
+        out = self.exec(self.cluster.pod(f"{RELEASE}-rollout-manager"), "python", "-c",
+                        f"import urllib.request; print(urllib.request.urlopen('http://{pod.ip}:{port}/metrics', "
+                        "timeout=5).read().decode())")
+        samples = {}
+        for line in out.splitlines():
+            if line and not line.startswith("#"):
+                key, _, value = line.rpartition(" ")
+                with contextlib.suppress(ValueError):
+                    samples[key] = float(value)
+        return samples
+
+    def object_keys(self, url: str) -> list[str]:
+        """The object store's keys under an s3:// URL, listed from a replay-buffer pod (it has the
+        store's address and keys)."""
+        script = ("import sys; from overworld.core.blobs import open_blob_store; "
+                  "print('\\n'.join(open_blob_store(sys.argv[1]).keys()))")
+        return self.exec(self.cluster.pod(f"{RELEASE}-replay-buffer"), "python", "-c", script, url).split()
+
+    def exec(self, pod: Pod, *argv: str) -> str:
+        return self.cluster.exec(pod, *argv)
+
+    def redis_meta(self) -> dict[str, str]:
+        """The replay index's counters in Redis (inserted, sampled, ...), through redis-cli in its pod."""
+        redis_pod = self.cluster.pod(f"{RELEASE}-redis")
+        keys = self.exec(redis_pod, "redis-cli", "--scan", "--pattern", "ow:rb:*meta").split()
+        assert len(keys) == 1, keys
+        fields = self.exec(redis_pod, "redis-cli", "hgetall", keys[0]).split()
+        return dict(zip(fields[::2], fields[1::2], strict=True))
+
+    # --- waiting for training ----------------------------------------------------------------
+
+    def wait_training(self, beyond: int = 0, timeout: float = 300.0) -> int:
+        """Wait until the registry holds a model version above `beyond`; return it."""
+        def newer() -> int:
+            version = self.registry_version()
+            return version if version > beyond else 0
+
+        try:
+            return int(wait_until(newer, timeout, f"a model version above {beyond}", interval=1.0))
+        except TimeoutError as err:
+            raise AssertionError(f"{err}\n{self.cluster.logs(tail=2500)}") from err
+
+    def workload(self, name: str) -> Workload:
+        return self.cluster.workloads[name]
+
+
+__all__ = ["Network", "Rehearsal", "rehearsal_values"]

@@ -1,0 +1,339 @@
+"""The cluster rehearsal: the rendered chart (CPU values, a CartPole run) as pods on their own hosts
+with their own disks, the trainer as the RayJob the run-controller makes, and what a cluster does to
+them: pods deleted, fleets scaled, links cut, a run resumed with kubectl.
+
+One cluster serves every test of this module (bringing it up is most of the cost); the tests run in
+file order and each leaves the cluster training. `make rehearsal` runs just these.
+
+Every Ray cluster (re)start costs minutes on two busy cores, so the default run has three: the first,
+the one after the Ray head and a Ray worker are deleted together, and the resumed run's.
+OVERWORLD_REHEARSAL_FULL=1 also deletes the Ray worker on its own first (the trainer loses a node
+while its head stays up), one more Ray recovery."""
+
+from __future__ import annotations
+
+import json
+import os
+import re
+import sys
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.cluster import RELEASE
+from tests.cluster.netns import wait_until
+from tests.cluster.rehearsal import Rehearsal
+
+# Ray clusters come and go in some of these: minutes each on two busy cores.
+pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
+
+FULL = os.environ.get("OVERWORLD_REHEARSAL_FULL", "") not in ("", "0")
+WORKERS = f"{RELEASE}-rollout-worker"
+BUFFER = f"{RELEASE}-replay-buffer"
+
+
+@pytest.fixture(scope="module")
+def rehearsal() -> Iterator[Rehearsal]:
+    if os.geteuid() != 0:
+        pytest.fail("the rehearsal makes network namespaces: it needs root (CI runs as root)")
+    # Outside /tmp: every pod mounts an emptyDir of its own there.
+    with Rehearsal.up(Path("/var/tmp") / f"overworld-rehearsal-{os.getpid()}") as started:
+        started.wait_training(timeout=360)
+        yield started
+
+
+
+def progress(rehearsal: Rehearsal) -> tuple[int, int]:
+    """(model version, env steps) as the trainer reports them."""
+    status = rehearsal.trainer_status()
+    return int(status.model_version), int(status.env_steps)
+
+
+def wait_progress_beyond(rehearsal: Rehearsal, version: int, env_steps: int, timeout: float, what: str) -> None:
+    """Training goes on: the registry gets newer versions and the trainer counts on from where it was."""
+    newer = rehearsal.wait_training(beyond=version + 1, timeout=timeout)
+
+    def counted_on() -> bool:
+        now_version, now_steps = progress(rehearsal)
+        return now_version > version and now_steps > env_steps
+
+    try:
+        wait_until(counted_on, timeout, f"{what}: trainer past version {version} and {env_steps} env steps")
+    except TimeoutError as err:
+        raise AssertionError(f"{err} (registry at {newer})\n{rehearsal.cluster.logs(tail=2000)}") from err
+
+
+def counter(samples: dict[str, float], name: str) -> float:
+    return sum(v for k, v in samples.items() if k == name or k.startswith(name + "{"))
+
+
+# --- someone else's pod on the pod network -----------------------------------------------------
+
+
+SERVICE_PORTS = {"rollout-manager": 50051, "replay-buffer": 50052, "gae": 50053, "model-registry": 50054,
+                 "rollout-worker": 50056}
+
+
+def test_only_the_runs_own_pods_get_in(rehearsal: Rehearsal, tmp_path: Path) -> None:
+    """From a pod namespace of its own: a plaintext client and a client with a certificate of another
+    CA are refused by every service pod (the trainer on the Ray head too); a client holding another
+    service's certificate (stolen from its Secret) gets PERMISSION_DENIED, naming it and the method,
+    on every method it may not call; Ray's Jobs API refuses callers without the cluster's token, and
+    Redis anyone without its password."""
+    from overworld.core import tls
+
+    cluster = rehearsal.cluster
+    head = cluster.pod(f"{rehearsal.rayjob()['status']['rayClusterName']}-head")
+    targets = {p.name: [kind, f"{p.ip}:{port}"] for kind, port in SERVICE_PORTS.items()
+               for p in cluster.pods_of(f"{RELEASE}-{kind}")}
+    targets[head.name] = ["trainer", f"{head.ip}:50055"]
+    spec = {"targets": targets, "other_ca": str(tls.write_run_credentials(tmp_path / "other", RELEASE)["trainer"]),
+            "stolen": {i: str(rehearsal.identity(i)) for i in ("rollout-worker", "gae")},
+            "ray_dashboard": f"{head.ip}:8265", "redis": f"{cluster.pod(f'{RELEASE}-redis').ip}:6379"}
+    (tmp_path / "spec.json").write_text(json.dumps(spec))
+    found = json.loads(cluster.run_outside("intruder", [sys.executable, str(Path(__file__).parent / "intruder.py"),
+                                                        str(tmp_path / "spec.json")]))
+    assert set(found["plaintext"]) == set(targets) and len(targets) >= 7
+    assert set(found["plaintext"].values()) == {"UNAVAILABLE"}, found["plaintext"]
+    assert set(found["other_ca"].values()) == {"UNAVAILABLE"}, found["other_ca"]
+    for identity, answers in found["denied"].items():
+        assert answers, identity
+        for call, (code, details) in answers.items():
+            assert code == "PERMISSION_DENIED" and identity in details and call.split()[1] in details, (call, code, details)
+    # a worker's certificate may not publish weights, tag versions or sample: every service was tried
+    worker_calls = {call.split()[1] for call in found["denied"]["rollout-worker"]}
+    assert {"/overworld.v1.ModelRegistry/Publish", "/overworld.v1.ModelRegistry/SetTag",
+            "/overworld.v1.ReplayBuffer/Sample", "/overworld.v1.Trainer/ReportProgress"} <= worker_calls
+    assert found["ray_jobs_api"] == {"no token": 401, "wrong token": 403}
+    assert found["redis"] == "-NOAUTH", found["redis"]
+
+
+# --- two replay-buffer replicas behind one name ---------------------------------------------------
+
+
+def test_replay_buffer_replicas_both_serve_and_cover_for_each_other(rehearsal: Rehearsal) -> None:
+    """Clients balance over the headless Service's pods (round robin): the trainer's sample calls
+    reach both replicas; when one dies, its clients (the worker's insert stream too) move to the
+    other and training goes on."""
+    cluster = rehearsal.cluster
+    fronts = cluster.pods_of(BUFFER)
+    assert len(fronts) == 2
+
+    def served(pod: object, name: str) -> float:
+        return counter(rehearsal.metrics(pod), name)  # type: ignore[arg-type]
+
+    before = {p.name: served(p, "overworld_replay_buffer_samples_total") for p in fronts}
+    wait_until(lambda: all(served(p, "overworld_replay_buffer_samples_total") > before[p.name] for p in fronts),
+               120, "sample calls on both replay-buffer replicas")
+
+    # The replica holding the worker's insert stream dies, and no replacement comes meanwhile.
+    inserts = {p.name: served(p, "overworld_replay_buffer_inserts_total") for p in fronts}
+    victim = max(fronts, key=lambda p: inserts[p.name])
+    survivor = next(p for p in fronts if p is not victim)
+    cluster.workloads[BUFFER].replicas = 1
+    version, steps = progress(rehearsal)
+    survivor_inserts = served(survivor, "overworld_replay_buffer_inserts_total")
+    cluster.delete_pod(victim)
+    wait_until(lambda: served(survivor, "overworld_replay_buffer_inserts_total") > survivor_inserts + 8, 120,
+               "the worker's fragments going to the surviving replica")
+    wait_progress_beyond(rehearsal, version, steps, 180, "one replay-buffer replica left")
+    cluster.workloads[BUFFER].replicas = 2
+    wait_until(lambda: len(cluster.pods_of(BUFFER)) == 2 and all(p.ready for p in cluster.pods_of(BUFFER)), 120,
+               "the second replica back")
+
+
+# --- a worker cut off for 30 s --------------------------------------------------------------------
+
+
+def live_workers(rehearsal: Rehearsal) -> dict[str, int]:
+    """Workers with a live lease at the rollout-manager -> their env steps."""
+    return {w.worker_id: int(w.env_steps) for w in rehearsal.fleet().workers if w.seconds_since_heartbeat < 10}
+
+
+def settled_inserts(rehearsal: Rehearsal) -> Callable[[], int]:
+    """A probe: the index's insert count once it read the same twice, a second apart (0 until then)."""
+    last: list[int] = []
+
+    def probe() -> int:
+        last.append(int(rehearsal.redis_meta().get("inserted", 0)))
+        return last[-1] if len(last) > 1 and last[-1] == last[-2] else 0
+
+    return probe
+
+
+def test_worker_cut_off_rejoins_without_losing_or_duplicating_fragments(rehearsal: Rehearsal) -> None:
+    """One worker alone feeds the buffer; its link is down for 30 s, then up again. It rejoins (a
+    new lease) and keeps sending; stopped at the end, the fragments it counts as acknowledged are
+    exactly those the index gained: none lost, none stored twice."""
+    cluster = rehearsal.cluster
+    cluster.scale(WORKERS, 0)
+    # Gone means stopped: a terminating worker still flushes its last fragments into the index.
+    wait_until(lambda: all(p.ended for p in cluster.pods_of(WORKERS, include_ended=True)), 120,
+               "no rollout worker running")
+    inserted_before = wait_until(settled_inserts(rehearsal), 30, "the index settled", interval=1.0)
+    cluster.scale(WORKERS, 1)
+    wait_until(lambda: len(live_workers(rehearsal)) == 1
+               and int(rehearsal.redis_meta().get("inserted", 0)) > inserted_before + 8, 180, "the worker sending")
+    (worker,) = cluster.pods_of(WORKERS)
+    cluster.network.set_link(worker.host, up=False)
+    cut = time.monotonic()
+    try:
+        # What the fronts took before the cut still reaches the index (two busy cores: seconds);
+        # then nothing does until the link is back.
+        cut_at = wait_until(settled_inserts(rehearsal), 20, "the index settling after the cut", interval=1.0)
+        time.sleep(max(0.0, cut + 30 - time.monotonic()))
+        assert int(rehearsal.redis_meta().get("inserted", 0)) == cut_at, "fragments arrived over a cut link"
+    finally:
+        cluster.network.set_link(worker.host, up=True)
+    rejoined_at = int(rehearsal.redis_meta().get("inserted", 0))
+    wait_until(lambda: int(rehearsal.redis_meta().get("inserted", 0)) > rejoined_at + 16, 180,
+               "fragments from the worker after the link came back")
+    wait_until(lambda: len(live_workers(rehearsal)) == 1, 60, "the worker's lease live again")
+    cluster.delete_pod(worker, graceful=True)  # it flushes and logs what was acknowledged
+    flushed = re.findall(r"sender flushed: .*\((\d+) complete fragments, (\d+) acknowledged, (\d+) rejected",
+                         worker.log.read_text(errors="replace"))
+    assert flushed, worker.log.read_text(errors="replace")[-3000:]
+    complete, acknowledged, rejected = map(int, flushed[-1])
+    gained = int(rehearsal.redis_meta().get("inserted", 0)) - inserted_before
+    assert rejected == 0
+    assert acknowledged == complete, f"{complete - acknowledged} complete fragments never acknowledged"
+    assert gained == acknowledged, f"the index gained {gained} fragments, the worker had {acknowledged} acknowledged"
+    # Its replacement (one replica) is the fleet of one the next test scales.
+
+
+# --- rollout workers scaled while training ----------------------------------------------------------
+
+
+def test_rollout_workers_scale_one_four_two_while_training(rehearsal: Rehearsal) -> None:
+    """The fleet follows `kubectl scale` (1 -> 4 -> 2), and every worker of it produces: the
+    throughput is the fleet's, not one worker's. Back to one worker afterwards (two cores)."""
+    cluster = rehearsal.cluster
+    assert cluster.workloads[WORKERS].replicas == 1
+    for size in (4, 2):
+        cluster.scale(WORKERS, size)
+        wait_until(lambda n=size: len(cluster.pods_of(WORKERS)) == n and len(live_workers(rehearsal)) == n, 180,
+                   f"{size} live rollout workers")
+        first = live_workers(rehearsal)
+        start = rehearsal.fleet().env_steps
+        wait_until(lambda f=first: (now := live_workers(rehearsal)).keys() == f.keys()
+                   and all(now[w] > f[w] for w in f), 120, f"new env steps from each of {size} workers")
+        assert rehearsal.fleet().env_steps > start
+    version, steps = progress(rehearsal)
+    wait_progress_beyond(rehearsal, version, steps, 180, "after scaling")
+    cluster.scale(WORKERS, 1)
+
+
+# --- every pod deleted once -----------------------------------------------------------------------
+
+
+def delete_and_recover(rehearsal: Rehearsal, owners: list[str], timeout: float) -> None:
+    cluster = rehearsal.cluster
+    version, steps = progress(rehearsal)
+    inserted = int(rehearsal.redis_meta().get("inserted", 0))
+    victims = [cluster.pods_of(owner)[0] for owner in owners]
+    old_addresses = {p.ip for p in victims}
+    threads = [cluster.delete_pod(p, wait=False) for p in victims]
+    for thread in threads:
+        thread.join()
+    for owner in owners:
+        wait_until(lambda o=owner: cluster.pods_of(o) and all(p.ready for p in cluster.pods_of(o)), timeout,
+                   f"{owner} back")
+        assert not {p.ip for p in cluster.pods_of(owner)} & old_addresses, f"{owner} came back on its old address"
+    wait_progress_beyond(rehearsal, version, steps, timeout, f"after deleting {owners}")
+    # The index lives on the Redis volume: nothing it acknowledged is forgotten.
+    assert int(rehearsal.redis_meta().get("inserted", 0)) >= inserted
+
+
+def test_deleting_every_service_pod_and_the_stores_once(rehearsal: Rehearsal) -> None:
+    """One pod of each service, Redis and the S3 server deleted at once. Redis and the S3 server come
+    back on their volumes; the index and the blobs it points at are still there (every live blob key
+    of the index is readable)."""
+    services = [f"{RELEASE}-{name}" for name in ("rollout-manager", "model-registry", "gae", "replay-buffer",
+                                                  "rollout-worker", "redis", "seaweedfs")]
+    delete_and_recover(rehearsal, services, 300)
+    redis_pod = rehearsal.cluster.pod(f"{RELEASE}-redis")
+    keys = rehearsal.exec(redis_pod, "redis-cli", "--scan", "--pattern", "ow:rb:*live").split()
+    live = rehearsal.exec(redis_pod, "redis-cli", "smembers", keys[0]).split() if keys else []
+    assert live, "no live fragment in the index after the stores came back"
+    script = (
+        "import os, sys; from overworld.core.blobs import open_blob_store\n"
+        "store = open_blob_store(os.environ['OVERWORLD_BLOBS'])\n"
+        "missing = 0\n"
+        "for key in sys.argv[1:]:\n"
+        "    try: store.get(key)\n"
+        "    except Exception: missing += 1\n"
+        "print(missing)"
+    )
+    front = rehearsal.cluster.pod(f"{RELEASE}-replay-buffer")  # it has the store's address and keys
+    assert rehearsal.exec(front, "python", "-c", script, *live[:50]).strip() == "0"
+
+
+@pytest.mark.skipif(not FULL, reason="OVERWORLD_REHEARSAL_FULL=1: one more Ray recovery (the default run "
+                                     "deletes the Ray worker together with the head)")
+def test_deleting_a_ray_worker_alone(rehearsal: Rehearsal) -> None:
+    """The trainer loses a Ray node while its head stays up, and trains on."""
+    cluster_name = rehearsal.rayjob()["status"]["rayClusterName"]
+    owner = next(name for name in rehearsal.cluster.workloads if name.startswith(f"{cluster_name}-worker"))
+    version, steps = progress(rehearsal)
+    rehearsal.cluster.delete_pod(rehearsal.cluster.pods_of(owner)[0])
+    wait_progress_beyond(rehearsal, version, steps, 600, "after deleting a Ray worker")
+
+
+def test_deleting_the_ray_head_and_a_ray_worker_once(rehearsal: Rehearsal) -> None:
+    """The RayCluster gets a new head and worker (new addresses, empty disks), the job is submitted
+    again, and the trainer resumes from its newest checkpoint in the object store."""
+    cluster = rehearsal.cluster
+    cluster_name = rehearsal.rayjob()["status"]["rayClusterName"]
+    owner = next(name for name in cluster.workloads if name.startswith(f"{cluster_name}-worker"))
+    version, steps = progress(rehearsal)
+    victims = [cluster.pod(f"{cluster_name}-head"), cluster.pods_of(owner)[0]]
+    for thread in [cluster.delete_pod(p, wait=False) for p in victims]:
+        thread.join()
+    wait_progress_beyond(rehearsal, version, steps, 600, "after deleting the Ray head and a Ray worker")
+
+
+# --- resume with kubectl, through the run-controller ------------------------------------------------
+
+
+def test_kubectl_resume_replaces_the_trainer_and_continues_from_its_checkpoint(rehearsal: Rehearsal) -> None:
+    cluster = rehearsal.cluster
+    old = rehearsal.rayjob()
+    old_name = old["metadata"]["name"]
+    old_pods = [p for p in cluster.pods if p.owner.startswith(old["status"]["rayClusterName"])]
+    version, steps = progress(rehearsal)
+    cluster.kubectl("patch", "trainingrun", RELEASE, "--type", "merge", "-p",
+                    json.dumps({"spec": {"resumeFrom": "latest"}}))
+
+    def new_job() -> dict[str, object] | None:
+        status = rehearsal.training_run().get("status") or {}
+        return rehearsal.rayjob(status["rayJob"]) if status.get("rayJob") not in (None, old_name) else None
+
+    try:
+        job = wait_until(new_job, 300, "the next attempt's RayJob")
+    except TimeoutError as err:
+        raise AssertionError(f"{err}\n{cluster.logs(CONTROLLER_LOGS, tail=4000)}") from err
+    assert job["spec"]["entrypoint"].endswith("--resume latest")
+    # The old trainer was gone before the new RayJob existed: no two trainers of one run at once.
+    seen = {what: at for at, kind, what in cluster.events if kind == "rayjob-seen"}
+    assert all(p.ended and p.ended <= seen[job["metadata"]["name"]] for p in old_pods), [
+        (p.name, p.ended) for p in old_pods]
+    # It stopped through Ray's job API (KubeRay's finalizer) and checkpointed on the way out; the new
+    # trainer resumed from the newest checkpoint in the object store, and counts on.
+    status = wait_until(lambda: (s := rehearsal.trainer_status()).state == "running" and s.resumed_from and s,
+                        300, "the new trainer resumed")
+    assert status.resumed_from.startswith("iter-")
+    assert int(status.start_model_version) >= version and int(status.start_env_steps) >= steps
+    # That checkpoint, and the trainer's logs, are in the object store at the chart's save path.
+    head_env = job["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]["env"]
+    save_path = next(e["value"] for e in head_env if e["name"] == "OVERWORLD_SAVE_PATH")
+    assert save_path.startswith("s3://"), save_path
+    keys = rehearsal.object_keys(save_path)
+    assert any(f"/checkpoints/{status.resumed_from}/" in key for key in keys), keys[:50]
+    assert any("/logs/" in key for key in keys), keys[:50]
+    wait_progress_beyond(rehearsal, int(status.model_version), int(status.env_steps), 240, "after the resume")
+
+
+CONTROLLER_LOGS = f"{RELEASE}-run-controller"
+

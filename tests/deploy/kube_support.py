@@ -1,0 +1,95 @@
+"""An in-memory Kubernetes API (kmock) that behaves like a real API server where the controller's
+tests need it: server-side metadata, typed lists, finalizers, and foreground deletion (a DELETE
+with propagationPolicy Foreground keeps the object, with a deletionTimestamp and the
+`foregroundDeletion` finalizer, until whoever plays the garbage collector removes that finalizer)."""
+
+from __future__ import annotations
+
+import contextlib
+import time
+import uuid
+from collections.abc import AsyncIterator
+from datetime import UTC, datetime
+from pathlib import Path
+from typing import Any
+
+import kmock
+import yaml
+
+FOREGROUND = "foregroundDeletion"
+
+
+class Emulator(kmock.KubernetesEmulator):
+    """kmock's emulator plus what a real API server adds: server-side metadata and typed lists."""
+
+    async def _handle(self, request: kmock.Request) -> Any:
+        if (
+            request.action == kmock.action.DELETE
+            and request.name
+            and isinstance(request.data, dict)
+            and request.data.get("propagationPolicy") == "Foreground"
+        ):
+            key = (request.resource, request.namespace, request.name)
+            if key in self.objects and not self.objects[key].deleted:
+                finalizers = list(self.objects[key].get("metadata", {}).get("finalizers") or [])
+                if FOREGROUND not in finalizers:
+                    self.objects[key].patch({"metadata": {"finalizers": [*finalizers, FOREGROUND]}})
+        if request.action == kmock.action.CREATE and isinstance(request.data, dict):
+            meta = request.data.setdefault("metadata", {})
+            meta.setdefault("uid", str(uuid.uuid4()))
+            meta.setdefault("creationTimestamp", datetime.now(tz=UTC).strftime("%Y-%m-%dT%H:%M:%SZ"))
+            meta.setdefault("generation", 1)
+            meta.setdefault("resourceVersion", str(time.monotonic_ns()))
+        return await super()._handle(request)
+
+    async def _serve_list(self, request: kmock.Request) -> Any:
+        payload = await super()._serve_list(request)
+        resource = request.resource
+        assert resource is not None
+        info = self.resources[resource]
+        group = f"{resource.group}/{resource.version}" if resource.group else resource.version
+        return {"apiVersion": group, "kind": f"{info.kind}List", **payload}
+
+
+@contextlib.asynccontextmanager
+async def kubernetes_api(
+    namespace: str, host: str = "127.0.0.1", port: int | None = None
+) -> AsyncIterator[tuple[Emulator, str]]:
+    verbs = {"get", "list", "watch", "create", "patch", "update", "delete"}
+    async with Emulator() as emulator, kmock.Server(emulator, host=host, port=port) as server:
+        emulator.resources["overworld.dev/v1alpha1/trainingruns"] = kmock.ResourceInfo(
+            kind="TrainingRun", namespaced=True, singular="trainingrun", verbs=verbs, subresources={"status"}
+        )
+        emulator.resources["ray.io/v1/rayjobs"] = kmock.ResourceInfo(
+            kind="RayJob", namespaced=True, singular="rayjob", verbs=verbs, subresources={"status"}
+        )
+        emulator.resources["v1/events"] = kmock.ResourceInfo(kind="Event", namespaced=True, verbs=verbs)
+        emulator.resources["v1/namespaces"] = kmock.ResourceInfo(
+            kind="Namespace", namespaced=False, verbs=verbs
+        )
+        emulator.objects["v1/namespaces", None, namespace] = {
+            "apiVersion": "v1",
+            "kind": "Namespace",
+            "metadata": {"name": namespace},
+        }
+        yield emulator, str(server.url)
+
+
+
+
+def write_kubeconfig(path: Path, server: str, namespace: str) -> Path:
+    path.write_text(
+        yaml.safe_dump(
+            {
+                "apiVersion": "v1",
+                "kind": "Config",
+                "clusters": [{"name": "kmock", "cluster": {"server": server}}],
+                "users": [{"name": "tester", "user": {"token": "kmock"}}],
+                "contexts": [
+                    {"name": "kmock", "context": {"cluster": "kmock", "user": "tester", "namespace": namespace}}
+                ],
+                "current-context": "kmock",
+            }
+        )
+    )
+    return path
