@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import signal
 import subprocess
 from collections.abc import Iterator
 from pathlib import Path
@@ -62,19 +63,50 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
     server.stop()
 
 
+class S3Server:
+    """moto's S3-protocol server on a free loopback port. It keeps its objects in memory: `pause()`
+    (SIGSTOP) makes it unreachable without losing them, as an S3 outage would."""
+
+    def __init__(self) -> None:
+        self.binary = _require("moto_server", "PyPI moto[server], in the dev extra")
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The OVERWORLD_S3_* settings."""
+        return {"OVERWORLD_S3_ENDPOINT": f"http://127.0.0.1:{self.port}", "OVERWORLD_S3_ACCESS_KEY": "testing",
+                "OVERWORLD_S3_SECRET_KEY": "testing"}
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([self.binary, "-H", "127.0.0.1", "-p", str(self.port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_port(self.port)
+
+    def pause(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.resume()
+            stop_process(self.proc)
+            self.proc = None
+
+
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[dict[str, str]]:
     """moto's S3-protocol server on a free loopback port; yields the OVERWORLD_S3_* settings."""
-    binary = _require("moto_server", "PyPI moto[server], in the dev extra")
-    port = free_port()
-    proc = subprocess.Popen([binary, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    server = S3Server()
     try:
-        wait_port(port)
-        yield {"OVERWORLD_S3_ENDPOINT": f"http://127.0.0.1:{port}", "OVERWORLD_S3_ACCESS_KEY": "testing",
-               "OVERWORLD_S3_SECRET_KEY": "testing"}
+        server.start()
+        yield server.env
     finally:
-        stop_process(proc)
+        server.stop()
 
 
 @pytest.fixture

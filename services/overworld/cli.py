@@ -30,6 +30,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workdir", default=env_default("workdir", "."))
     p.add_argument("--retain", type=int, default=env_default("retain", 20))
     p.add_argument("--lease-seconds", type=float, default=env_default("lease-seconds", 15.0))
+    p.add_argument("--fresh-state", action="store_true", default=env_default("fresh-state", False),
+                   help="rollout-manager: start a new fleet (counters from zero) instead of restoring the saved one")
 
 
 def serve_main(args: argparse.Namespace) -> int:
@@ -72,6 +74,8 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("out", help="directory for model.ckpt, optimizer.ckpt (scaler.ckpt) and whole_config.pkl")
     s = sub.add_parser("status", help="print the fleet status of a running run")
     s.add_argument("--rollout-manager", default=env_default("rollout-manager", "127.0.0.1:50051"))
+    s.add_argument("--workdir", default=None,
+                   help="the workdir of an `overworld run`: its services, their restarts, and its rollout-manager")
     args = parser.parse_args(argv)
 
     if args.command == "run":
@@ -99,7 +103,7 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "status":
         from overworld.status import print_status
 
-        return print_status(args.rollout_manager)
+        return print_status(args.rollout_manager, args.workdir)
     return 2
 
 

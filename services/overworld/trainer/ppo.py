@@ -72,7 +72,7 @@ class PPOTrainer(BaseTrainer):
             import_object(ref)(self)
         self.publish_initial_version()
         self.report("running", {})
-        last_env_steps = self._fleet_env_steps()
+        last_env_steps = self._fleet_env_steps(0, timeout=60.0)  # the manager may be restarting too
         try:
             while self.iteration < t.num_iterations:
                 self.iteration += 1
@@ -80,8 +80,8 @@ class PPOTrainer(BaseTrainer):
                 self.hooks.run("pre_collect", self)
                 updates_before = self.updates
                 metrics = dict(self.train_iteration() or {})
-                fleet_steps = self._fleet_env_steps()
-                new_steps = max(0, fleet_steps - last_env_steps)
+                fleet_steps = self._fleet_env_steps(last_env_steps)
+                new_steps = fleet_steps - last_env_steps
                 last_env_steps = fleet_steps
                 self.env_steps += new_steps
                 metrics.update({
@@ -99,11 +99,13 @@ class PPOTrainer(BaseTrainer):
             self.save_checkpoint()
         self.report("finished", {})
 
-    def _fleet_env_steps(self) -> int:
+    def _fleet_env_steps(self, known: int, timeout: float = 5.0) -> int:
+        """The fleet's env steps (cumulative, kept by the rollout-manager across its restarts); `known`
+        while the manager is away, so that the steps are counted once, when it answers again."""
         try:
-            return int(self.manager.fleet_status(timeout=5).env_steps)
+            return max(known, int(self.manager.fleet_status(timeout=timeout).env_steps))
         except Exception:  # statistics only: never stall training on the manager
-            return 0
+            return known
 
     # -- one iteration -------------------------------------------------------------------------
     def _normalize(self, adv: torch.Tensor, global_batch: bool) -> torch.Tensor:

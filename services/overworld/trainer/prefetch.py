@@ -17,8 +17,7 @@ import queue
 import threading
 from concurrent.futures import ThreadPoolExecutor
 
-from overworld.core.grpc_util import retry
-from overworld.replay_buffer.client import blob_store_for, fetch_chunks
+from overworld.replay_buffer.client import blob_store_for, fetch_chunks, sample_stream
 from overworld.v1 import replay_buffer_pb2, replay_buffer_pb2_grpc
 
 log = logging.getLogger("overworld.trainer")
@@ -36,7 +35,7 @@ def sample_chunks(stub: replay_buffer_pb2_grpc.ReplayBufferStub, n: int, timeout
         request = replay_buffer_pb2.SampleRequest(num_chunks=n - len(chunks), timeout_seconds=timeout,
                                                   reader_id=reader_id, allow_partial=True,
                                                   blob_refs=store is not None)
-        got = retry(lambda r=request: list(stub.Sample(r, timeout=timeout + 30)), "Sample", timeout + 60)
+        got = sample_stream(stub, request, timeout + 30, timeout + 60)
         if not got:
             log.info("%s waiting for data: %d of %d chunks", reader_id, len(chunks), n)
         elif store is not None:

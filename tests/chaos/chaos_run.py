@@ -1,0 +1,233 @@
+"""Drive an `overworld run` and kill its services one after another with SIGKILL: the chaos test
+(tests/chaos/test_chaos.py) and the recovery benchmark (bench/bench_recovery.py) share this.
+
+`ChaosRun` starts the run as a subprocess and watches it from outside, as an operator would: where
+each service is (the launcher's services.json), the fleet's env steps (rollout-manager) and the latest
+model version (model-registry), sampled every WATCH_SECONDS into `observations`. `kill_and_recover`
+kills one service and measures, from the kill, the first successful call to the service started in
+its place (`first_call_seconds`) and the moment the run made progress again: a newer model version
+and more env steps than at the kill (`progress_seconds`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from overworld.core.grpc_util import channel
+from overworld.gae.client import GaeClient
+from overworld.model_registry.client import ModelRegistryClient
+from overworld.restarts import read_services
+from overworld.rollout_manager.client import RolloutManagerClient
+from overworld.v1 import (
+    model_registry_pb2,
+    replay_buffer_pb2,
+    replay_buffer_pb2_grpc,
+    rollout_manager_pb2,
+    rollout_worker_pb2,
+    rollout_worker_pb2_grpc,
+    trainer_pb2,
+    trainer_pb2_grpc,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+KILL_ORDER = ("gae", "replay-buffer", "model-registry", "rollout-manager", "rollout-worker#0", "trainer")
+WATCH_SECONDS = 0.2
+PROBE_TIMEOUT = 1.0
+
+
+def probe(service: str, address: str) -> None:
+    """One call to the service at `address` (grpc.RpcError if it does not answer)."""
+    name = service.split("#")[0]
+    if name == "gae":
+        batch = {"reward": np.ones((1, 4), np.float32), "value": np.zeros((1, 4), np.float32),
+                 "bootstrap_value": np.zeros((1, 4), np.float32), "terminated": np.zeros((1, 4), bool),
+                 "truncated": np.zeros((1, 4), bool), "next_value": np.zeros(1, np.float32)}
+        client = GaeClient(address)
+        try:
+            client.estimate(batch, 0.9, 0.9, timeout=PROBE_TIMEOUT)
+        finally:
+            client.close()
+        return
+    if name == "model-registry":
+        registry = ModelRegistryClient(address)
+        try:
+            registry.list_versions(timeout=PROBE_TIMEOUT)
+        finally:
+            registry.close()
+        return
+    if name == "rollout-manager":
+        manager = RolloutManagerClient(address)
+        try:
+            manager.fleet_status(timeout=PROBE_TIMEOUT)
+        finally:
+            manager.close()
+        return
+    with channel(address) as ch:
+        if name == "replay-buffer":
+            replay_buffer_pb2_grpc.ReplayBufferStub(ch).GetStats(replay_buffer_pb2.GetStatsRequest(),
+                                                                 timeout=PROBE_TIMEOUT)
+        elif name == "trainer":
+            trainer_pb2_grpc.TrainerStub(ch).GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=PROBE_TIMEOUT)
+        elif name == "rollout-worker":
+            rollout_worker_pb2_grpc.RolloutWorkerStub(ch).GetStatus(rollout_worker_pb2.GetWorkerStatusRequest(),
+                                                                    timeout=PROBE_TIMEOUT)
+        else:
+            raise ValueError(f"no probe for {service}")
+
+
+@dataclass
+class Recovery:
+    service: str
+    killed_pid: int
+    restarted_pid: int
+    at_env_steps: int
+    at_model_version: int
+    first_call_seconds: float  # kill -> first successful call to the restarted service
+    progress_seconds: float  # kill -> a newer model version and more env steps than at the kill
+
+
+@dataclass
+class Observation:
+    seconds: float
+    env_steps: int | None
+    episodes: int | None
+    model_version: int | None
+
+
+class ChaosRun:
+    def __init__(self, config: str | Path, workdir: Path, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.workdir = workdir
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.summary_path = workdir / "summary.json"
+        cmd = [sys.executable, "-m", "overworld.cli", "run", str(config), "--workdir", str(workdir),
+               "--summary", str(self.summary_path), *args]
+        self.log = open(workdir / "stdout.log", "ab")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
+        self.started = time.monotonic()
+        self.observations: list[Observation] = []
+        self.recoveries: list[Recovery] = []
+        self._stop = threading.Event()
+        self._latest = Observation(0.0, None, None, None)
+        self._watcher = threading.Thread(target=self._watch, name="chaos-watch", daemon=True)
+        self._watcher.start()
+
+    # -- what the run looks like from outside --------------------------------------------------------
+    def services(self) -> dict[str, dict[str, Any]]:
+        try:
+            return read_services(self.workdir)["services"]
+        except (OSError, ValueError, KeyError):
+            return {}
+
+    def _watch(self) -> None:
+        manager: RolloutManagerClient | None = None
+        registry: ModelRegistryClient | None = None
+        while not self._stop.wait(WATCH_SECONDS):
+            found = self.services()
+            if manager is None and "rollout-manager" in found and "model-registry" in found:
+                manager = RolloutManagerClient(found["rollout-manager"]["address"])
+                registry = ModelRegistryClient(found["model-registry"]["address"])
+            if manager is None or registry is None:
+                continue
+            steps = episodes = version = None
+            with contextlib.suppress(grpc.RpcError):
+                fleet = manager.stub.GetFleetStatus(rollout_manager_pb2.GetFleetStatusRequest(), timeout=1)
+                steps, episodes = fleet.env_steps, fleet.episodes
+            with contextlib.suppress(grpc.RpcError):
+                version = max((v.version for v in registry.stub.ListVersions(
+                    model_registry_pb2.ListVersionsRequest(), timeout=1).versions), default=0)
+            seen = Observation(round(time.monotonic() - self.started, 2), steps, episodes, version)
+            self.observations.append(seen)
+            self._latest = Observation(seen.seconds, steps if steps is not None else self._latest.env_steps,
+                                       episodes if episodes is not None else self._latest.episodes,
+                                       version if version is not None else self._latest.model_version)
+        for client in (manager, registry):
+            if client is not None:
+                client.close()
+
+    @property
+    def env_steps(self) -> int:
+        return self._latest.env_steps or 0
+
+    @property
+    def model_version(self) -> int:
+        return self._latest.model_version or 0
+
+    def wait_for(self, ready: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the run ended while waiting for {what}:\n{self.tail()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {what} within {timeout:.0f}s:\n{self.tail()}")
+            time.sleep(0.05)
+
+    def tail(self, lines: int = 40) -> str:
+        text = (self.workdir / "stdout.log").read_text(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    # -- chaos ---------------------------------------------------------------------------------------
+    def kill_and_recover(self, service: str, timeout: float = 240.0) -> Recovery:
+        """SIGKILL `service`; wait until the launcher restarted it, it answers, and the run went on."""
+        before = self.services()[service]
+        steps, version = self.env_steps, self.model_version
+        os.kill(before["pid"], signal.SIGKILL)
+        killed = time.monotonic()
+        self.wait_for(lambda: self.services().get(service, {}).get("pid", before["pid"]) != before["pid"], timeout,
+                      f"restart of {service}")
+        after = self.services()[service]
+        first_call: float | None = None
+        while first_call is None:
+            try:
+                probe(service, after["address"])
+                first_call = time.monotonic() - killed
+            except grpc.RpcError:
+                self.wait_for(lambda: time.monotonic() - killed < timeout, timeout, f"an answer from {service}")
+                time.sleep(0.02)
+        self.wait_for(lambda: self.model_version > version and self.env_steps > steps, timeout,
+                      f"progress after killing {service} (at {steps} env steps, model version {version})")
+        recovery = Recovery(service, before["pid"], after["pid"], steps, version, round(first_call, 3),
+                            round(time.monotonic() - killed, 3))
+        self.recoveries.append(recovery)
+        return recovery
+
+    def finish(self, timeout: float) -> dict[str, Any]:
+        """Wait for the run to end; its summary."""
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the run did not end within {timeout:.0f}s:\n{self.tail()}") from None
+        return json.loads(self.summary_path.read_text())
+
+    def progress(self) -> list[dict[str, Any]]:
+        path = self.workdir / "progress.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def close(self) -> None:
+        self._stop.set()
+        self._watcher.join(5)
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # the launcher stops every service, then itself
+            try:
+                self.proc.wait(240)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+    def report(self) -> list[dict[str, Any]]:
+        return [asdict(r) for r in self.recoveries]
