@@ -50,6 +50,10 @@ def headline_rows(name: str, data: dict[str, Any]) -> list[str]:
         return [f"| replay_buffer | Redis + S3 vs raw Redis + S3: {key} | {data[key]:.2f} | "
                 f"{'≥ ' + str(data['target_ratio']) if key in judged else '(reported beside)'} |"
                 for key in data if key.startswith("worst_") and isinstance(data[key], (int, float))]
+    if name == "recovery":
+        return [f"| recovery | {backend}: {service} killed -> first call answered / run going on (s) | "
+                f"{row['first_call_seconds']} / {row['run_going_on_seconds']} | |"
+                for backend, services in data["backends"].items() for service, row in services.items()]
     if name == "e2e_cartpole":
         return [f"| e2e_cartpole | env steps / wall seconds to a 100-episode mean of 450 | "
                 f"{data.get('steps_to_450')} / {data.get('wall_seconds_to_450')} | |",

@@ -49,32 +49,27 @@ WATCH_SECONDS = 0.2
 PROBE_TIMEOUT = 1.0
 
 
+PROBE_BATCH = {"reward": np.ones((1, 4), np.float32), "value": np.zeros((1, 4), np.float32),
+               "bootstrap_value": np.zeros((1, 4), np.float32), "terminated": np.zeros((1, 4), bool),
+               "truncated": np.zeros((1, 4), bool), "next_value": np.zeros(1, np.float32)}
+# Services with a client: (client class, one call through it).
+CLIENT_PROBES: dict[str, tuple[Any, Callable[[Any], object]]] = {
+    "gae": (GaeClient, lambda c: c.estimate(PROBE_BATCH, 0.9, 0.9, timeout=PROBE_TIMEOUT)),
+    "model-registry": (ModelRegistryClient, lambda c: c.list_versions(timeout=PROBE_TIMEOUT)),
+    "rollout-manager": (RolloutManagerClient, lambda c: c.fleet_status(timeout=PROBE_TIMEOUT)),
+}
+
+
 def probe(service: str, address: str) -> None:
     """One call to the service at `address` (grpc.RpcError if it does not answer)."""
     name = service.split("#")[0]
-    if name == "gae":
-        batch = {"reward": np.ones((1, 4), np.float32), "value": np.zeros((1, 4), np.float32),
-                 "bootstrap_value": np.zeros((1, 4), np.float32), "terminated": np.zeros((1, 4), bool),
-                 "truncated": np.zeros((1, 4), bool), "next_value": np.zeros(1, np.float32)}
-        client = GaeClient(address)
+    if name in CLIENT_PROBES:
+        make, call = CLIENT_PROBES[name]
+        client = make(address)
         try:
-            client.estimate(batch, 0.9, 0.9, timeout=PROBE_TIMEOUT)
+            call(client)
         finally:
             client.close()
-        return
-    if name == "model-registry":
-        registry = ModelRegistryClient(address)
-        try:
-            registry.list_versions(timeout=PROBE_TIMEOUT)
-        finally:
-            registry.close()
-        return
-    if name == "rollout-manager":
-        manager = RolloutManagerClient(address)
-        try:
-            manager.fleet_status(timeout=PROBE_TIMEOUT)
-        finally:
-            manager.close()
         return
     with channel(address) as ch:
         if name == "replay-buffer":

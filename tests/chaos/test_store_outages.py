@@ -21,11 +21,10 @@ from overworld.model_registry.server import ModelRegistryService
 from overworld.rollout_manager.server import RolloutManagerService
 from overworld.rollout_manager.state import open_state_store
 from overworld.v1 import replay_buffer_pb2, replay_buffer_pb2_grpc
-from tests.conftest import RedisServer, S3Server
 from tests.replay_buffer.rb_support import start_front_process
 from tests.rollout_worker.conftest import Cluster
 from tests.rollout_worker.test_worker import Running, wait_for
-from tests.support import free_port
+from tests.support import RedisServer, S3Server, free_port
 
 S3_OUTAGE_SECONDS = 30.0
 QUEUE = 4
