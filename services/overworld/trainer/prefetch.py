@@ -69,7 +69,10 @@ class ChunkReader:
     def _prefetch(self) -> None:
         assert self.queue is not None
         while not self.stop.is_set():
-            batch = self._fetch()
+            try:
+                batch: list | Exception = self._fetch()
+            except Exception as err:  # the buffer stayed away past the deadline: the learner raises it
+                batch = err
             while not self.stop.is_set():
                 try:
                     self.queue.put(batch, timeout=0.5)
@@ -80,7 +83,10 @@ class ChunkReader:
     def next(self) -> list[replay_buffer_pb2.SampledChunk]:
         if self.queue is None:
             return self._fetch()
-        return self.queue.get()
+        batch = self.queue.get()
+        if isinstance(batch, Exception):
+            raise batch
+        return batch
 
     def close(self) -> None:
         self.stop.set()
