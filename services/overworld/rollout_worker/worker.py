@@ -173,7 +173,12 @@ class RolloutWorker:
             self._report_sequence += 1
             self._unacked_report = mpb.ReportEpisodesRequest(worker_id=self.worker_id, episodes=episodes,
                                                              report_sequence=self._report_sequence)
-        self.manager.report_episodes(self._unacked_report)
+        try:
+            self.manager.report_episodes(self._unacked_report)
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                raise  # sent again next time
+            log.error("rollout manager refused %d episodes: %s", len(self._unacked_report.episodes), err.details())
         self._unacked_report = None
 
     def _upload_video(self, chunks: list[mpb.VideoChunk]) -> mpb.VideoInfo:
