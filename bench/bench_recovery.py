@@ -4,7 +4,8 @@ Redis + S3 (its own redis-server and S3-protocol server on loopback). For each k
 
 - first call: kill -> the first successful call to the service started in its place (its own RPC:
   GetFleetStatus, GetStats, Estimate, ListVersions, the trainer's and the worker's GetStatus);
-- run going on: kill -> the run has a newer model version and more env steps than at the kill.
+- run going on: kill -> the run has a newer model version and more env steps than when the service
+  was restarted (a killed trainer's Ray workers, killed then, may publish one last version).
 
     python -m bench.bench_recovery [--rounds 2]   -> bench/results/recovery.json
 """
@@ -70,7 +71,7 @@ def main(argv: list[str] | None = None) -> None:
             s3.stop()
     write("recovery", {"rounds": args.rounds, "kill_order": list(KILL_ORDER), "backends": results,
                        "measured": "kill -> first successful call to the restarted service; kill -> the run "
-                                   "has a newer model version and more env steps than at the kill"})
+                                   "has a newer model version and more env steps than when the service was restarted"})
 
 
 if __name__ == "__main__":

@@ -6,7 +6,7 @@ each service is (the launcher's services.json), the fleet's env steps (rollout-m
 model version (model-registry), sampled every WATCH_SECONDS into `observations`. `kill_and_recover`
 kills one service and measures, from the kill, the first successful call to the service started in
 its place (`first_call_seconds`) and the moment the run made progress again: a newer model version
-and more env steps than at the kill (`progress_seconds`).
+and more env steps than when it was restarted (`progress_seconds`).
 """
 
 from __future__ import annotations
@@ -92,7 +92,7 @@ class Recovery:
     at_env_steps: int
     at_model_version: int
     first_call_seconds: float  # kill -> first successful call to the restarted service
-    progress_seconds: float  # kill -> a newer model version and more env steps than at the kill
+    progress_seconds: float  # kill -> a newer model version and more env steps than at the restart
 
 
 @dataclass
@@ -118,6 +118,8 @@ class ChaosRun:
         self.recoveries: list[Recovery] = []
         self._stop = threading.Event()
         self._latest = Observation(0.0, None, None, None)
+        self._observe_lock = threading.Lock()
+        self._clients: tuple[RolloutManagerClient, ModelRegistryClient] | tuple[()] = ()
         self._watcher = threading.Thread(target=self._watch, name="chaos-watch", daemon=True)
         self._watcher.start()
 
@@ -128,31 +130,36 @@ class ChaosRun:
         except (OSError, ValueError, KeyError):
             return {}
 
-    def _watch(self) -> None:
-        manager: RolloutManagerClient | None = None
-        registry: ModelRegistryClient | None = None
-        while not self._stop.wait(WATCH_SECONDS):
+    def observe(self) -> Observation:
+        """Read the fleet's env steps and episodes (rollout-manager) and the latest model version
+        (model-registry) now; None for a service that does not answer. One reader at a time, so
+        `observations` is in the order things were seen."""
+        with self._observe_lock:
             found = self.services()
-            if manager is None and "rollout-manager" in found and "model-registry" in found:
-                manager = RolloutManagerClient(found["rollout-manager"]["address"])
-                registry = ModelRegistryClient(found["model-registry"]["address"])
-            if manager is None or registry is None:
-                continue
+            if not self._clients and "rollout-manager" in found and "model-registry" in found:
+                self._clients = (RolloutManagerClient(found["rollout-manager"]["address"]),
+                                 ModelRegistryClient(found["model-registry"]["address"]))
             steps = episodes = version = None
-            with contextlib.suppress(grpc.RpcError):
-                fleet = manager.stub.GetFleetStatus(rollout_manager_pb2.GetFleetStatusRequest(), timeout=1)
-                steps, episodes = fleet.env_steps, fleet.episodes
-            with contextlib.suppress(grpc.RpcError):
-                version = max((v.version for v in registry.stub.ListVersions(
-                    model_registry_pb2.ListVersionsRequest(), timeout=1).versions), default=0)
+            if self._clients:
+                manager, registry = self._clients
+                with contextlib.suppress(grpc.RpcError):
+                    fleet = manager.stub.GetFleetStatus(rollout_manager_pb2.GetFleetStatusRequest(), timeout=1)
+                    steps, episodes = fleet.env_steps, fleet.episodes
+                with contextlib.suppress(grpc.RpcError):
+                    version = max((v.version for v in registry.stub.ListVersions(
+                        model_registry_pb2.ListVersionsRequest(), timeout=1).versions), default=0)
             seen = Observation(round(time.monotonic() - self.started, 2), steps, episodes, version)
-            self.observations.append(seen)
-            self._latest = Observation(seen.seconds, steps if steps is not None else self._latest.env_steps,
-                                       episodes if episodes is not None else self._latest.episodes,
-                                       version if version is not None else self._latest.model_version)
-        for client in (manager, registry):
-            if client is not None:
-                client.close()
+            if self._clients:
+                self.observations.append(seen)
+            last = self._latest
+            self._latest = Observation(seen.seconds, last.env_steps if steps is None else steps,
+                                       last.episodes if episodes is None else episodes,
+                                       last.model_version if version is None else version)
+            return seen
+
+    def _watch(self) -> None:
+        while not self._stop.wait(WATCH_SECONDS):
+            self.observe()
 
     @property
     def env_steps(self) -> int:
@@ -179,12 +186,17 @@ class ChaosRun:
     def kill_and_recover(self, service: str, timeout: float = 240.0) -> Recovery:
         """SIGKILL `service`; wait until the launcher restarted it, it answers, and the run went on."""
         before = self.services()[service]
+        self.observe()  # where the run is at the kill, read now
         steps, version = self.env_steps, self.model_version
         os.kill(before["pid"], signal.SIGKILL)
         killed = time.monotonic()
         self.wait_for(lambda: self.services().get(service, {}).get("pid", before["pid"]) != before["pid"], timeout,
                       f"restart of {service}")
         after = self.services()[service]
+        # Progress counts from here: the launcher has killed what the dead service left (a killed trainer's
+        # Ray workers could still publish a version the moment after the kill).
+        self.observe()
+        steps, version = max(steps, self.env_steps), max(version, self.model_version)
         first_call: float | None = None
         while first_call is None:
             try:
@@ -215,6 +227,8 @@ class ChaosRun:
     def close(self) -> None:
         self._stop.set()
         self._watcher.join(5)
+        for client in self._clients:
+            client.close()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)  # the launcher stops every service, then itself
             try:
