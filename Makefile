@@ -1,5 +1,6 @@
 # Overworld: `make run` trains the default task on this machine, `make test` runs the tests.
-# Both create .venv and install what is missing on first use.
+# Both create .venv and install what is missing on first use; the tests fetch the servers they need
+# (redis-server, promtool) when the system has none (services/overworld/server_binaries.py).
 
 PYTHON ?= python3
 VENV := .venv
@@ -8,7 +9,9 @@ STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 CONFIG ?= examples/crafter_cow.yaml
 PYTEST_ARGS ?=
 
-.PHONY: run test test-fast test-minestudio bench lint protos install clean
+SB3_STAMP := .venv-sb3/.installed-sb3-2.9.2
+
+.PHONY: run test test-fast test-minestudio bench sb3 lint protos install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -31,10 +34,21 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
-bench: $(STAMP)
+bench: $(STAMP) $(SB3_STAMP)
 	mkdir -p bench/results
 	set -e; for script in bench/bench_*.py; do echo "== $$script"; $(PY) -m bench.$$(basename $$script .py); done
 	$(PY) bench/report.py
+
+# Stable-Baselines3 for bench/bench_e2e.py's side-by-side CartPole run: a venv of its own, everything pinned,
+# the CPU torch first (an unpinned torch would be a multi-GB CUDA build).
+$(SB3_STAMP):
+	test -x .venv-sb3/bin/python || $(PYTHON) -m venv .venv-sb3
+	.venv-sb3/bin/pip install -q torch==2.13.0
+	.venv-sb3/bin/pip install -q stable-baselines3==2.9.2 gymnasium==1.4.0 numpy==2.4.6
+	rm -f .venv-sb3/.installed-*
+	touch $@
+
+sb3: $(SB3_STAMP)
 
 lint: $(STAMP)
 	$(VENV)/bin/ruff check services tests bench
@@ -65,6 +79,6 @@ test-minestudio:
 	.venv-minestudio/bin/python -m pytest -q -m minestudio tests/minestudio $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 clean:
-	rm -rf $(VENV) .venv-minestudio runs
+	rm -rf $(VENV) .venv-minestudio .venv-sb3 runs
 
 -include docker/images.mk

@@ -229,13 +229,44 @@ def main() -> int:
     p.add_argument("--swap", choices=("copy", "assign"), default="copy",
                    help="how a worker swaps: copy into its model (load_state_dict) or adopt the tensors (assign=True)")
     p.add_argument("--out", default=str(ROOT / "bench/results/registry.json"))
+    p.add_argument("--no-tls", action="store_true", help="skip the same measurement with mutual TLS")
     args = p.parse_args()
     sizes = [int(float(s) * (1 << 20)) for s in args.sizes_mb.split(",")]
     need = (2 * args.workers + 4) * max(sizes)
     if _mem_available() < need:
         print(f"not enough memory: need about {need >> 20} MB, {_mem_available() >> 20} MB available", file=sys.stderr)
         return 1
+    results = run(args, sizes, secure=False)
+    if not args.no_tls:
+        # The same fleet with mutual TLS (registry, workers and publisher each with its certificate),
+        # right after in the same run: the registry's push time with and without.
+        print("\nthe same with mutual TLS:", flush=True)
+        secure = run(args, sizes, secure=True)
+        results["tls"] = {}
+        def cpu(row: dict[str, Any], role: str = "") -> float:  # CPU seconds per push (median): all, or one role
+            return statistics.median(r["registry"]["cpu_seconds"][role] if role else
+                                     sum(r["registry"]["cpu_seconds"].values()) for r in row["rounds"])
 
+        for plain, tls_row in zip(results["sizes"], secure["sizes"], strict=True):
+            cost = 1 - plain["registry_median_seconds"] / tls_row["registry_median_seconds"]
+            results["tls"][f"{plain['model_bytes'] / 1e6:.0f}MB"] = {
+                "plaintext_median_seconds": round(plain["registry_median_seconds"], 3),
+                "tls_median_seconds": round(tls_row["registry_median_seconds"], 3),
+                "tls_rounds_seconds": [r["registry"]["seconds"] for r in tls_row["rounds"]],
+                "plaintext_cpu_seconds": round(cpu(plain), 2), "tls_cpu_seconds": round(cpu(tls_row), 2),
+                "cpu_cost": round(1 - cpu(plain) / cpu(tls_row), 3),
+                # On a cluster each worker decrypts on its own node: the registry's share is what one pod pays.
+                "registry_cpu_seconds": {"plaintext": round(cpu(plain, "server"), 2),
+                                         "tls": round(cpu(tls_row, "server"), 2)},
+                "workers_cpu_seconds": {"plaintext": round(cpu(plain, "workers"), 2),
+                                        "tls": round(cpu(tls_row, "workers"), 2)},
+                "throughput_cost": round(cost, 3), "within_target": cost <= 0.10}
+        results["tls_target_max_cost"] = 0.10
+    return report(args, results)
+
+
+def run(args: argparse.Namespace, sizes: list[int], secure: bool) -> dict[str, Any]:
+    from overworld.core import tls
     from overworld.model_registry.client import ModelRegistryClient
 
     env = {**os.environ, "OVERWORLD_LOG_FORMAT": "text", "OVERWORLD_LOG_LEVEL": "WARNING",
@@ -247,11 +278,18 @@ def main() -> int:
                                "worker_verifies_sha256": args.verify, "swap": args.swap,
                                "cut_through": args.cut_through, "sizes": []}
     with tempfile.TemporaryDirectory(prefix="bench-registry-") as tmp:
+        identities = tls.write_run_credentials(Path(tmp, "tls"), "bench") if secure else {}
+
+        def as_identity(name: str) -> dict[str, str]:
+            return {**env, "OVERWORLD_TLS_DIR": str(identities[name])} if secure else env
+
+        tls.use(identities.get("trainer"))  # this process publishes, as the trainer does
         try:
             port = _free_port()
             procs.append(subprocess.Popen([sys.executable, "-m", "overworld.model_registry", "--port", str(port),
                                            "--blobs", f"{tmp}/blobs", "--retain", "2",
-                                           "--cut-through", "1" if args.cut_through else "0"], env=env))
+                                           "--cut-through", "1" if args.cut_through else "0"],
+                                          env=as_identity("model-registry")))
             registry = f"127.0.0.1:{port}"
             port_file = Path(tmp, "raw-port")
             procs.append(subprocess.Popen([sys.executable, __file__, "raw-server", str(port_file), str(args.workers)],
@@ -259,7 +297,7 @@ def main() -> int:
             raw = f"127.0.0.1:{_wait_file(port_file)}"
             for i in range(args.workers):
                 procs.append(subprocess.Popen([sys.executable, __file__, "worker", registry, raw, f"bench-w{i}",
-                                               "1" if args.verify else "0", args.swap], env=env))
+                                               "1" if args.verify else "0", args.swap], env=as_identity("rollout-worker")))
             client = ModelRegistryClient(registry)
             ch = grpc.insecure_channel(raw, options=CHANNEL_OPTIONS)
             raw_call = {name: ch.unary_unary(f"/{RAW_SERVICE}/{name}", _identity, _identity)
@@ -329,12 +367,14 @@ def main() -> int:
                     b[-2] ^= (size >> 20) & 0xFF
                     variants.append(bytes(b))
                     del b
-                warm = {"registry": registry_round(variants[0]), "plain_grpc": raw_round(),
-                        "plain_grpc_keep": raw_round(b"keep")}
+                skipped = {"seconds": float("nan")}  # with TLS only the registry is measured
+                warm = {"registry": registry_round(variants[0]),
+                        "plain_grpc": skipped if secure else raw_round(),
+                        "plain_grpc_keep": skipped if secure else raw_round(b"keep")}
                 rounds: list[dict[str, Any]] = []
                 for k in range(args.rounds):
-                    plain = raw_round()
-                    keep = raw_round(b"keep")
+                    plain = skipped if secure else raw_round()
+                    keep = skipped if secure else raw_round(b"keep")
                     reg = registry_round(variants[k + 1])
                     rounds.append({"plain_grpc": plain, "plain_grpc_keep": keep, "registry": reg})
                     print(f"  {len(base) / 1e6:6.1f} MB round {k + 1}: plain {plain['seconds']:.3f}s, plain keeping "
@@ -353,10 +393,15 @@ def main() -> int:
                     "within_target": reg_med / plain_med <= 1.3})
                 del base
         finally:
+            tls.reset()
             for proc in procs:
                 proc.kill()
             for proc in procs:
                 proc.wait()
+    return results
+
+
+def report(args: argparse.Namespace, results: dict[str, Any]) -> int:
     # bench/report.py shows dicts, not lists: the medians by size
     results["summary"] = {f"{s['model_bytes'] / 1e6:.0f}MB": {
         k: (round(v, 3) if isinstance(v, float) else v) for k, v in s.items()
@@ -376,6 +421,11 @@ def main() -> int:
               f"  {'within target' if s['within_target'] else 'MISSED'}")
     print("plain gRPC: receivers drop each chunk; plain, kept: receivers keep the bytes until the next round, as a "
           "worker keeps its weights")
+    for size, row in results.get("tls", {}).items():
+        print(f"mutual TLS, {size}: registry {row['plaintext_median_seconds']:.3f}s plaintext, "
+              f"{row['tls_median_seconds']:.3f}s with TLS: {row['throughput_cost']:.0%} of the throughput, "
+              f"{row['cpu_cost']:.0%} of the CPU "
+              f"(target <= 10%: {'met' if row['within_target'] else 'MISSED'})")
     print(f"written to {out}")
     return 0
 

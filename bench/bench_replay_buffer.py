@@ -46,6 +46,7 @@ import numpy as np  # noqa: E402
 from overworld.core.fragment import Fragment, expected_tensors  # noqa: E402
 from overworld.core.net import free_port, wait_port  # noqa: E402
 from overworld.core.specs import Spaces, TensorSpec  # noqa: E402
+from overworld.server_binaries import ServerBinaryUnavailable, locate  # noqa: E402
 
 SPACES = Spaces(obs={"rgb": TensorSpec((64, 64, 3), "uint8")}, action={"action": TensorSpec((), "int64")})
 LENGTH = 256
@@ -123,6 +124,16 @@ def template_fragment(run_id: str) -> Any:
         data[name] = (rng.integers(0, 255, size=shape, dtype=np.uint8) if np.dtype(dtype) == np.uint8
                       else np.zeros(shape, dtype=dtype))
     return Fragment(run_id, "bench", 0, 0, data).to_proto()
+
+
+def insert_request(template: Any, worker: str, seq: int) -> bytes:
+    """A serialized InsertRequest of `template` as fragment `seq` of `worker`'s env slot 0."""
+    from overworld.v1 import replay_buffer_pb2
+
+    f = type(template)()
+    f.CopyFrom(template)
+    f.header.worker_id, f.header.env_slot, f.header.sequence = worker, 0, seq
+    return replay_buffer_pb2.InsertRequest(fragment=f).SerializeToString()
 
 
 # ------------------------------------------------------------------------------------------ the front process
@@ -387,12 +398,7 @@ def measure(name: str, index_url: str, blobs_url: str, fronts: int, count: int, 
     template = template_fragment(run_id)
 
     def request(worker: str, seq: int) -> bytes:
-        from overworld.v1 import replay_buffer_pb2
-
-        f = type(template)()
-        f.CopyFrom(template)
-        f.header.worker_id, f.header.env_slot, f.header.sequence = worker, 0, seq
-        return replay_buffer_pb2.InsertRequest(fragment=f).SerializeToString()
+        return insert_request(template, worker, seq)
 
     nbytes = template.ByteSize()
     procs, addresses = start_fronts(index_url, blobs_url.replace("RUN", run_id), run_id, fronts,
@@ -479,6 +485,56 @@ def measure(name: str, index_url: str, blobs_url: str, fronts: int, count: int, 
     return row
 
 
+def measure_tls(count: int, rounds: int, env: dict[str, str], work: Path) -> dict:
+    """Ingest through one front with mutual TLS and one without (memory + local backend, so the
+    difference is the transport), rounds alternating between the two: fragments/s and the cost, and
+    the CPU per fragment of the front and the client (less sensitive to the machine's other load)."""
+    from overworld.core import tls
+
+    identities = tls.write_run_credentials(work / "tls", "bench")
+    run_id = f"bench-{uuid.uuid4().hex[:8]}"
+    template = template_fragment(run_id)
+
+    def request(worker: str, seq: int) -> bytes:
+        return insert_request(template, worker, seq)
+
+    fronts = {}
+    procs: list[subprocess.Popen] = []
+    try:
+        for mode, front_env, client in (("plaintext", env, None),
+                                        ("tls", {**env, "OVERWORLD_TLS_DIR": str(identities["replay-buffer"])},
+                                         identities["rollout-worker"])):
+            tls.use(client)
+            started, addresses = start_fronts("memory", str(work / f"tls-blobs-{mode}"), run_id, 1, True, front_env)
+            procs += started
+            fronts[mode] = (addresses, client, CpuMeter({"front": [p.pid for p in started], "client": [os.getpid()]}))
+        rates: dict[str, list[float]] = {"plaintext": [], "tls": []}
+        cpu: dict[str, list[float]] = {"plaintext": [], "tls": []}
+        total = 3 * count
+        for r in range(rounds + 1):  # round 0 warms both up
+            for mode, (addresses, client, meter) in fronts.items():
+                tls.use(client)
+                requests = [request(f"{mode}r{r}w{i % 8}", i // 8) for i in range(total)]
+                before = meter.snapshot()
+                rate = total / run_ingest(addresses, requests)
+                if r:
+                    rates[mode].append(rate)
+                    cpu[mode].append(sum(meter.per_fragment(before, total).values()))
+    finally:
+        tls.reset()
+        for p in procs:
+            stop(p)
+    plain, secure = statistics.median(rates["plaintext"]), statistics.median(rates["tls"])
+    cost = 1 - secure / plain
+    cpu_plain, cpu_tls = statistics.median(cpu["plaintext"]), statistics.median(cpu["tls"])
+    return {"backend": "memory+local", "fronts": 1, "fragments_per_round": total, "rounds": rounds,
+            "plaintext_ingest_fragments_per_s": plain, "tls_ingest_fragments_per_s": secure,
+            "plaintext_rounds": rates["plaintext"], "tls_rounds": rates["tls"],
+            "plaintext_cpu_ms_per_fragment": cpu_plain, "tls_cpu_ms_per_fragment": cpu_tls,
+            "cpu_cost": 1 - cpu_plain / cpu_tls,
+            "throughput_cost": cost, "target_max_cost": 0.10, "within_target": cost <= 0.10}
+
+
 def main(argv: list[str] | None = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     sub = parser.add_subparsers(dest="command")
@@ -497,15 +553,19 @@ def main(argv: list[str] | None = None) -> int:
         return serve_fronts(args)
     count, rounds = (12, 1) if args.quick else (args.fragments, args.rounds)
 
-    for binary in ("redis-server", "moto_server"):
-        if shutil.which(binary) is None and not (Path(sys.executable).parent / binary).exists():
-            print(f"{binary} is needed (redis-server: Debian package; moto_server: pip install 'moto[server]')")
-            return 2
+    if shutil.which("moto_server") is None and not (Path(sys.executable).parent / "moto_server").exists():
+        print("moto_server is needed: pip install 'moto[server]' (the dev extra)")
+        return 2
+    try:
+        redis_server = str(locate("redis-server"))  # the system's, or the project's pinned copy
+    except ServerBinaryUnavailable as err:
+        print(f"redis-server is needed: {err}")
+        return 2
     env = clean_env()
     work = Path(tempfile.mkdtemp(prefix="rb-bench-"))
     redis_port, s3_port = free_port(), free_port()
     redis_proc = subprocess.Popen(
-        ["redis-server", "--port", str(redis_port), "--bind", "127.0.0.1", "--dir", str(work), "--save", "",
+        [redis_server, "--port", str(redis_port), "--bind", "127.0.0.1", "--dir", str(work), "--save", "",
          "--appendonly", "yes", "--appendfsync", "everysec"], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
     moto = shutil.which("moto_server") or str(Path(sys.executable).parent / "moto_server")
     s3_proc = subprocess.Popen([moto, "-H", "127.0.0.1", "-p", str(s3_port)], stdout=subprocess.DEVNULL,
@@ -529,6 +589,12 @@ def main(argv: list[str] | None = None) -> int:
             print_row(rows[-1])
             rows.append(measure("redis+s3", redis_url, f"s3://{BUCKET}/RUN", fronts, count, rounds, env, servers, raw))
             print_row(rows[-1])
+        tls_row = measure_tls(count, rounds, env, work)
+        print(f"  ingest with mutual TLS: {tls_row['tls_ingest_fragments_per_s']:.1f} frag/s, plaintext "
+              f"{tls_row['plaintext_ingest_fragments_per_s']:.1f} frag/s (alternating rounds): "
+              f"{tls_row['throughput_cost']:.0%} of the throughput, {tls_row['cpu_cost']:.0%} of the CPU per "
+              f"fragment (target <= 10% of the throughput: "
+              f"{'met' if tls_row['within_target'] else 'NOT met'})", flush=True)
     finally:
         stop(redis_proc)
         stop(s3_proc)
@@ -581,6 +647,7 @@ def main(argv: list[str] | None = None) -> int:
         "summary": {f"{r['backend']} {r['fronts']} front{'s' if r['fronts'] > 1 else ''}": {
             k: round(v, 3) for k, v in r.items() if isinstance(v, float)} for r in rows},
         "results": rows,
+        "tls_ingest": tls_row,
         # Worst over 1 and 2 fronts of ingest and sample by reference (the trainer's path with S3).
         "worst_ratio_vs_raw": min(ratios), "worst_cpu_ratio_vs_raw": min(cpu_ratios),
         "worst_in_band_sample_ratio_vs_raw": in_band, "worst_reader_sample_ratio_vs_raw": reader,

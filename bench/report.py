@@ -33,13 +33,20 @@ def learning_rows(name: str, data: dict[str, Any]) -> list[str]:
     return rows
 
 
+def tls_rows(name: str, what: str, rows: dict[str, dict[str, Any]]) -> list[str]:
+    """Mutual TLS on vs off, measured in the same run: the share of throughput TLS costs."""
+    return [f"| {name} | {what} {key}: throughput lost to mutual TLS | {row['throughput_cost']:.1%} | "
+            f"≤ 10%: {'met' if row['within_target'] else 'missed'} |" for key, row in rows.items()]
+
+
 def headline_rows(name: str, data: dict[str, Any]) -> list[str]:
     if "tasks" in data:
         return learning_rows(name, data)
     if name == "registry":
         return [f"| registry | push to {data['workers']} workers at {size} vs one plain gRPC stream | "
                 f"{s['ratio']:.2f}× ({s['ratio_to_keep']:.2f}× of receivers keeping the bytes) | "
-                f"≤ 1.3×: {'met' if s['within_target'] else 'missed'} |" for size, s in data["summary"].items()]
+                f"≤ 1.3×: {'met' if s['within_target'] else 'missed'} |" for size, s in data["summary"].items()
+                ] + tls_rows(name, "push", data.get("tls", {}))
     if name == "rollout_worker":
         bare = data["bare_processes_2_envs_random_actions"]["env_steps_per_second"]
         return [f"| rollout_worker | {key}: fraction of bare env processes | {row['env_steps_per_second'] / bare:.2f} | "
@@ -49,17 +56,36 @@ def headline_rows(name: str, data: dict[str, Any]) -> list[str]:
         judged = ("worst_ratio_vs_raw", "worst_cpu_ratio_vs_raw")  # ingest and sample by reference
         return [f"| replay_buffer | Redis + S3 vs raw Redis + S3: {key} | {data[key]:.2f} | "
                 f"{'≥ ' + str(data['target_ratio']) if key in judged else '(reported beside)'} |"
-                for key in data if key.startswith("worst_") and isinstance(data[key], (int, float))]
+                for key in data if key.startswith("worst_") and isinstance(data[key], (int, float))
+                ] + tls_rows(name, "ingest", {"1 front": data["tls_ingest"]} if "tls_ingest" in data else {})
     if name == "recovery":
         return [f"| recovery | {backend}: {service} killed -> first call answered / run going on (s) | "
                 f"{row['first_call_seconds']} / {row['run_going_on_seconds']} | |"
                 for backend, services in data["backends"].items() for service, row in services.items()]
-    if name == "e2e_cartpole":
-        return [f"| e2e_cartpole | env steps / wall seconds to a 100-episode mean of 450 | "
-                f"{data.get('steps_to_450')} / {data.get('wall_seconds_to_450')} | |",
-                f"| e2e_cartpole | env steps/s training through every service vs stepping the envs bare with "
-                f"random actions | {data.get('overworld_env_steps_per_second')} vs "
-                f"{data.get('bare_loop_env_steps_per_second')} | |"]
+    if name == "e2e":
+        s, crafter = data["summary"], data.get("crafter_cow", {})
+        return [f"| e2e | CartPole to a 100-episode mean of {data['target_return']:.0f}, wall seconds from process "
+                f"start (median of seeds): Overworld vs Stable-Baselines3 (rl-zoo) | "
+                f"{s['overworld_wall_seconds_to_target_median']} vs {s['sb3_wall_seconds_to_target_median']} "
+                f"(ratio {s['wall_ratio_overworld_to_sb3']}) | ratio ≤ 1 |",
+                f"| e2e | CartPole env steps to {data['target_return']:.0f} (median): Overworld vs SB3 | "
+                f"{s['overworld_env_steps_to_target_median']} vs {s['sb3_env_steps_to_target_median']} | "
+                f"Overworld ≤ 68k |",
+                f"| e2e | seconds from `overworld run` to the first version swapped in at the workers / the "
+                f"first update (median) | {s['startup_median']['first_version_swapped_in_at_workers']} / "
+                f"{s['startup_median']['first_update']} | |",
+                f"| e2e | Crafter cow: whole pipeline env steps/s while training vs 2 bare Crafter processes | "
+                f"{crafter.get('env_steps_per_second_training')} vs "
+                f"{crafter.get('bare_processes_2_env_steps_per_second')} ({crafter.get('pipeline_vs_bare')}) | |"]
+    if name == "startup":
+        return [f"| startup | {row['knob']}: seconds to Ray Train's first step | {row['first_train_step']} | |"
+                for row in data["rows"]]
+    if name == "trainer_memory":
+        growth = data["peak_growth_mb_per_chain"]
+        sizes = [row["chains"] for row in data["rows"]["iteration"]]
+        return [f"| trainer_memory | {data['memory']} above the held memory, growth per extra chain, {sizes} chains "
+                f"of VPT-2x: iteration / recomputation / recomputation as before | {growth['iteration']} / "
+                f"{growth['recomputation_chunked']} / {growth['recomputation_whole_batch_before']} MB | flat |"]
     return []
 
 

@@ -1,5 +1,10 @@
 """Shared fixtures: free ports, and real servers (redis-server, an S3-protocol server) on loopback,
-started per test session and stopped by PID."""
+started per test session and stopped by PID.
+
+`redis-server` and `promtool` are the system's or the project's pinned copies, fetched on first use
+(overworld/server_binaries.py). Before any test runs, the binaries the selected tests need are located;
+one that can be neither found nor fetched ends the session with one message, not an error per test.
+"""
 
 from __future__ import annotations
 
@@ -8,10 +13,26 @@ from collections.abc import Iterator
 
 import pytest
 
-from tests.support import RedisServer, S3Server
+from tests.support import RedisServer, S3Server, server_binary
 
 # Ray started by tests stays on loopback (read by Ray when it is imported).
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
+
+
+def _needs(item: pytest.Item) -> set[str]:
+    """The server binaries a test uses, as far as collection tells (server_binary() covers the rest)."""
+    needs = set()
+    params = getattr(getattr(item, "callspec", None), "params", {})
+    if "redis_server" in getattr(item, "fixturenames", ()) or "redis" in params.values():
+        needs.add("redis-server")
+    if hasattr(getattr(item, "module", None), "promtool"):
+        needs.add("promtool")
+    return needs
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for name in sorted(set().union(*(_needs(item) for item in items))):
+        server_binary(name)
 
 
 @pytest.fixture(scope="session")

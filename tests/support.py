@@ -1,15 +1,31 @@
 """Small helpers for tests (and benchmarks): free ports, waiting for a listener, stopping a process, is
-it alive, and real stores on loopback (redis-server, an S3-protocol server)."""
+it alive, the server binaries, and real stores on loopback (redis-server, an S3-protocol server)."""
 
 from __future__ import annotations
 
+import functools
 import shutil
 import signal
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+
 from overworld.core.net import free_port, wait_port  # noqa: F401 (re-exported for tests)
+from overworld.server_binaries import ServerBinaryUnavailable, locate
+
+
+@functools.cache
+def server_binary(name: str) -> str:
+    """`redis-server` or `promtool`: the system's or the project's pinned copy (fetched once). One
+    that cannot be had ends the whole session with this one message: every test after it would fail
+    the same way."""
+    try:
+        return str(locate(name))
+    except ServerBinaryUnavailable as err:
+        pytest.exit(f"{name} is needed by the selected tests and could not be had: {err}\n"
+                    f"Install it (.ci/apt-packages.txt lists Debian's packages) or put it on PATH.", returncode=1)
 
 
 def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
@@ -32,6 +48,7 @@ def alive(pid: int) -> bool:
 
 
 def _require(binary: str, how: str) -> str:
+    """A binary on PATH or in this Python's bin directory (the venv's moto_server)."""
     path = shutil.which(binary) or shutil.which(binary, path=str(Path(sys.executable).parent))
     if path is None:
         raise RuntimeError(f"{binary} is not installed ({how}); .ci/run installs it")
@@ -39,11 +56,12 @@ def _require(binary: str, how: str) -> str:
 
 
 class RedisServer:
-    def __init__(self, workdir: Path, appendonly: bool = True) -> None:
-        self.binary = _require("redis-server", "Debian package redis-server")
+    def __init__(self, workdir: Path, appendonly: bool = True, password: str = "") -> None:
+        self.binary = server_binary("redis-server")
         self.workdir = workdir
         self.port = free_port()
         self.appendonly = appendonly
+        self.password = password
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -54,7 +72,7 @@ class RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
                 "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always",
-                "--protected-mode", "no"]
+                "--protected-mode", "no", *(["--requirepass", self.password] if self.password else [])]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_port(self.port)
 

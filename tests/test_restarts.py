@@ -11,9 +11,10 @@ from pathlib import Path
 
 import pytest
 
+from overworld.core import tls
 from overworld.core.config import load_config, to_yaml
 from overworld.core.grpc_util import wait_healthy
-from overworld.launcher import Launcher
+from overworld.launcher import Launcher, RunSecurity
 from overworld.restarts import RestartPolicy, read_services
 from overworld.status import print_status
 
@@ -33,9 +34,17 @@ def launcher(tmp_path: Path):
     config = load_config({"run_id": "restarts"})
     path = tmp_path / "config.yaml"
     path.write_text(to_yaml(config))
-    launcher = Launcher(config, tmp_path, path, RestartPolicy(max_restarts=2, backoff_cap=1))
+    security = RunSecurity.create(tmp_path, config.run_id)  # mutual TLS, as `overworld run`
+    tls.use(security.identities["operator"])
+    launcher = Launcher(config, tmp_path, path, security, RestartPolicy(max_restarts=2, backoff_cap=1))
     yield launcher
     launcher.stop()
+    tls.reset()
+
+
+def tls_dir_of(pid: int) -> str:
+    environ = (Path("/proc") / str(pid) / "environ").read_bytes().split(b"\0")
+    return next(v.split(b"=", 1)[1].decode() for v in environ if v.startswith(tls.TLS_DIR_ENV.encode() + b"="))
 
 
 def supervise_until(launcher: Launcher, ready, timeout: float = 60.0) -> None:
@@ -58,7 +67,8 @@ def test_a_killed_service_comes_back_on_its_address_and_status_shows_it(launcher
     supervise_until(launcher, lambda: read_services(tmp_path)["services"]["gae"]["pid"] != before["pid"])
     after = read_services(tmp_path)["services"]["gae"]
     assert after["address"] == before["address"] and after["restarts"] == 1
-    wait_healthy(after["address"], timeout=60)
+    assert tls_dir_of(after["pid"]) == str(tmp_path / "tls" / "gae")  # its own identity again
+    wait_healthy(after["address"], timeout=60)  # over mutual TLS, as the operator
     assert launcher.restarts == {"gae": 1}
     capsys.readouterr()
     assert print_status("unused:0", str(tmp_path)) == 0

@@ -1,8 +1,9 @@
 """Regenerate the kustomize base and monitoring component from the Helm chart.
 
 The chart is the single source of the manifests; the kustomize tree is its render with the
-Helm-only parts taken out (hook annotations, Helm labels, the generated MinIO password, which
-becomes a secretGenerator). Run after changing the chart:
+Helm-only parts taken out (hook annotations, Helm labels, and the Secrets Helm generates, MinIO's
+and Redis' passwords and the TLS certificates, which become secretGenerators over the files
+make_secrets.py writes: nothing secret is committed). Run after changing the chart:
 
     python deploy/kustomize/render_base.py          # rewrite the generated files
     python deploy/kustomize/render_base.py --check  # exit 1 if they are stale (the tests do this)
@@ -82,11 +83,7 @@ def _dump(objects: list[dict[str, Any]]) -> str:
 
 def generated_files() -> dict[Path, str]:
     """Every generated file and its content."""
-    base = [
-        _clean(o)
-        for o in _render({})
-        if not (o["kind"] == "Secret" and o["metadata"]["name"].endswith("-minio"))
-    ]
+    base = [_clean(o) for o in _render({}) if o["kind"] != "Secret"]
     monitoring = [_clean(o) for o in _render(MONITORING_VALUES) if o["kind"] in MONITORING_KINDS]
     crds = [yaml.safe_load(p.read_text()) for p in sorted((CHART / "crds").glob("*.yaml"))]
     return {

@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
+from pathlib import Path
 
 from overworld.core.service import env_default
 
@@ -27,15 +28,44 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--blobs", default=env_default("blobs", ""))
     p.add_argument("--ray-address", default=env_default("ray-address", ""))
     p.add_argument("--resume", default=env_default("resume", ""))
+    p.add_argument("--save-path", default=env_default("save-path", ""))
     p.add_argument("--workdir", default=env_default("workdir", "."))
     p.add_argument("--retain", type=int, default=env_default("retain", 20))
     p.add_argument("--lease-seconds", type=float, default=env_default("lease-seconds", 15.0))
     p.add_argument("--fresh-state", action="store_true", default=env_default("fresh-state", False),
                    help="rollout-manager: start a new fleet (counters from zero) instead of restoring the saved one")
+    _tls_flags(p)
+
+
+def _tls_flags(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tls-dir", default=env_default("tls-dir", ""),
+                   help="this process's identity: a directory with tls.crt, tls.key and ca.crt (mutual TLS)")
+    p.add_argument("--insecure", action="store_true", default=env_default("insecure", False),
+                   help="plaintext gRPC, no authorization: for debugging only")
+
+
+def use_tls_flags(args: argparse.Namespace, log: bool = True) -> None:
+    """--tls-dir / --insecure to this process's credentials (core/tls.py), through the environment so
+    that what it starts (the trainer's Ray workers) has the same identity."""
+    import logging
+    import os
+
+    from overworld.core import tls
+
+    if args.tls_dir and args.insecure:
+        raise SystemExit("--tls-dir and --insecure exclude each other")
+    if args.tls_dir:
+        os.environ[tls.TLS_DIR_ENV] = str(Path(args.tls_dir).resolve())
+    else:
+        os.environ.pop(tls.TLS_DIR_ENV, None)
+    tls.reset()
+    if not args.tls_dir and log and not args.insecure:
+        logging.getLogger("overworld").warning(
+            "no --tls-dir (OVERWORLD_TLS_DIR): plaintext gRPC, any client may call every method")
 
 
 def serve_main(args: argparse.Namespace) -> int:
-    from overworld.core.service import run_until_signalled
+    from overworld.core.service import EXIT_CONFIG, run_until_signalled
     from overworld.services import BUILDERS, DEFAULT_PORTS
 
     if args.service == "run-controller":
@@ -44,6 +74,7 @@ def serve_main(args: argparse.Namespace) -> int:
         return controller_main([])
     if not args.port:
         args.port = DEFAULT_PORTS[args.service]
+    use_tls_flags(args)
     done = threading.Event()
     handle: list = []
 
@@ -52,6 +83,8 @@ def serve_main(args: argparse.Namespace) -> int:
         return handle[0]
 
     code = run_until_signalled(args.service, start, args.metrics_port, done)
+    if handle and getattr(handle[0], "config_error", False):
+        return EXIT_CONFIG
     return 1 if handle and getattr(handle[0], "failed", False) else code
 
 
@@ -68,6 +101,8 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--workdir", default=None, help="default: runs/<run_id>")
     r.add_argument("--resume", default=None, metavar="latest|CHECKPOINT_ID",
                    help="continue the run in --workdir from a checkpoint")
+    r.add_argument("--insecure", action="store_true",
+                   help="no certificates: plaintext gRPC and no authorization between the services (debugging)")
     _serve_parser(sub)
     e = sub.add_parser("export-minestudio", help="write an Overworld checkpoint as one MineStudio's PPOTrainer resumes")
     e.add_argument("checkpoint", help="a local checkpoint directory: <save_path>/<run_id>/checkpoints/iter-N")
@@ -75,7 +110,14 @@ def main(argv: list[str] | None = None) -> int:
     s = sub.add_parser("status", help="print the fleet status of a running run")
     s.add_argument("--rollout-manager", default=env_default("rollout-manager", "127.0.0.1:50051"))
     s.add_argument("--workdir", default=None,
-                   help="the workdir of an `overworld run`: its services, their restarts, and its rollout-manager")
+                   help="the workdir of an `overworld run`: its services, their restarts, and its rollout-manager "
+                        "(as the run's operator, <workdir>/tls/operator, unless --tls-dir or --insecure)")
+    _tls_flags(s)
+    c = sub.add_parser("certs", help="make a CA and a certificate for every identity of a run (kustomize, "
+                                     "hand-started services)")
+    c.add_argument("out", help="directory: OUT/<identity>/{tls.crt,tls.key,ca.crt}")
+    c.add_argument("--run", required=True, help="the run (release) the certificates belong to")
+    c.add_argument("--days", type=int, default=365)
     args = parser.parse_args(argv)
 
     if args.command == "run":
@@ -84,7 +126,7 @@ def main(argv: list[str] | None = None) -> int:
 
         try:
             summary = run(args.config, args.set, args.max_env_steps, args.summary, args.workdir, args.target_return,
-                          args.resume)
+                          args.resume, secure=not args.insecure)
         except ConfigError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
@@ -103,7 +145,17 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "status":
         from overworld.status import print_status
 
+        if args.workdir and not args.tls_dir and not args.insecure:
+            operator = Path(args.workdir, "tls", "operator")
+            args.tls_dir = str(operator) if operator.is_dir() else ""
+        use_tls_flags(args, log=False)
         return print_status(args.rollout_manager, args.workdir)
+    if args.command == "certs":
+        from overworld.core.tls import write_run_credentials
+
+        for identity, path in write_run_credentials(Path(args.out), args.run, days=args.days).items():
+            print(f"{identity:<16} {path}")
+        return 0
     return 2
 
 

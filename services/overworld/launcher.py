@@ -5,7 +5,9 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import secrets
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -15,14 +17,17 @@ from typing import IO, Any
 
 import grpc
 
+from overworld.core import authz, tls
 from overworld.core.config import ConfigError, RunConfig, check_generators, load_config, to_yaml
 from overworld.core.grpc_util import Retry, channel, wait_healthy
-from overworld.core.net import free_port
-from overworld.core.service import PARENT_PID_ENV
+from overworld.core.net import free_port, reserve_port
+from overworld.core.service import EXIT_CONFIG, PARENT_PID_ENV
 from overworld.envs.crafter_score import score_summary
 from overworld.restarts import SERVICES_FILE, RestartPolicy, write_services
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.v1 import replay_buffer_pb2, replay_buffer_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+
+ROLLOUT_SIDE = ("rollout-manager", "model-registry", "replay-buffer", "gae")
 
 
 @dataclass
@@ -38,10 +43,11 @@ class Child:
 
 class Launcher:
     def __init__(self, config: RunConfig, workdir: Path, config_path: Path,
-                 policy: RestartPolicy | None = None) -> None:
+                 security: RunSecurity | None = None, policy: RestartPolicy | None = None) -> None:
         self.config = config
         self.workdir = workdir
         self.config_path = config_path
+        self.security = security
         self.children: list[Child] = []
         self.addresses: dict[str, str] = {}
         self.flags: dict[str, tuple[str, ...]] = {}
@@ -55,8 +61,9 @@ class Launcher:
         return self.policy.totals()
 
     def start(self, name: str, *flags: str, port: int | None = None, first_start: tuple[str, ...] = ()) -> Child:
-        """Start a service; a restart later gives it the same port and `flags` (not `first_start`)."""
-        port = port or free_port()
+        """Start a service (as its own identity under mutual TLS); a restart later gives it the same
+        port, identity and `flags` (not `first_start`)."""
+        port = port or (port_of(self.addresses[name]) if name in self.addresses else free_port())
         self.flags[name] = flags
         address = f"127.0.0.1:{port}"
         log_path = self.workdir / "logs" / f"{name}.log"
@@ -66,6 +73,9 @@ class Launcher:
         env = {**os.environ, **self.extra_env, "OVERWORLD_LOG_FORMAT": "text", "PYTHONUNBUFFERED": "1",
                PARENT_PID_ENV: str(os.getpid())}
         service = name.split("#")[0]
+        env.update(self.security.env(service) if self.security else {"OVERWORLD_INSECURE": "1"})
+        if not self.security:
+            env.pop(tls.TLS_DIR_ENV, None)
         cmd = [sys.executable, "-m", "overworld.cli", "serve", service, "--host", "127.0.0.1", "--port", str(port),
                "--metrics-port", "0", "--workdir", str(self.workdir), *flags, *first_start]
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
@@ -96,6 +106,9 @@ class Launcher:
         now = time.monotonic()
         for c in self.dead():
             if c.restart_at is None:
+                if c.proc.returncode == EXIT_CONFIG:  # a restart would only fail the same way
+                    raise RuntimeError(f"{c.name} refused its configuration (exit code {EXIT_CONFIG}); last lines "
+                                       f"of {c.log_path}:\n" + tail(c.log_path))
                 delay = self.policy.on_exit(c.name, c.proc.returncode, now - c.started)
                 if delay is None:
                     raise RuntimeError(f"{c.name} exited with code {c.proc.returncode}, {self.policy.max_restarts + 1} "
@@ -114,32 +127,57 @@ class Launcher:
         child.log_file.close()
         self.children.remove(child)
         self.policy.restarted(child.name)
-        port = int(child.address.rsplit(":", 1)[1])
+        port = port_of(child.address)
         flags = self.flags[child.name]
         if child.name == "trainer" and "--resume" not in flags:
             flags = (*flags, "--resume", "auto")  # continue this run, not start it over
         return self.start(child.name, *flags, port=port)
 
     def start_all(self, resume: str | None = None) -> None:
+        """Every service at once, on ports held from the start: each waits for the ones it needs by
+        itself (the trainer, started first, starts Ray meanwhile), so nobody idles while another
+        imports. Then wait until all of them answer their health checks."""
         print("starting services:", flush=True)
-        self.start_rollout_side(workers=False)
-        self.start_trainer(resume)
-        self.start_workers()
+        held = self.hold_ports(("trainer", *ROLLOUT_SIDE))
+        try:
+            self.start_trainer(resume)
+            self.start_rollout_side(wait=False)
+            for name in (*ROLLOUT_SIDE, "trainer"):
+                self.wait(name, 120)
+        finally:
+            for sock in held:
+                sock.close()
 
-    def start_rollout_side(self, workers: bool = True) -> None:
-        """Everything but the trainer (what overworld.online.start_rolloutmanager keeps running)."""
-        a = self.addresses
-        db = self.config.rollout_config.replay_buffer_config.database_config
-        # With the run's blobs in S3 the registry keeps its versions there too, beside the fragments.
-        registry_blobs = f"{db.blobs.rstrip('/')}/{self.config.run_id}/registry" if db.blobs.startswith("s3://") else ""
-        self.start("model-registry", *(["--blobs", registry_blobs] if registry_blobs else []))
-        self.start("gae")
-        # A new `overworld run` (or --resume) starts a new fleet; a restarted manager restores it.
-        self.start("rollout-manager", "--config", str(self.config_path), first_start=("--fresh-state",))
-        for name in ("model-registry", "gae", "rollout-manager"):
-            self.wait(name, 60)
-        self.start("replay-buffer", "--rollout-manager", a["rollout-manager"])
-        self.wait("replay-buffer", 60)
+    def hold_ports(self, names: tuple[str, ...]) -> list[socket.socket]:
+        """A loopback port for each of these services not started yet, its address known before it starts
+        and held until the caller closes the sockets (Ray, starting meanwhile, binds ports too)."""
+        held = []
+        for name in names:
+            if name not in self.addresses:
+                held.append(reserve_port())
+                self.addresses[name] = f"127.0.0.1:{held[-1].getsockname()[1]}"
+        return held
+
+    def start_rollout_side(self, workers: bool = True, wait: bool = True) -> None:
+        """Everything but the trainer (what overworld.online.start_rolloutmanager keeps running), at once."""
+        held = self.hold_ports(ROLLOUT_SIDE)
+        try:
+            a = self.addresses
+            db = self.config.rollout_config.replay_buffer_config.database_config
+            # With the run's blobs in S3 the registry keeps its versions there too, beside the fragments.
+            registry_blobs = (f"{db.blobs.rstrip('/')}/{self.config.run_id}/registry"
+                              if db.blobs.startswith("s3://") else "")
+            # A new `overworld run` (or --resume) starts a new fleet; a restarted manager restores it.
+            self.start("rollout-manager", "--config", str(self.config_path), first_start=("--fresh-state",))
+            self.start("model-registry", *(["--blobs", registry_blobs] if registry_blobs else []))
+            self.start("replay-buffer", "--rollout-manager", a["rollout-manager"])
+            self.start("gae")
+            if wait:
+                for name in ROLLOUT_SIDE:
+                    self.wait(name, 120)
+        finally:
+            for sock in held:
+                sock.close()
         if workers:
             self.start_workers()
 
@@ -210,6 +248,43 @@ class Launcher:
             self.write_services(running=False)
 
 
+def port_of(address: str) -> int:
+    return int(address.rsplit(":", 1)[1])
+
+
+@dataclass
+class RunSecurity:
+    """A run's throwaway CA and certificates (<workdir>/tls/<identity>/) and its Ray token: made at
+    every start (a resumed run's old services are gone), the CA's key never written."""
+    identities: dict[str, Path]
+    ray_token: Path
+
+    @classmethod
+    def load(cls, workdir: Path) -> RunSecurity | None:
+        """The credentials a launcher made earlier in `workdir` (the rollout side's, for the trainer that
+        start_trainer adds to it); None when that launcher ran --insecure."""
+        root = workdir / "tls"
+        if not (root / "operator" / tls.CERT).exists():
+            return None
+        return cls({i: root / i for i in authz.IDENTITIES}, root / "ray-auth-token")
+
+    @classmethod
+    def create(cls, workdir: Path, run_id: str) -> RunSecurity:
+        root = workdir / "tls"
+        identities = tls.write_run_credentials(root, run_id)
+        token = root / "ray-auth-token"
+        fd = os.open(token, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+        with os.fdopen(fd, "w") as f:
+            f.write(secrets.token_hex(32))
+        return cls(identities, token)
+
+    def env(self, service: str) -> dict[str, str]:
+        out = {tls.TLS_DIR_ENV: str(self.identities[service])}
+        if service == "trainer":  # the trainer's local Ray: token authentication with this run's token
+            out.update(RAY_AUTH_MODE="token", RAY_AUTH_TOKEN_PATH=str(self.ray_token))
+        return out
+
+
 def _stat(pid: int) -> list[str] | None:
     try:
         return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
@@ -249,7 +324,7 @@ def tail(path: Path, lines: int = 20) -> str:
 
 def run(config_source: str, overrides: list[str], max_env_steps: int | None, summary_path: str | None,
         workdir: str | None, target_return: float | None, resume: str | None = None,
-        progress_interval: float = 2.0) -> dict[str, Any]:
+        progress_interval: float = 2.0, secure: bool = True) -> dict[str, Any]:
     config = load_config(config_source, overrides)
     check_generators(config)
     previous = Path(workdir, "config.yaml") if workdir else None
@@ -264,7 +339,13 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
     resolved = work / "config.yaml"
     resolved.write_text(to_yaml(config))
     print(f"overworld run {config.run_id}: workdir {work}", flush=True)
-    launcher = Launcher(config, work, resolved)
+    security = RunSecurity.create(work, config.run_id) if secure else None
+    # This process talks to the services as the operator (`overworld status` can, with --tls-dir).
+    tls.use(security.identities["operator"] if security else None)
+    print(f"  mutual TLS: certificates in {work / 'tls'}; `overworld status --tls-dir "
+          f"{work / 'tls' / 'operator'}`" if security else "  --insecure: plaintext gRPC, no authorization",
+          flush=True)
+    launcher = Launcher(config, work, resolved, security)
 
     def on_signal(signum: int, _frame: object) -> None:
         raise KeyboardInterrupt  # one graceful path for Ctrl-C, SIGTERM and SIGHUP: no orphans
@@ -295,10 +376,14 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
         last_print = 0.0
         while True:
             time.sleep(0.5)
-            if any(c.name == "trainer" and c.restart_at is None for c in launcher.dead()):
+            exited = next((c for c in launcher.dead() if c.name == "trainer" and c.restart_at is None), None)
+            if exited is not None:
                 if trainer_status is not None and trainer_status.state == "finished":
                     summary["status"] = "completed"
                     break
+                if last_trainer_error and exited.proc.returncode == EXIT_CONFIG:  # not restarted: say why
+                    raise RuntimeError(f"trainer exited with code {EXIT_CONFIG}: {last_trainer_error}; last lines "
+                                       f"of {exited.log_path}:\n" + tail(exited.log_path))
                 if last_trainer_error:
                     print(f"\ntrainer failed: {last_trainer_error.splitlines()[-1][:300]}", flush=True)
                     last_trainer_error = ""
@@ -333,6 +418,7 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
             if reached:
                 summary["status"] = "target_reached"
                 summary["steps_to_target"] = offset(trainer_status) + fleet.env_steps
+                summary["target_reached_unix"] = time.time()
                 break
             if max_env_steps is not None and offset(trainer_status) + fleet.env_steps >= max_env_steps:
                 summary["status"] = "max_env_steps"
@@ -347,6 +433,7 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
     finally:
         print("\nstopping services...", flush=True)
         launcher.stop()
+        tls.reset()
     wall = time.monotonic() - started
     if fleet is not None:
         summary.update(env_steps=offset(trainer_status) + fleet.env_steps, episodes=fleet.episodes,
@@ -388,7 +475,8 @@ def record_progress(path: Path, elapsed: float, env_steps: int, fleet: Any, trai
              **{f"{t.task}/{k}": v for t in fleet.tasks for k, v in t.mean_extras_last_100.items()
                 if k in ("cows_eaten", "achievement_eat_cow")},
              **{f"{t.task}/crafter_score": c["score"] for t in fleet.tasks
-                if (c := score_summary(t.total_extras, t.episodes))}}
+                if (c := score_summary(t.total_extras, t.episodes))},
+             **{k: round(v, 4) for k, v in trainer.metrics.items() if k.endswith("_seconds")}}  # the last iteration's
     with path.open("a") as f:
         f.write(json.dumps(entry) + "\n")
 

@@ -4,6 +4,7 @@
 from __future__ import annotations
 
 import argparse
+import os
 import threading
 from pathlib import Path
 from typing import Any
@@ -66,7 +67,9 @@ def replay_buffer(args: argparse.Namespace, done: threading.Event) -> Any:
     else:
         from overworld.replay_buffer.redis_index import RedisIndex
 
-        index = RedisIndex.from_url(index_url, config.run_id, rb, limiter)
+        # The password from a Secret, apart from the URL: the URL may then sit in a ConfigMap or a log.
+        index = RedisIndex.from_url(index_url, config.run_id, rb, limiter,
+                                    password=os.environ.get("OVERWORLD_REDIS_PASSWORD") or None)
     cached: list[Any] = []
 
     def spaces() -> Any:
@@ -109,7 +112,7 @@ def trainer(args: argparse.Namespace, done: threading.Event) -> Any:
 
     return TrainerDriver(args.rollout_manager, args.replay_buffer, args.gae, args.model_registry, args.host,
                          args.port, args.ray_address, str(Path(args.workdir).resolve()), args.resume, done,
-                         config_path=args.config)
+                         config_path=args.config, save_path=args.save_path)
 
 
 def rollout_worker(args: argparse.Namespace, done: threading.Event) -> Any:

@@ -8,6 +8,7 @@ from typing import Any
 
 import grpc
 
+from overworld.core import tls
 from overworld.restarts import read_services
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.v1 import rollout_manager_pb2 as pb
@@ -65,7 +66,10 @@ def print_status(address: str, workdir: str | None = None) -> int:
         fleet = client.fleet_status()
         videos = client.list_videos() if fleet.videos else []
     except grpc.RpcError as err:
-        print(f"error: rollout-manager at {address} unreachable: {err.code().name}", file=sys.stderr)
+        hint = ""
+        if err.code() == grpc.StatusCode.UNAVAILABLE and tls.current_dir() is None:
+            hint = " (a run with mutual TLS needs --tls-dir: <workdir>/tls/operator, or the operator's Secret)"
+        print(f"error: rollout-manager at {address} unreachable: {err.code().name}{hint}", file=sys.stderr)
         return 1
     finally:
         client.close()

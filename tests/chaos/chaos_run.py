@@ -1,8 +1,9 @@
 """Drive an `overworld run` and kill its services one after another with SIGKILL: the chaos test
 (tests/chaos/test_chaos.py) and the recovery benchmark (bench/bench_recovery.py) share this.
 
-`ChaosRun` starts the run as a subprocess and watches it from outside, as an operator would: where
-each service is (the launcher's services.json), the fleet's env steps (rollout-manager) and the latest
+`ChaosRun` starts the run as a subprocess and watches it from outside, as an operator would (with the
+run's `operator` certificate, <workdir>/tls/operator: `overworld run` speaks mutual TLS): where each
+service is (the launcher's services.json), the fleet's env steps (rollout-manager) and the latest
 model version (model-registry), sampled every WATCH_SECONDS into `observations`. `kill_and_recover`
 kills one service and measures, from the kill, the first successful call to the service started in
 its place (`first_call_seconds`) and the moment the run made progress again: a newer model version
@@ -27,16 +28,18 @@ from typing import Any
 import grpc
 import numpy as np
 
-from overworld.core.grpc_util import channel
-from overworld.gae.client import GaeClient
-from overworld.model_registry.client import ModelRegistryClient
+from overworld.core import tensors, tls
+from overworld.core.grpc_util import CHANNEL_OPTIONS
 from overworld.restarts import read_services
-from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.v1 import (
+    gae_pb2,
+    gae_pb2_grpc,
     model_registry_pb2,
+    model_registry_pb2_grpc,
     replay_buffer_pb2,
     replay_buffer_pb2_grpc,
     rollout_manager_pb2,
+    rollout_manager_pb2_grpc,
     rollout_worker_pb2,
     rollout_worker_pb2_grpc,
     trainer_pb2,
@@ -52,27 +55,31 @@ PROBE_TIMEOUT = 1.0
 PROBE_BATCH = {"reward": np.ones((1, 4), np.float32), "value": np.zeros((1, 4), np.float32),
                "bootstrap_value": np.zeros((1, 4), np.float32), "terminated": np.zeros((1, 4), bool),
                "truncated": np.zeros((1, 4), bool), "next_value": np.zeros(1, np.float32)}
-# Services with a client: (client class, one call through it).
-CLIENT_PROBES: dict[str, tuple[Any, Callable[[Any], object]]] = {
-    "gae": (GaeClient, lambda c: c.estimate(PROBE_BATCH, 0.9, 0.9, timeout=PROBE_TIMEOUT)),
-    "model-registry": (ModelRegistryClient, lambda c: c.list_versions(timeout=PROBE_TIMEOUT)),
-    "rollout-manager": (RolloutManagerClient, lambda c: c.fleet_status(timeout=PROBE_TIMEOUT)),
-}
 
 
-def probe(service: str, address: str) -> None:
-    """One call to the service at `address` (grpc.RpcError if it does not answer)."""
+def identity_channel(address: str, tls_root: Path, identity: str = "operator") -> grpc.Channel:
+    """A channel as one of the run's identities (its certificates under `tls_root`); plaintext when the
+    run has none (--insecure)."""
+    if not (tls_root / identity / tls.CERT).exists():
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return tls.ReloadingChannel(address, tls.CredentialFiles(tls_root / identity), CHANNEL_OPTIONS)
+
+
+def probe(service: str, address: str, tls_root: Path) -> None:
+    """One call of the service's own API at `address` (grpc.RpcError if it does not answer): a status
+    read as the operator, Estimate as the trainer (the only identity that may call it)."""
     name = service.split("#")[0]
-    if name in CLIENT_PROBES:
-        make, call = CLIENT_PROBES[name]
-        client = make(address)
-        try:
-            call(client)
-        finally:
-            client.close()
-        return
-    with channel(address) as ch:
-        if name == "replay-buffer":
+    with identity_channel(address, tls_root, "trainer" if name == "gae" else "operator") as ch:
+        if name == "gae":
+            gae_pb2_grpc.GaeStub(ch).Estimate(gae_pb2.EstimateRequest(
+                discount=0.9, gae_lambda=0.9, tensors=tensors.encode(PROBE_BATCH)), timeout=PROBE_TIMEOUT)
+        elif name == "model-registry":
+            model_registry_pb2_grpc.ModelRegistryStub(ch).ListVersions(model_registry_pb2.ListVersionsRequest(),
+                                                                       timeout=PROBE_TIMEOUT)
+        elif name == "rollout-manager":
+            rollout_manager_pb2_grpc.RolloutManagerStub(ch).GetFleetStatus(
+                rollout_manager_pb2.GetFleetStatusRequest(), timeout=PROBE_TIMEOUT)
+        elif name == "replay-buffer":
             replay_buffer_pb2_grpc.ReplayBufferStub(ch).GetStats(replay_buffer_pb2.GetStatsRequest(),
                                                                  timeout=PROBE_TIMEOUT)
         elif name == "trainer":
@@ -106,6 +113,7 @@ class Observation:
 class ChaosRun:
     def __init__(self, config: str | Path, workdir: Path, args: list[str], env: dict[str, str] | None = None) -> None:
         self.workdir = workdir
+        self.tls_root = workdir / "tls"  # the run's certificates, made before its services start
         workdir.mkdir(parents=True, exist_ok=True)
         self.summary_path = workdir / "summary.json"
         cmd = [sys.executable, "-m", "overworld.cli", "run", str(config), "--workdir", str(workdir),
@@ -119,7 +127,9 @@ class ChaosRun:
         self._stop = threading.Event()
         self._latest = Observation(0.0, None, None, None)
         self._observe_lock = threading.Lock()
-        self._clients: tuple[RolloutManagerClient, ModelRegistryClient] | tuple[()] = ()
+        self._channels: list[grpc.Channel] = []
+        self._stubs: tuple[rollout_manager_pb2_grpc.RolloutManagerStub, model_registry_pb2_grpc.ModelRegistryStub] \
+            | tuple[()] = ()
         self._watcher = threading.Thread(target=self._watch, name="chaos-watch", daemon=True)
         self._watcher.start()
 
@@ -136,20 +146,22 @@ class ChaosRun:
         `observations` is in the order things were seen."""
         with self._observe_lock:
             found = self.services()
-            if not self._clients and "rollout-manager" in found and "model-registry" in found:
-                self._clients = (RolloutManagerClient(found["rollout-manager"]["address"]),
-                                 ModelRegistryClient(found["model-registry"]["address"]))
+            if not self._stubs and "rollout-manager" in found and "model-registry" in found:
+                self._channels = [identity_channel(found[name]["address"], self.tls_root)
+                                  for name in ("rollout-manager", "model-registry")]
+                self._stubs = (rollout_manager_pb2_grpc.RolloutManagerStub(self._channels[0]),
+                               model_registry_pb2_grpc.ModelRegistryStub(self._channels[1]))
             steps = episodes = version = None
-            if self._clients:
-                manager, registry = self._clients
+            if self._stubs:
+                manager, registry = self._stubs
                 with contextlib.suppress(grpc.RpcError):
-                    fleet = manager.stub.GetFleetStatus(rollout_manager_pb2.GetFleetStatusRequest(), timeout=1)
+                    fleet = manager.GetFleetStatus(rollout_manager_pb2.GetFleetStatusRequest(), timeout=1)
                     steps, episodes = fleet.env_steps, fleet.episodes
                 with contextlib.suppress(grpc.RpcError):
-                    version = max((v.version for v in registry.stub.ListVersions(
+                    version = max((v.version for v in registry.ListVersions(
                         model_registry_pb2.ListVersionsRequest(), timeout=1).versions), default=0)
             seen = Observation(round(time.monotonic() - self.started, 2), steps, episodes, version)
-            if self._clients:
+            if self._stubs:
                 self.observations.append(seen)
             last = self._latest
             self._latest = Observation(seen.seconds, last.env_steps if steps is None else steps,
@@ -200,7 +212,7 @@ class ChaosRun:
         first_call: float | None = None
         while first_call is None:
             try:
-                probe(service, after["address"])
+                probe(service, after["address"], self.tls_root)
                 first_call = time.monotonic() - killed
             except grpc.RpcError:
                 self.wait_for(lambda: time.monotonic() - killed < timeout, timeout, f"an answer from {service}")
@@ -227,8 +239,8 @@ class ChaosRun:
     def close(self) -> None:
         self._stop.set()
         self._watcher.join(5)
-        for client in self._clients:
-            client.close()
+        for ch in self._channels:
+            ch.close()
         if self.proc.poll() is None:
             self.proc.send_signal(signal.SIGTERM)  # the launcher stops every service, then itself
             try:

@@ -16,6 +16,8 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from tests.support import server_binary
+
 REPO = Path(__file__).resolve().parents[2]
 CHART = REPO / "deploy" / "helm" / "overworld"
 CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
@@ -31,6 +33,8 @@ CUSTOM_KINDS = {
     ("monitoring.coreos.com/v1", "PodMonitor"),
     ("monitoring.coreos.com/v1", "PrometheusRule"),
     ("overworld.dev/v1alpha1", "TrainingRun"),
+    ("cert-manager.io/v1", "Certificate"),
+    ("cert-manager.io/v1", "Issuer"),
 }
 SERVICES = ("rollout-manager", "replay-buffer", "gae", "model-registry", "rollout-worker")
 
@@ -49,7 +53,7 @@ def kubectl() -> str:
 
 
 def promtool() -> str:
-    return tool("promtool", "apt-get install -y prometheus (see .ci/apt-packages.txt)")
+    return server_binary("promtool")
 
 
 def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:

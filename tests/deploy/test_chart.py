@@ -214,8 +214,12 @@ def test_service_wiring(values_file: Any) -> None:
         env = env_of(container)
         port = int(env["OVERWORLD_PORT"])
         assert {"name": "grpc", "containerPort": port, "protocol": "TCP"} in container["ports"]
+        # Probes: kubelet's gRPC probe, plaintext without a client certificate, on the health-only port
+        # (OVERWORLD_HEALTH_PORT); the gRPC port itself is mutual TLS.
+        health = int(env["OVERWORLD_HEALTH_PORT"])
+        assert health != port and {"name": "health", "containerPort": health, "protocol": "TCP"} in container["ports"]
         for probe in ("livenessProbe", "readinessProbe", "startupProbe"):
-            assert container[probe]["grpc"] == {"port": port}, f"{name} {probe}"
+            assert container[probe]["grpc"] == {"port": health}, f"{name} {probe}"
         if component != "rollout-worker":
             check_address(f"{name}:{port}")
         envs.append(env)

@@ -2,11 +2,13 @@
 and environment exactly as rendered, and start the real services with them on this machine.
 
 The only translation is what a cluster would do for us: Service DNS names (and their ports)
-map to loopback ports, Secrets and the run-config ConfigMap are resolved from the rendered
-objects, the bundled Redis and MinIO are a real redis-server and an S3-protocol server on
-loopback (the bucket is made as the hook Job makes it), and the trainer's RayJob cluster
-(`--ray-address auto`) is a local Ray (`--ray-address ""`). Then the services must pass their
-gRPC health checks and training must advance: the model registry publishes a version > 0.
+map to loopback ports, Secrets (the Helm-generated certificates and passwords) and the run-config
+ConfigMap are resolved from the rendered objects, the bundled Redis and MinIO are a real
+redis-server (with the rendered password) and an S3-protocol server on loopback (the bucket is made
+as the hook Job makes it), and the trainer's RayJob cluster (`--ray-address auto`) is a local Ray
+(`--ray-address ""`). Then the services must pass their probes (plaintext, on the health port, as
+kubelet sends them) and training must advance over mutual TLS: the model registry, asked with the
+rendered operator certificate, publishes a version > 0.
 """
 
 from __future__ import annotations
@@ -26,8 +28,11 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
+from overworld.core import tls
+from overworld.core.grpc_util import channel
 from overworld.run_controller.rayjob import build_rayjob
 from overworld.v1 import model_registry_pb2, model_registry_pb2_grpc
+from tests.conftest import RedisServer
 from tests.deploy.deploy_support import CHART, REPO, SERVICES, by_kind, containers, render, values_from_files
 from tests.support import free_port, stop_process
 
@@ -69,16 +74,22 @@ class Cluster:
         return re.sub(r"\b([a-z0-9-]+):(\d+)\b", swap, text)
 
     def mounts(self, deployment: dict[str, Any], container: dict[str, Any]) -> dict[str, Path]:
-        """ConfigMap volumes written to files; emptyDirs as fresh directories."""
-        volumes = {v["name"]: v for v in deployment["spec"]["template"]["spec"].get("volumes", [])}
+        """ConfigMap and Secret volumes written to files; emptyDirs as fresh directories."""
+        return self.volume_dirs(deployment["metadata"]["name"], deployment["spec"]["template"]["spec"], container)
+
+    def volume_dirs(self, owner: str, pod_spec: dict[str, Any], container: dict[str, Any]) -> dict[str, Path]:
+        volumes = {v["name"]: v for v in pod_spec.get("volumes", [])}
         mapped: dict[str, Path] = {}
         for mount in container.get("volumeMounts", []):
             volume = volumes[mount["name"]]
-            target = self.tmp / deployment["metadata"]["name"] / mount["name"]
+            target = self.tmp / owner / mount["name"]
             target.mkdir(parents=True, exist_ok=True)
             if "configMap" in volume:
                 config_map = by_kind(self.objects, "ConfigMap")[volume["configMap"]["name"]]
                 for key, text in config_map["data"].items():
+                    (target / key).write_text(text)
+            if "secret" in volume:
+                for key, text in self.secrets[volume["secret"]["secretName"]].items():
                     (target / key).write_text(text)
             mapped[mount["mountPath"]] = target
         return mapped
@@ -100,6 +111,8 @@ class Cluster:
         # The pod's own ports: its Service port, and a metrics port of its own (pods do not share).
         result["OVERWORLD_HOST"] = "127.0.0.1"
         result["OVERWORLD_PORT"] = str(own_port)
+        if "OVERWORLD_HEALTH_PORT" in result:
+            result["OVERWORLD_HEALTH_PORT"] = str(free_port())
         if result.get("OVERWORLD_METRICS_PORT", "0") != "0":
             result["OVERWORLD_METRICS_PORT"] = str(free_port())
         return result
@@ -131,22 +144,29 @@ def healthy(address: str, timeout: float = 90.0) -> None:
 
 
 def latest_version(address: str) -> int:
-    with grpc.insecure_channel(address) as channel:
-        stub = model_registry_pb2_grpc.ModelRegistryStub(channel)
+    with channel(address) as ch:  # as the operator (tls.use)
+        stub = model_registry_pb2_grpc.ModelRegistryStub(ch)
         response = stub.ListVersions(model_registry_pb2.ListVersionsRequest(), timeout=5)
     return max((v.version for v in response.versions), default=0)
 
 
 @pytest.mark.slow
-def test_rendered_services_find_each_other_and_train(
-    tmp_path: Path, redis_server: Any, s3_server: dict[str, str]
-) -> None:
+def test_rendered_services_find_each_other_and_train(tmp_path: Path, s3_server: dict[str, str]) -> None:
     from minio import Minio
 
     objects = render(chart_values(), release=RELEASE, namespace="rl")
+    secrets = by_kind(objects, "Secret")
+    password = base64.b64decode(secrets[f"{RELEASE}-redis"]["data"]["redis-password"]).decode()
+    redis_server = RedisServer(tmp_path / "redis", password=password)  # the bundled Redis, locked as rendered
+    redis_server.start()
     cluster = Cluster(
         objects, tmp_path, redis_server.port, int(s3_server["OVERWORLD_S3_ENDPOINT"].rsplit(":", 1)[1])
     )
+    operator = tmp_path / "operator-tls"  # what `kubectl get secret overworld-tls-operator` gives a person
+    operator.mkdir()
+    for key, text in cluster.secrets[f"{RELEASE}-tls-operator"].items():
+        (operator / key).write_text(text)
+    tls.use(operator)
     deployments = by_kind(objects, "Deployment")
 
     # The bucket, as the post-install hook Job makes it (same endpoint, keys and bucket name).
@@ -176,6 +196,7 @@ def test_rendered_services_find_each_other_and_train(
 
     try:
         addresses: dict[str, str] = {}
+        probes: dict[str, str] = {}
         order = ["rollout-manager", "model-registry", "gae", "replay-buffer", "rollout-worker"]
         assert set(order) == set(SERVICES)
         for component in order:
@@ -187,7 +208,10 @@ def test_rendered_services_find_each_other_and_train(
             env = cluster.environment(container["env"], cluster.mounts(deployment, container), own)
             start(component, [shutil_which(container["command"][0]), *container["args"]], env)
             addresses[component] = f"127.0.0.1:{own}"
-            healthy(addresses[component])
+            probe_port = container["readinessProbe"]["grpc"]["port"]
+            assert probe_port == int(next(e["value"] for e in container["env"] if e["name"] == "OVERWORLD_HEALTH_PORT"))
+            probes[component] = f"127.0.0.1:{env['OVERWORLD_HEALTH_PORT']}"
+            healthy(probes[component])
 
         # The trainer: the RayJob the run-controller makes from the rendered TrainingRun.
         (training_run,) = by_kind(objects, "TrainingRun").values()
@@ -197,7 +221,10 @@ def test_rendered_services_find_each_other_and_train(
         assert argv[:5] == ["overworld", "serve", "trainer", "--ray-address", "auto"]
         argv[4] = ""  # the RayJob's cluster, played by a local Ray
         trainer_port = next(p["containerPort"] for p in head["ports"] if p["name"] == "trainer")
-        trainer_env = cluster.environment(head["env"], {"/tmp": tmp_path / "trainer-tmp"}, free_port())
+        head_mounts = cluster.volume_dirs("trainer", rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"],
+                                          head)
+        head_mounts["/tmp"] = tmp_path / "trainer-tmp"
+        trainer_env = cluster.environment(head["env"], head_mounts, free_port())
         assert trainer_env["OVERWORLD_ROLLOUT_MANAGER"] == addresses["rollout-manager"]
         assert trainer_port == int(next(e["value"] for e in head["env"] if e["name"] == "OVERWORLD_PORT"))
         (tmp_path / "trainer-tmp").mkdir()
@@ -214,10 +241,15 @@ def test_rendered_services_find_each_other_and_train(
             time.sleep(2)
         assert version > 0, f"no model version published within {TRAINING_TIMEOUT}s\n{logs()}"
         for component in order:
-            healthy(addresses[component], timeout=10)
+            healthy(probes[component], timeout=10)
+        # The gRPC port itself takes mutual TLS only.
+        with grpc.insecure_channel(addresses["model-registry"]) as plaintext, pytest.raises(grpc.RpcError):
+            health_pb2_grpc.HealthStub(plaintext).Check(health_pb2.HealthCheckRequest(), timeout=3)
     finally:
+        tls.reset()
         for _, proc, _ in reversed(processes):
             stop_process(proc)
+        redis_server.stop()
 
 
 def shutil_which(command: str) -> str:

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import importlib.util
 import json
+import shutil
 import subprocess
 from pathlib import Path
 from typing import Any
@@ -34,19 +35,35 @@ def build(path: Path) -> list[dict[str, Any]]:
     return [doc for doc in yaml.safe_load_all(result.stdout) if doc]
 
 
-@pytest.fixture(scope="module")
-def built() -> dict[str, list[dict[str, Any]]]:
-    return {name: build(KUSTOMIZE / "overlays" / name) for name in OVERLAYS} | {
-        "base": build(KUSTOMIZE / "base")
-    }
-
-
-def test_base_is_the_charts_render() -> None:
-    spec = importlib.util.spec_from_file_location("render_base", KUSTOMIZE / "render_base.py")
+def load_script(name: str) -> Any:
+    spec = importlib.util.spec_from_file_location(name, KUSTOMIZE / f"{name}.py")
     assert spec and spec.loader
     module = importlib.util.module_from_spec(spec)
     spec.loader.exec_module(module)
-    for path, content in module.generated_files().items():
+    return module
+
+
+@pytest.fixture(scope="module")
+def built(tmp_path_factory: pytest.TempPathFactory) -> dict[str, list[dict[str, Any]]]:
+    """The tree as a user builds it: a copy, with the Secrets' files made by make_secrets.py."""
+    tree = tmp_path_factory.mktemp("kustomize") / "kustomize"
+    shutil.copytree(KUSTOMIZE, tree, ignore=shutil.ignore_patterns("secrets"))
+    load_script("make_secrets").make(tree / "base" / "secrets")
+    return {name: build(tree / "overlays" / name) for name in OVERLAYS} | {"base": build(tree / "base")}
+
+
+def test_no_secret_is_committed_and_the_build_needs_them(tmp_path: Path) -> None:
+    tree = tmp_path / "kustomize"
+    shutil.copytree(KUSTOMIZE, tree, ignore=shutil.ignore_patterns("secrets"))
+    result = subprocess.run([kubectl(), "kustomize", str(tree / "base")], capture_output=True, text=True, timeout=120)
+    assert result.returncode != 0 and "secrets/minio.env" in result.stderr, result.stderr
+    tracked = subprocess.run(["git", "ls-files", str(KUSTOMIZE)], capture_output=True, text=True, check=True,
+                             cwd=KUSTOMIZE).stdout
+    assert "secrets/" not in tracked and ".env" not in tracked, tracked
+
+
+def test_base_is_the_charts_render() -> None:
+    for path, content in load_script("render_base").generated_files().items():
         assert path.read_text() == content, f"{path} is stale: run python deploy/kustomize/render_base.py"
 
 
@@ -133,7 +150,8 @@ def test_gpu(built: dict[str, list[dict[str, Any]]]) -> None:
 def test_external_storage(built: dict[str, list[dict[str, Any]]]) -> None:
     objects = built["external-storage"]
     kinds = {o["kind"] for o in objects}
-    assert not kinds & {"StatefulSet", "Job", "Secret"}
+    assert not kinds & {"StatefulSet", "Job"}
+    assert all(name.startswith("overworld-tls-") for name in by_kind(objects, "Secret"))  # only certificates
     assert "overworld-minio" not in json.dumps(objects) and "overworld-redis:" not in json.dumps(objects)
     for name in ("overworld-replay-buffer", "overworld-model-registry"):
         env = {e["name"]: e for e in containers(by_kind(objects, "Deployment")[name])[0]["env"]}
@@ -149,5 +167,9 @@ def test_external_storage(built: dict[str, list[dict[str, Any]]]) -> None:
     assert [e["name"] for e in training_run["spec"]["env"]] == base_env
     assert set(by_kind(objects, "NetworkPolicy")) == {
         f"overworld-{c}"
-        for c in ("rollout-manager", "replay-buffer", "gae", "model-registry", "rollout-worker")
+        for c in ("rollout-manager", "replay-buffer", "gae", "model-registry", "rollout-worker", "ray",
+                  "ray-dashboard")
     }
+    for name in ("overworld-replay-buffer", "overworld-model-registry"):
+        env = {e["name"] for e in containers(by_kind(objects, "Deployment")[name])[0]["env"]}
+        assert "OVERWORLD_REDIS_PASSWORD" not in env  # the external URL carries it

@@ -47,6 +47,10 @@ def test_cartpole_learns_through_all_services(tmp_path: Path) -> None:
         assert f"  {name}" in result.stdout, f"{name} was not announced"
     assert result.returncode == 0
     assert overworld_processes(workdir) == []
+    trainer_log = (workdir / "logs" / "trainer.log").read_text()
+    assert "published the starting weights as version 1" in trainer_log  # by the driver, while Ray started
+    assert "not this learner's starting weights" not in trainer_log  # the learner adopted that version
+    assert "MineStudio metrics skipped" not in trainer_log  # the trainer may read the buffer's statistics
 
 
 @pytest.mark.slow

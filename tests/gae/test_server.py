@@ -52,3 +52,23 @@ def test_bad_input_is_invalid_argument_and_server_stays_up(server: Server, mutat
         stub.Estimate(gae_pb2.EstimateRequest(discount=1.5, gae_lambda=0.9, tensors=tensors.encode(batch())))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert GaeClient(server.address).estimate(batch(), 0.9, 0.9)[0].shape == (3, 8)
+
+
+def test_vtrace_over_a_socket_honours_lambda_and_clip_thresholds(server: Server) -> None:
+    from overworld.gae.advantage import vtrace
+
+    rng = np.random.default_rng(0)
+    b = batch()
+    b["reward"] = rng.normal(size=(3, 8)).astype(np.float32)
+    b["behaviour_logp"] = rng.normal(-1, 0.5, (3, 8)).astype(np.float32)
+    b["target_logp"] = rng.normal(-1, 0.5, (3, 8)).astype(np.float32)
+    adv, target = GaeClient(server.address).estimate(b, 0.9, 0.7, vtrace=True, rho_clip=2.0, c_clip=0.5)
+    local = {k: v for k, v in b.items() if k not in ("behaviour_logp", "target_logp")}
+    want_adv, want_target = vtrace(**local, behaviour_logp=b["behaviour_logp"], target_logp=b["target_logp"],
+                                   discount=0.9, gae_lambda=0.7, rho_clip=2.0, c_clip=0.5)
+    np.testing.assert_allclose(adv, want_adv, rtol=1e-6)
+    np.testing.assert_allclose(target, want_target, rtol=1e-6)
+    stub = gae_pb2_grpc.GaeStub(channel(server.address))
+    with pytest.raises(grpc.RpcError) as err:
+        stub.Estimate(gae_pb2.EstimateRequest(discount=0.9, gae_lambda=1.5, vtrace=True, tensors=tensors.encode(b)))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "gae_lambda" in err.value.details()

@@ -17,6 +17,7 @@ from pathlib import Path
 
 import pytest
 
+from overworld.core import tls
 from overworld.core.grpc_util import channel
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.v1 import trainer_pb2, trainer_pb2_grpc
@@ -49,6 +50,8 @@ def test_second_worker_joins_and_leaves_mid_run(tmp_path: Path) -> None:
         wait_for(lambda: all(address(n) for n in ("rollout-manager", "replay-buffer", "model-registry", "trainer",
                                                    "rollout-worker#0")) or run.poll() is not None, 120, "services")
         assert run.poll() is None, "".join(lines)[-3000:]
+        certificates = tmp_path / "run" / "tls"  # the run's mutual TLS: join it as its identities do
+        tls.use(certificates / "operator")
         manager = RolloutManagerClient(address("rollout-manager"))  # type: ignore[arg-type]
         trainer = trainer_pb2_grpc.TrainerStub(channel(address("trainer")))  # type: ignore[arg-type]
 
@@ -64,7 +67,8 @@ def test_second_worker_joins_and_leaves_mid_run(tmp_path: Path) -> None:
             [sys.executable, "-m", "overworld.cli", "serve", "rollout-worker", "--host", "127.0.0.1", "--port",
              str(port), "--metrics-port", "0", "--rollout-manager", address("rollout-manager"),
              "--replay-buffer", address("replay-buffer"), "--model-registry", address("model-registry")],
-            stdout=open(tmp_path / "second.log", "wb"), stderr=subprocess.STDOUT, env=env)  # noqa: SIM115
+            stdout=open(tmp_path / "second.log", "wb"), stderr=subprocess.STDOUT,  # noqa: SIM115
+            env={**env, tls.TLS_DIR_ENV: str(certificates / "rollout-worker")})
         wait_port(port, 60)
         addr = f"127.0.0.1:{port}"
 
@@ -74,7 +78,8 @@ def test_second_worker_joins_and_leaves_mid_run(tmp_path: Path) -> None:
         wait_for(lambda: len(manager.fleet_status().workers) == 2 and mine() is not None
                  and mine().fragments_sent >= 20, 120, "the second worker to join and have 20 fragments acknowledged")
         status = subprocess.run([sys.executable, "-m", "overworld.cli", "status", "--rollout-manager",
-                                 address("rollout-manager")], capture_output=True, text=True, env=env, timeout=30)
+                                 address("rollout-manager"), "--tls-dir", str(certificates / "operator")],
+                                capture_output=True, text=True, env=env, timeout=30)
         assert status.returncode == 0 and ": 2 workers" in status.stdout and addr in status.stdout, status.stdout
         before = updates()
         wait_for(lambda: updates() > before + 2, 120, "training to go on with two workers")
@@ -90,6 +95,7 @@ def test_second_worker_joins_and_leaves_mid_run(tmp_path: Path) -> None:
         run.wait(300)
         assert json.loads((tmp_path / "summary.json").read_text())["status"] == "interrupted"
     finally:
+        tls.reset()
         if second is not None and second.poll() is None:
             second.kill()
         if run.poll() is None:

@@ -142,6 +142,12 @@ class TrainConfig:
     log_interval: int = 1
     sample_timeout: float = 120.0
     vtrace: bool = False
+    vtrace_rho_clip: float = 1.0  # V-trace's rho-bar (clips the value-target importance weights)
+    vtrace_c_clip: float = 1.0  # V-trace's c-bar (trace cutting; the trace is lambda * min(c-bar, pi/mu))
+    data_timeout: float = 900.0  # seconds a trainer rank may receive no chunk at all before it fails
+    placement_timeout: float = 600.0  # seconds to wait for the Ray cluster to offer every trainer worker's GPU
+    # chains per forward pass when values and log-probs are recomputed; null: batch_size_per_gpu (MineStudio)
+    inference_batch_size_per_gpu: int | None = None
     eval_interval: int = 0  # iterations between evaluations on a separate env; 0 = never
     eval_episodes: int = 5
     eval_env_kwargs: dict[str, Any] = field(default_factory=dict)  # overrides env_kwargs for evaluation
@@ -332,6 +338,11 @@ def validate(config: RunConfig) -> None:
         "train_config.epochs_per_iteration": train.epochs_per_iteration,
         "train_config.context_length": train.context_length,
         "train_config.num_iterations": train.num_iterations,
+        "train_config.vtrace_rho_clip": train.vtrace_rho_clip,
+        "train_config.vtrace_c_clip": train.vtrace_c_clip,
+        "train_config.data_timeout": train.data_timeout,
+        "train_config.inference_batch_size_per_gpu": train.inference_batch_size_per_gpu or 1,
+        "train_config.placement_timeout": train.placement_timeout,
     }
     for key, value in positive.items():
         if value <= 0:

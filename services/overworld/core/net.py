@@ -12,6 +12,16 @@ def free_port() -> int:
         return s.getsockname()[1]
 
 
+def reserve_port() -> socket.socket:
+    """A loopback port held for a server that binds it later (with SO_REUSEPORT, as gRPC's servers do
+    on Linux): until the returned socket is closed, no bind to port 0 gets it. It never listens, so
+    every connection goes to the server."""
+    s = socket.socket()
+    s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEPORT, 1)
+    s.bind(("127.0.0.1", 0))
+    return s
+
+
 def wait_port(port: int, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:

@@ -76,6 +76,11 @@ def stop_with_parent() -> None:
         os.kill(os.getpid(), signal.SIGTERM)
 
 
+# Exit status of a service that cannot run as configured (sysexits' EX_CONFIG): starting it again
+# would fail the same way, so `overworld run` does not restart it.
+EXIT_CONFIG = 78
+
+
 def run_until_signalled(service: str, start: Callable[[], Stoppable], metrics_port: int,
                         done: threading.Event | None = None) -> int:
     """Start the service, serve /metrics, and block until SIGTERM/SIGINT (or `done` is set)."""
@@ -93,8 +98,7 @@ def run_until_signalled(service: str, start: Callable[[], Stoppable], metrics_po
         start_http_server(metrics_port)
     handle = start()
     log.info("%s started (pid %d)", service, os.getpid())
-    while not stop_requested.wait(0.5):
-        pass
+    stop_requested.wait()  # no timeout: a signal interrupts the wait, its handler sets the event
     started = time.monotonic()
     handle.stop(10.0)
     log.info("%s stopped cleanly in %.1fs", service, time.monotonic() - started)

@@ -9,7 +9,10 @@ unless the env speaks MineStudio's dialect:
   travel (fragments and the worker's shared memory hold fixed-shape arrays); every other key is
   named in one warning per env process, except `task`, which labels the episode's statistics
   (MineStudio's `episode_statistics/{task}4train/...`) through `info["task"]`;
-- `reset()` takes no seed (MinecraftSim), `reset(seed=...)` is accepted and the seed dropped.
+- `reset()` takes no seed (MinecraftSim), `reset(seed=...)` is accepted and the seed dropped;
+- episode ends: MinecraftSim reports the engine's `done` (a death) as terminated *and* truncated,
+  which is a termination; MineStudio's `JudgeResetCallback` reports its time limit as terminated
+  alone, which is a truncation here (the value of the last observation is bootstrapped).
 
 Nothing here imports minestudio.
 """
@@ -93,6 +96,7 @@ class MineStudioEnv(gym.Env):
         if isinstance(raw, gym.spaces.Dict) and isinstance(self.observation_space, gym.spaces.Dict):
             _warn_dropped(set(raw.spaces) - set(self.observation_space.spaces),
                           "their spaces are not fixed-shape arrays (Box or Discrete)")
+        self._time_limits = time_limit_callbacks(env)
 
     def _obs(self, obs: Any) -> Any:
         if isinstance(self.observation_space, gym.spaces.Dict) and isinstance(obs, dict):
@@ -123,16 +127,28 @@ class MineStudioEnv(gym.Env):
         return self._obs(obs), self._info(info)
 
     def step(self, action: Any) -> tuple[Any, float, bool, bool, dict]:
+        limit_reached = any(cb.time_step + 1 >= cb.time_limit for cb in self._time_limits)
         obs, reward, terminated, truncated, info = self.env.step(self._action(action))
         terminated, truncated = bool(terminated), bool(truncated)
-        # MinecraftSim reports a finished episode as terminated *and* truncated: that is a termination.
-        return self._obs(obs), float(reward), terminated, truncated and not terminated, self._info(info)
+        obs, info = self._obs(obs), self._info(info)
+        if terminated and truncated:  # MinecraftSim's `done, done`: the engine ended the episode (a death)
+            return obs, float(reward), True, False, info
+        if terminated and limit_reached:  # JudgeResetCallback's time limit, reported as terminated
+            return obs, float(reward), False, True, info
+        return obs, float(reward), terminated, truncated, info
 
     def render(self) -> Any:
         return self.env.render()
 
     def close(self) -> None:
         self.env.close()
+
+
+def time_limit_callbacks(env: Any) -> list[Any]:
+    """MinecraftSim's callbacks that end an episode after `time_limit` steps, counting `time_step`
+    (MineStudio's JudgeResetCallback; duck-typed, so that nothing here imports minestudio)."""
+    return [cb for cb in getattr(env, "callbacks", None) or []
+            if isinstance(getattr(cb, "time_limit", None), int) and isinstance(getattr(cb, "time_step", None), int)]
 
 
 def adapt_env(env: Any) -> Any:

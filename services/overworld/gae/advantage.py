@@ -47,18 +47,28 @@ def gae(reward: np.ndarray, value: np.ndarray, terminated: np.ndarray, truncated
 
 def vtrace(reward: np.ndarray, value: np.ndarray, terminated: np.ndarray, truncated: np.ndarray,
            bootstrap_value: np.ndarray, next_value: np.ndarray, behaviour_logp: np.ndarray,
-           target_logp: np.ndarray, discount: float, rho_clip: float = 1.0,
+           target_logp: np.ndarray, discount: float, gae_lambda: float = 1.0, rho_clip: float = 1.0,
            c_clip: float = 1.0) -> tuple[np.ndarray, np.ndarray]:
-    """V-trace (Espeholt et al. 2018) for stale fragments. Returns (pg advantage, value target vs)."""
+    """V-trace (Espeholt et al. 2018, eq. 1 and remark 4.2) for stale fragments.
+
+      rho_t = min(rho_clip, pi/mu),  c_t = lambda * min(c_clip, pi/mu)
+      v_t - V_t = rho_t * delta_t + gamma * c_t * (v_{t+1} - V_{t+1})
+      advantage_t = r_t + gamma * v_{t+1} - V_t
+
+    The advantage is the paper's policy-gradient one *without* its rho_t factor: PPO's ratio pi/mu
+    is that importance weight already (and PPO clips it); multiplying by rho_t as well would weight
+    every step twice. Returns (advantage, value target v_t).
+    """
     ratio = np.exp(np.clip(target_logp - behaviour_logp, -20.0, 20.0))
     rho = np.minimum(rho_clip, ratio)
-    cs = np.minimum(c_clip, ratio)
+    cs = gae_lambda * np.minimum(c_clip, ratio)
     nv = _next_values(value, next_value, truncated, bootstrap_value)
     delta = rho * (reward + discount * (1.0 - terminated) * nv - value)
     done = terminated | truncated
     vs_minus_v = _reverse_linear_scan(delta, discount * cs * (1.0 - done))
     vs = vs_minus_v + value
-    vs_next = np.where(truncated, bootstrap_value,
-                       np.concatenate([vs[:, 1:], next_value[:, None]], axis=1))
-    advantage = rho * (reward + discount * (1.0 - terminated) * vs_next - value)
+    # v_{t+1}: the next step's V-trace target; at a truncation the final observation's value (no
+    # V-trace correction exists beyond the episode's end), after the chain's last step V(next_obs).
+    vs_next = _next_values(vs, next_value, truncated, bootstrap_value)
+    advantage = reward + discount * (1.0 - terminated) * vs_next - value
     return advantage.astype(np.float32), vs.astype(np.float32)

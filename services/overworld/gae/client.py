@@ -13,9 +13,10 @@ class GaeClient:
         self._stub = gae_pb2_grpc.GaeStub(self._channel)
 
     def estimate(self, batch: dict[str, np.ndarray], discount: float, gae_lambda: float,
-                 vtrace: bool = False, timeout: float = 60.0) -> tuple[np.ndarray, np.ndarray]:
-        request = gae_pb2.EstimateRequest(discount=discount, gae_lambda=gae_lambda,
-                                          tensors=tensors.encode(batch), vtrace=vtrace)
+                 vtrace: bool = False, rho_clip: float = 1.0, c_clip: float = 1.0,
+                 timeout: float = 60.0) -> tuple[np.ndarray, np.ndarray]:
+        request = gae_pb2.EstimateRequest(discount=discount, gae_lambda=gae_lambda, tensors=tensors.encode(batch),
+                                          vtrace=vtrace, vtrace_rho_clip=rho_clip, vtrace_c_clip=c_clip)
         # gae is stateless: a call that broke with the service is simply made again
         reply = Retry(timeout).unary(self._stub.Estimate, request, "gae.Estimate")
         out = tensors.decode(reply.tensors)

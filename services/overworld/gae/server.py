@@ -46,8 +46,11 @@ class GaeService(gae_pb2_grpc.GaeServicer):
         REQUESTS.inc()
         if not 0.0 < request.discount <= 1.0:
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"discount must be in (0, 1], got {request.discount}")
-        if not request.vtrace and not 0.0 <= request.gae_lambda <= 1.0:
+        if not 0.0 <= request.gae_lambda <= 1.0:
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"gae_lambda must be in [0, 1], got {request.gae_lambda}")
+        if request.vtrace_rho_clip < 0 or request.vtrace_c_clip < 0:
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, "vtrace_rho_clip and vtrace_c_clip must be > 0 (0: the "
+                  f"default 1.0), got {request.vtrace_rho_clip} and {request.vtrace_c_clip}")
         try:
             data = tensors.decode(request.tensors)
             _check(data, request.vtrace)
@@ -56,7 +59,8 @@ class GaeService(gae_pb2_grpc.GaeServicer):
         common = {k: data[k] for k in (*FLOATS, *BOOLS, "next_value")}
         if request.vtrace:
             adv, target = vtrace(**common, behaviour_logp=data["behaviour_logp"], target_logp=data["target_logp"],
-                                 discount=request.discount, rho_clip=request.vtrace_rho_clip or 1.0,
+                                 discount=request.discount, gae_lambda=request.gae_lambda,
+                                 rho_clip=request.vtrace_rho_clip or 1.0,
                                  c_clip=request.vtrace_c_clip or 1.0)
         else:
             adv, target = gae(**common, discount=request.discount, gae_lambda=request.gae_lambda)

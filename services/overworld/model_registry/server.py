@@ -63,6 +63,9 @@ WORKERS_PER_VERSION = Gauge("overworld_registry_workers_per_version",
 
 DEFAULT_CHUNK = 4 << 20  # messages group small tensors up to this size
 LARGEST_MESSAGE = 64 << 20  # a tensor up to this size travels in one message (viewed there, not copied)
+# A fetch with its own chunk size is cut into at most this many messages: chunk_size=1 would otherwise
+# turn one request into a message per byte (hours of a registry thread for a large model).
+MAX_FETCH_MESSAGES = 4096
 ALIGN = 16  # tensor data starts at this alignment inside a message
 RESERVED_TAGS = {"latest"}
 TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
@@ -640,6 +643,12 @@ class ModelRegistryService(model_registry_pb2_grpc.ModelRegistryServicer):
         offset, size, step = request.offset, payload.size, payload.chunk_size
         if offset > size:
             abort(context, grpc.StatusCode.OUT_OF_RANGE, f"offset {offset} is past the end ({size})")
+        if request.chunk_size and request.chunk_size != step:
+            least = -(-(size - offset) // MAX_FETCH_MESSAGES)
+            if request.chunk_size < least:
+                abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                      f"chunk_size {request.chunk_size} would cut the {size - offset} bytes into more than "
+                      f"{MAX_FETCH_MESSAGES} messages: use 0 (the registry's, {step}) or at least {least}")
         with self._lock:
             info = self._info(version) if version in self._versions else payload.info
         if precision:

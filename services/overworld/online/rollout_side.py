@@ -64,13 +64,17 @@ def write_state(workdir: Path, record: dict[str, Any], name: str = STATE_FILE) -
 
 
 def main(argv: list[str]) -> int:
-    from overworld.launcher import Launcher
+    from overworld.core import tls
+    from overworld.launcher import Launcher, RunSecurity
 
     workdir = Path(argv[0]).resolve()
     stop_with_parent()
     os.environ[IN_SERVICE_ENV] = "1"
     config = load_config(workdir / "config.yaml")
-    launcher = Launcher(config, workdir, workdir / "config.yaml")
+    # Mutual TLS as `overworld run`: the run's certificates in <workdir>/tls, which start_trainer reuses.
+    security = RunSecurity.create(workdir, config.run_id)
+    tls.use(security.identities["operator"])
+    launcher = Launcher(config, workdir, workdir / "config.yaml", security)
     stopping = [False]
 
     def on_signal(signum: int, _frame: object) -> None:

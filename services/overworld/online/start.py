@@ -201,8 +201,9 @@ def start_trainer(policy_generator: Any, env_generator: Any, online_cfg: Mapping
     kept as `whole_config.py` in the work directory."""
     if _in_service():
         return None
+    from overworld.core import tls
     from overworld.core.grpc_util import channel
-    from overworld.launcher import Launcher
+    from overworld.launcher import Launcher, RunSecurity
     from overworld.v1 import trainer_pb2, trainer_pb2_grpc
 
     work = _workdir(workdir)
@@ -220,7 +221,9 @@ def start_trainer(policy_generator: Any, env_generator: Any, online_cfg: Mapping
     trainer_yaml.write_text(to_yaml(config))
     if whole_config is not None:
         (work / "whole_config.py").write_text(whole_config)
-    launcher = Launcher(config, work, work / "config.yaml")
+    security = RunSecurity.load(work)  # the rollout side's certificates: the trainer joins its run
+    tls.use(security.identities["operator"] if security else None)
+    launcher = Launcher(config, work, work / "config.yaml", security)
     launcher.addresses.update(side["addresses"])
     launcher.extra_env = {k: v for k, v in _service_env().items() if k in ("PYTHONPATH", IN_SERVICE_ENV)}
     launcher.services_file = "services-trainer.json"  # the rollout side's launcher writes services.json
@@ -252,6 +255,7 @@ def start_trainer(policy_generator: Any, env_generator: Any, online_cfg: Mapping
                 break
     finally:
         launcher.stop()
+        tls.reset()
         (work / TRAINER_FILE).unlink(missing_ok=True)
     return {"state": status.state if status else "unknown", "iteration": status.iteration if status else 0,
             "model_version": status.model_version if status else 0, "updates": status.updates if status else 0,

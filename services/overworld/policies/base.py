@@ -87,7 +87,9 @@ class Policy(nn.Module):
 
 
 def distributions(logits: dict[str, torch.Tensor]) -> dict[str, Categorical]:
-    return {k: Categorical(logits=v) for k, v in logits.items()}
+    # No argument validation: it costs a sync and more than a small policy's forward, and an action out
+    # of range fails in log_prob's gather all the same.
+    return {k: Categorical(logits=v, validate_args=False) for k, v in logits.items()}
 
 
 def log_prob(logits: dict[str, torch.Tensor], action: dict[str, torch.Tensor]) -> torch.Tensor:

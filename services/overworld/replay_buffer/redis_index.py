@@ -336,10 +336,12 @@ class RedisIndex:
 
     @classmethod
     def from_url(cls, url: str, run_id: str, rb: Any, limiter: RateLimiter | None = None,
-                 seed: int | None = None) -> RedisIndex:
-        """`rb` is a core.config.ReplayBufferConfig (max_chunks, max_reuse, max_staleness, fragments_per_chunk)."""
+                 seed: int | None = None, password: str | None = None) -> RedisIndex:
+        """`rb` is a core.config.ReplayBufferConfig (max_chunks, max_reuse, max_staleness, fragments_per_chunk).
+        `password` (the chart's $OVERWORLD_REDIS_PASSWORD) wins over one in the URL."""
+        extra = {"password": password} if password else {}
         client = redis.Redis.from_url(
-            url, decode_responses=True, socket_timeout=30, socket_connect_timeout=5, health_check_interval=30,
+            url, **extra, decode_responses=True, socket_timeout=30, socket_connect_timeout=5, health_check_interval=30,
             retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3))
         return cls(client, run_id, rb.max_chunks, rb.max_reuse, rb.max_staleness, rb.fragments_per_chunk,
                    limiter, seed)

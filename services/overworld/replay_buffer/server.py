@@ -56,6 +56,7 @@ from overworld.replay_buffer.index import (
     FragmentMeta,
     IndexStats,
     IndexUnavailable,
+    MemoryIndex,
     ReplayIndex,
 )
 from overworld.replay_buffer.sweeper import OrphanSweeper
@@ -84,7 +85,8 @@ REF_SAMPLES = Counter("overworld_replay_buffer_ref_samples_total",
                       "Fragments sampled as blob keys (blob_refs: the reader fetched them from the store)")
 
 SERVICE_NAME = "overworld.v1.ReplayBuffer"
-POLL_SECONDS = 0.05  # other fronts' changes are seen by polling the shared index
+POLL_SECONDS = 0.05  # other fronts' changes to a shared (Redis) index are seen by polling it
+IDLE_CHECK_SECONDS = 1.0  # what wakes a waiting call is notified; this only bounds a wait for stop()
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
 
@@ -181,7 +183,10 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
         self.sweeper = OrphanSweeper(index, blobs, self.prefix, orphan_grace, self.ref_grace)
         self._io = ThreadPoolExecutor(io_threads, thread_name_prefix="rb-io")
         self._changed = threading.Condition()
+        self._generation = 0  # counts _notify() calls: a waiter that read it before looking misses none
+        self._shared_index = not isinstance(index, MemoryIndex)
         self._stopping = threading.Event()
+        self._maintenance_wake = threading.Event()
         self._deletes: deque[tuple[float, list[str]]] = deque()  # (when they left the index, keys)
         self._postponed: deque[tuple[float, list[str]]] = deque()  # the same, waiting out the ref grace
         self._deletes_lock = threading.Lock()
@@ -196,6 +201,7 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
         Blobs still within their grace period are left to the orphan sweeper (any front's): a reader
         handed their keys by this front may still be fetching them."""
         self._stopping.set()
+        self._maintenance_wake.set()
         self._notify()
         self._maintenance.join(10.0)
         self._run_deletes()
@@ -217,8 +223,9 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
         log.info("discarded the buffered data of run %s (%d blobs)", self.run_id, len(keys))
         return len(keys)
 
-    def _notify(self) -> None:
+    def _notify(self, *_: object) -> None:
         with self._changed:
+            self._generation += 1
             self._changed.notify_all()
 
     def _delete_later(self, keys: list[str]) -> None:
@@ -228,6 +235,7 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
         if keys:
             with self._deletes_lock:
                 self._deletes.append((time.monotonic(), keys))
+            self._maintenance_wake.set()
 
     def _note_ref_claim(self) -> None:
         with self._deletes_lock:
@@ -263,11 +271,28 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
             except Exception:  # the sweeper removes them later: nothing references them
                 log.exception("deleting %d blobs failed; the orphan sweeper will retry", len(due))
 
+    def _next_delete_due(self) -> float:
+        """When the oldest queued delete comes due; one overdue but held back (it waits for a poll for
+        claims by reference) is looked at again POLL_SECONDS later."""
+        with self._deletes_lock:
+            due = [self._deletes[0][0] + self.delete_delay] if self._deletes else []
+            due += [self._postponed[0][0] + self.ref_grace] if self._postponed else []
+        return max(min(due, default=float("inf")), time.monotonic() + POLL_SECONDS)
+
     def _maintain(self) -> None:
+        """Sleeps until the next thing is due (a blob delete, a poll for claims by reference, metrics, the
+        sweep); a new delete wakes it (`_delete_later`), so does stop()."""
+        never = float("inf")
         next_metrics = next_sweep = next_poll = time.monotonic()
         if self.sweep_interval > 0:
             next_sweep += self.sweep_interval
-        while not self._stopping.wait(0.05):
+        while True:
+            wake_at = min(next_poll if self._refs_poll else never, next_metrics if self.metrics_interval > 0 else never,
+                          next_sweep if self.sweep_interval > 0 else never, self._next_delete_due())
+            self._maintenance_wake.wait(None if wake_at == never else max(0.0, wake_at - time.monotonic()))
+            self._maintenance_wake.clear()
+            if self._stopping.is_set():
+                return
             now = time.monotonic()
             if self._refs_poll and now >= next_poll:
                 next_poll = now + self._refs_poll
@@ -295,14 +320,14 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
         ORPHANS.inc(len(swept))
         return swept
 
-    def _wait_for(self, ready: Callable[[], bool], deadline: float, context: grpc.ServicerContext) -> bool:
-        while not ready():
-            remaining = deadline - time.monotonic()
-            if remaining <= 0 or not context.is_active() or self._stopping.is_set():
-                return False
-            with self._changed:
-                self._changed.wait(min(remaining, POLL_SECONDS))
-        return True
+    def _wait_change(self, seen: int, timeout: float) -> None:
+        """Until this front changes something after `seen` (its `_generation` read before the caller
+        looked), a call ends (their handlers notify), or `timeout`. An in-process index changes only here:
+        nothing to poll. A shared index also changes by other fronts: polled every POLL_SECONDS."""
+        if self._shared_index:
+            timeout = min(timeout, POLL_SECONDS)
+        with self._changed:
+            self._changed.wait_for(lambda: self._generation != seen, max(0.0, timeout))
 
     # ----------------------------------------------------------------- ingest
 
@@ -367,18 +392,18 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
             abort(context, grpc.StatusCode.UNAVAILABLE, f"blob store write failed: {err}; retry")
         meta = p.meta
         while True:
+            seen = self._generation
             try:
                 result: AddResult = self.index.add(meta)
             except IndexUnavailable as err:
                 abort(context, grpc.StatusCode.UNAVAILABLE, f"{err}; retry")
             if result.status == BLOCKED:
-                # The rate limiter waits for samples; polling also sees other fronts' samples.
+                # The rate limiter waits for samples (a sample notifies; so do the call's end and stop()).
                 if not context.is_active():
                     abort(context, grpc.StatusCode.CANCELLED, "client went away")
                 if self._stopping.is_set():
                     abort(context, grpc.StatusCode.UNAVAILABLE, "replay buffer is shutting down; retry elsewhere")
-                with self._changed:
-                    self._changed.wait(POLL_SECONDS)
+                self._wait_change(seen, IDLE_CHECK_SECONDS)
                 continue
             if result.status == SWEPT:  # stalled past the sweeper's grace period: write it again
                 meta = FragmentMeta(meta.slot_key, meta.sequence, meta.first_model_version, meta.nbytes,
@@ -408,6 +433,7 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
     def insert_raw(self, request_iterator: Iterator[bytes],
                    context: grpc.ServicerContext) -> Iterator[replay_buffer_pb2.InsertResponse]:
         wake = threading.Condition()
+        context.add_callback(self._notify)  # an insert blocked by the rate limiter wakes when its call ends
         inbox: deque[tuple[float, bytes]] = deque()
         state = {"ended": False, "error": None, "done": False}
 
@@ -419,7 +445,7 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
                         wake.notify_all()
                         # Stop reading while the window is full: gRPC flow control pushes back on the worker.
                         while len(inbox) >= self.ingest_window and not state["done"]:
-                            wake.wait(0.1)
+                            wake.wait(IDLE_CHECK_SECONDS)  # the handler notifies when it takes one
                         if state["done"]:
                             return
             except Exception as err:  # the client cancelled or the connection broke
@@ -447,7 +473,7 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
                     elif state["ended"] and not inbox and not inflight:
                         return
                     elif not (inflight and inflight[0].put.done()):
-                        wake.wait(POLL_SECONDS)
+                        wake.wait(IDLE_CHECK_SECONDS)  # the reader and finished writes notify; this bounds stop()
                         if self._stopping.is_set():
                             abort(context, grpc.StatusCode.UNAVAILABLE,
                                   "replay buffer is shutting down; retry elsewhere")
@@ -500,6 +526,7 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
             abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                   f"num_chunks must be in [1, max_chunks={self.max_chunks}], got {request.num_chunks}")
         timeout = request.timeout_seconds or self.default_sample_timeout
+        context.add_callback(self._notify)  # a waiting sample wakes when its call ends
         started = time.monotonic()
         deadline = started + timeout
         # (claim, its blobs being fetched; None with blob_refs: nothing to fetch)
@@ -519,6 +546,7 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
                 pending: deque[tuple[Claim, Future | None]]) -> Iterator[bytes]:
         sent = 0
         while sent < request.num_chunks:
+            seen = self._generation
             room = request.num_chunks - sent - len(pending)
             # By reference there is nothing to fetch ahead: claim everything asked for in one step.
             want = room if refs else min(room, self.prefetch - len(pending))
@@ -576,8 +604,7 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
                     why = str(err)
                 abort(context, grpc.StatusCode.DEADLINE_EXCEEDED,
                       f"only {sent} of {request.num_chunks} chunks after {timeout:.1f}s ({why})")
-            with self._changed:
-                self._changed.wait(min(deadline - now, POLL_SECONDS))
+            self._wait_change(seen, deadline - now)
 
     # ----------------------------------------------------------------- control and statistics
 

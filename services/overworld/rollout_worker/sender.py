@@ -22,6 +22,7 @@ from overworld.core.grpc_util import Backoff, channel
 from overworld.v1 import common_pb2, replay_buffer_pb2, replay_buffer_pb2_grpc
 
 log = logging.getLogger("overworld.rollout_worker.sender")
+STOP_CHECK_SECONDS = 1.0
 
 
 class FragmentSender:
@@ -46,7 +47,7 @@ class FragmentSender:
             while not force and len(self._pending) + len(self._unacked) >= self.capacity:
                 if stop.is_set():
                     return False
-                self._cond.wait(0.2)
+                self._cond.wait(STOP_CHECK_SECONDS)  # an acknowledgement notifies; this bounds a stop
             self._pending.append(fragment)
             self._cond.notify_all()
             return True
@@ -63,7 +64,7 @@ class FragmentSender:
         while True:
             with self._cond:
                 while not self._pending and not self._closing and generation == self._generation:
-                    self._cond.wait(0.2)
+                    self._cond.wait()  # put(), close() and a new stream notify
                 if generation != self._generation or (self._closing and not self._pending):
                     return
                 item = self._pending.popleft()
@@ -91,6 +92,7 @@ class FragmentSender:
             except grpc.RpcError as err:
                 with self._cond:
                     self._generation += 1  # retire this stream's request generator
+                    self._cond.notify_all()
                 if err.code() == grpc.StatusCode.INVALID_ARGUMENT:
                     with self._cond:
                         bad = self._unacked.popleft() if self._unacked else None

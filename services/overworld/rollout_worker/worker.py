@@ -192,6 +192,8 @@ class RolloutWorker:
             return
         version, state = pending
         self.policy.load_state_dict(state)
+        if self.model_version == 0:
+            log.info("swapped in model version %d, the first", version)  # bench/bench_e2e.py's timeline
         self.model_version = version
         MODEL_VERSION.labels(self.worker_id).set(version)
         self.watcher.ack(version)

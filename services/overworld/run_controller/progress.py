@@ -9,8 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-import grpc
-
+from overworld.core.tls import aio_channel
 from overworld.v1 import trainer_pb2, trainer_pb2_grpc
 
 DEFAULT_ADDRESS = "{cluster}-head-svc.{namespace}.svc:{port}"
@@ -32,8 +31,9 @@ def trainer_address(cluster: str, namespace: str) -> str:
 
 
 async def read_progress(address: str, timeout: float = 5.0) -> Progress:
-    """Ask the trainer for its status; raises grpc.aio.AioRpcError when it does not answer."""
-    async with grpc.aio.insecure_channel(address) as channel:
+    """Ask the trainer for its status; raises grpc.aio.AioRpcError when it does not answer. Mutual TLS
+    as the run-controller when $OVERWORLD_TLS_DIR names its credentials (the chart mounts them)."""
+    async with aio_channel(address) as channel:
         stub = trainer_pb2_grpc.TrainerStub(channel)
         status = await stub.GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=timeout)
     return Progress(

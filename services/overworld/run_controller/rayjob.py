@@ -29,6 +29,8 @@ MAX_RUN_NAME = 40
 RAY_UID = 1000
 RAY_GID = 100
 
+TLS_MOUNT = "/etc/overworld/tls"
+
 
 def rayjob_name(run_name: str, attempt: int) -> str:
     """Name of the RayJob of one attempt: ``<run>-a<attempt>``."""
@@ -97,6 +99,12 @@ def _pod_template(
             {"name": "tmp", "emptyDir": {}},
         ],
     }
+    if spec.get("tlsSecret"):
+        # The trainer's identity on every Ray node: the driver and its Ray Train workers call the
+        # services with it (core/tls.py reads OVERWORLD_TLS_DIR).
+        container["env"].append({"name": "OVERWORLD_TLS_DIR", "value": TLS_MOUNT})
+        container["volumeMounts"].append({"name": "tls", "mountPath": TLS_MOUNT, "readOnly": True})
+        pod_spec["volumes"].append({"name": "tls", "secret": {"secretName": spec["tlsSecret"], "defaultMode": 0o440}})
     if spec.get("serviceAccountName"):
         pod_spec["serviceAccountName"] = spec["serviceAccountName"]
     if spec.get("imagePullSecrets"):
@@ -180,6 +188,10 @@ def build_rayjob(training_run: Mapping[str, Any], attempt: int, resume_from: str
     }
     if spec.get("rayVersion"):
         cluster_spec["rayVersion"] = spec["rayVersion"]
+    if spec.get("rayTokenAuth"):
+        # KubeRay (>= 1.5.1) makes a random token Secret, sets RAY_AUTH_MODE/RAY_AUTH_TOKEN in every Ray
+        # container and uses the token itself (job submission, status): the Jobs API runs nobody's code.
+        cluster_spec["authOptions"] = {"mode": "token"}
     job_spec: dict[str, Any] = {
         "entrypoint": trainer_entrypoint(resume_from, spec.get("trainerArgs") or ()),
         "submissionMode": "K8sJobMode",

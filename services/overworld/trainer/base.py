@@ -1,24 +1,30 @@
 """BaseTrainer with MineStudio's API, run by Ray Train's TorchTrainer (DDP: gloo on CPU, NCCL on GPU).
 
-`fit()` runs on the trainer driver; `_train_func()` runs in every Ray Train worker: it builds the
-model and optimizer, restores a checkpoint if there is one, and calls `train()`: fetch chunks from the
-replay buffer, estimate advantages with the gae service, update, and (rank 0) publish the new
-version to the model registry. Everything around the update is a hook (trainer/hooks.py).
+`fit()` runs on the trainer driver: it places the workers (trainer/placement.py: GPUs follow
+`num_gpus_per_worker` and the cluster, never the driver's own hardware) and starts Ray Train.
+`_train_func()` runs in every Ray Train worker: it builds the model and optimizer, restores a
+checkpoint if there is one, and calls `train()`: fetch chunks from the replay buffer, recompute
+values and log-probs in bounded chunks, estimate advantages with the gae service, update, and
+(rank 0) publish the new version to the model registry. Everything around the update is a hook
+(trainer/hooks.py).
+
+Memory: an iteration's batch stays in host memory; only `inference_batch_size_per_gpu` chains x
+`context_length` steps (recomputation) or one minibatch (update) are on the device at a time.
 """
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
+import hashlib
 import logging
 import time
 from pathlib import Path
 from typing import Any
 
-import numpy as np
 import torch
 import torch.distributed as dist
 
-from overworld.core.blobs import open_blob_store
 from overworld.core.config import (
     RunConfig,
     TrainConfig,
@@ -35,9 +41,10 @@ from overworld.model_registry.client import ModelRegistryClient
 from overworld.policies.base import Policy
 from overworld.policies.factory import run_spaces
 from overworld.rollout_manager.client import RolloutManagerClient
-from overworld.trainer.checkpoint import CheckpointStore, tensors_from_bytes, tensors_to_bytes
-from overworld.trainer.data import Batch, chains_from_chunks
+from overworld.trainer.checkpoint import checkpoint_id, checkpoint_store, tensors_from_bytes, tensors_to_bytes
+from overworld.trainer.data import Batch, chains_from_chunks, to_device
 from overworld.trainer.hooks import Hooks
+from overworld.trainer.placement import require_usable_cuda, reserve_workers, worker_resources
 from overworld.trainer.prefetch import ChunkReader
 from overworld.v1 import (
     replay_buffer_pb2,
@@ -47,17 +54,6 @@ from overworld.v1 import (
 )
 
 log = logging.getLogger("overworld.trainer")
-
-
-def is_distributed() -> bool:
-    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
-
-
-def all_reduce_sum(x: torch.Tensor) -> torch.Tensor:
-    if is_distributed():
-        x = x.clone()
-        dist.all_reduce(x)
-    return x
 
 
 def _callable(ref: str) -> Any:
@@ -87,13 +83,6 @@ def _config_with(config: RunConfig | None, policy_generator: Any, env_generator:
     return merged
 
 
-def checkpoint_store(config: RunConfig, workdir: str) -> CheckpointStore:
-    """`train_config.save_path`: s3://BUCKET/PREFIX, or a directory (relative to the workdir)."""
-    path = config.train_config.save_path or "output"  # null: the default location
-    location = path if path.startswith("s3://") or Path(path).is_absolute() else str(Path(workdir) / path)
-    return CheckpointStore(open_blob_store(location), prefix=f"{config.run_id or 'run'}/checkpoints")
-
-
 class BaseTrainer:
     """MineStudio's BaseTrainer: constructed with MineStudio's arguments (the generators as callables
     or import paths, train_config's keys as keyword arguments, `whole_config`), or from a RunConfig
@@ -106,14 +95,15 @@ class BaseTrainer:
                  num_cpus_per_reader: float | None = None, num_gpus_per_worker: float | None = None,
                  prefetch_batches: int | None = None, discount: float | None = None, gae_lambda: float | None = None,
                  context_length: int | None = None, use_normalized_vf: bool | None = None,
-                 inference_batch_size_per_gpu: int = 16, resume: str | None = None,
+                 inference_batch_size_per_gpu: int | None = None, resume: str | None = None,
                  resume_optimizer: bool | None = None, *, config: RunConfig | None = None, replay_buffer: str = "",
                  gae: str = "", model_registry: str = "", status_address: str = "", workdir: str = ".",
                  whole_config: str | None = None, **kwargs: Any) -> None:
         given = {"num_workers": num_workers, "num_readers": num_readers, "num_cpus_per_reader": num_cpus_per_reader,
                  "num_gpus_per_worker": num_gpus_per_worker, "prefetch_batches": prefetch_batches,
                  "discount": discount, "gae_lambda": gae_lambda, "context_length": context_length,
-                 "use_normalized_vf": use_normalized_vf, "resume": resume, "resume_optimizer": resume_optimizer}
+                 "use_normalized_vf": use_normalized_vf, "inference_batch_size_per_gpu": inference_batch_size_per_gpu,
+                 "resume": resume, "resume_optimizer": resume_optimizer}
         train_keys = {f.name for f in dataclasses.fields(TrainConfig)}
         given = {k: v for k, v in given.items() if v is not None or (k == "resume" and config is None)}
         given.update({k: kwargs.pop(k) for k in list(kwargs) if k in train_keys})
@@ -132,7 +122,7 @@ class BaseTrainer:
         self.gae_lambda = t.gae_lambda
         self.context_length = t.context_length
         self.use_normalized_vf = t.use_normalized_vf
-        self.inference_batch_size_per_gpu = inference_batch_size_per_gpu
+        self.inference_batch_size_per_gpu = t.inference_batch_size_per_gpu or t.batch_size_per_gpu
         self.resume = t.resume
         self.resume_optimizer = t.resume_optimizer
         self.whole_config = whole_config
@@ -157,6 +147,11 @@ class BaseTrainer:
         self.resumed_from: str | None = None
         self.start = {"model_version": 0, "env_steps": 0, "rho": self.rho}
         self.latest_checkpoint = ""
+        self.timings: dict[str, float] = {}  # seconds of each part of the last iteration (trainer/*_seconds)
+        # How long fit() waits for the cluster to offer the workers' resources (train_config.
+        # placement_timeout); the driver sets 0 for a Ray it started itself: that cluster cannot grow.
+        self.placement_timeout = config.train_config.placement_timeout
+        self.amp_dtype: torch.dtype | None = None
 
     @classmethod
     def from_config(cls, config: RunConfig, **addresses: Any) -> BaseTrainer:
@@ -196,6 +191,25 @@ class BaseTrainer:
         t = self.config.train_config
         return t.num_workers * t.batch_size_per_gpu * t.batches_per_iteration
 
+    # -- collectives over this trainer's ranks (no-ops for one rank) ------------------------------
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1 and dist.is_available() and dist.is_initialized()
+
+    def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        if self.distributed:
+            x = x.clone()
+            dist.all_reduce(x)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `x` (same shape on each), in rank order."""
+        if not self.distributed:
+            return [x]
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x)
+        return parts
+
     # -- MineStudio's API --------------------------------------------------------------------
     def setup_model_and_optimizer(self, policy_generator: Any = None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """Build (model, optimizer). MineStudio's subclasses build the model with `policy_generator()`;
@@ -209,7 +223,9 @@ class BaseTrainer:
         raise NotImplementedError
 
     def fit(self) -> None:
-        """Run `_train_func` on `num_workers` Ray Train workers (the caller has done ray.init)."""
+        """Place `num_workers` Ray Train workers and run `_train_func` on each (the caller has done
+        ray.init). A worker gets a GPU exactly when `num_gpus_per_worker > 0`; a cluster without
+        them fails here, with how many were asked and how many the cluster has."""
         from ray.train import RunConfig as RayRunConfig
         from ray.train import ScalingConfig
         from ray.train.torch import TorchTrainer
@@ -217,7 +233,8 @@ class BaseTrainer:
         from overworld.online.generators import generator_ref
 
         t = self.config.train_config
-        use_gpu = t.num_gpus_per_worker > 0 and torch.cuda.is_available()
+        resources = worker_resources(t.num_gpus_per_worker)
+        reserve_workers(t.num_workers, resources, self.placement_timeout)
         loop_config = {
             "trainer_class": generator_ref(type(self), "trainer_name"),  # a class from a user's file: by its path
             "config_yaml": to_yaml(self.config),
@@ -226,10 +243,10 @@ class BaseTrainer:
                           "status_address": self.status_address, "workdir": self.workdir,
                           **({"continue_run": True} if self.extra.get("continue_run") else {})},
         }
-        resources = {"CPU": 1, **({"GPU": t.num_gpus_per_worker} if use_gpu else {})}
         trainer = TorchTrainer(
             train_loop_per_worker=_ray_train_loop, train_loop_config=loop_config,
-            scaling_config=ScalingConfig(num_workers=t.num_workers, use_gpu=use_gpu, resources_per_worker=resources),
+            scaling_config=ScalingConfig(num_workers=t.num_workers, use_gpu="GPU" in resources,
+                                         resources_per_worker=resources),
             run_config=RayRunConfig(name=f"overworld-{self.config.run_id}",
                                     storage_path=str(Path(self.workdir, "ray").resolve())))
         trainer.fit()
@@ -240,6 +257,7 @@ class BaseTrainer:
         so `new_version=False` (re-send the current version) has nothing to publish."""
         if self.rank != 0 or not new_version:
             return
+        started = time.monotonic()
         version = self.model_version + 1
         data = to_bytes(self.unwrapped_model.state_dict())
         counters = {"iteration": self.iteration, "updates": self.updates, "samples_trained": self.samples_trained,
@@ -249,63 +267,111 @@ class BaseTrainer:
         self.model_version = version
         retry(lambda: self.buffer.SetModelVersion(
             replay_buffer_pb2.SetModelVersionRequest(model_version=version), timeout=30), "SetModelVersion", 60)
+        self.timings["publish"] = time.monotonic() - started
 
     def fetch_fragments_and_estimate_advantages(self, *, num_fragments: int | None = None) -> dict[str, Any]:
         """MineStudio's: this rank's share of `num_fragments` (default: fragments_per_iteration) with
         advantages. Returns MineStudio's keys: `records` (this rank's Batch of chains), `td_targets`,
         `advantages`, `old_logps` (the behaviour policy's, recorded at rollout), `old_vpreds` (B, L)
         tensors aligned with it, `rewards` (B,) summed per chain, and `old_pi_logits` (None: the
-        update recomputes what it needs)."""
+        update recomputes what it needs). Everything stays in host memory."""
         if num_fragments is not None and num_fragments != self.fragments_per_iteration:
             raise ValueError(f"num_fragments={num_fragments}: this trainer reads {self.fragments_per_iteration} per "
                              "iteration (num_workers x batch_size_per_gpu x batches_per_iteration); change those")
-        batch = self._fetch_batch()
+        started = time.monotonic()
+        batch = chains_from_chunks(self.reader.next())
+        self.timings["sample"] = time.monotonic() - started
+        batch = self.estimate_advantages(batch)
         return {"records": batch, "rewards": batch.reward.sum(1), "td_targets": batch.value_target,
                 "advantages": batch.advantage, "old_logps": batch.behaviour_logp, "old_pi_logits": None,
                 "old_vpreds": batch.old_vpred}
 
-    def _fetch_batch(self) -> Batch:
-        """This rank's share of an iteration: chunks from the replay buffer, values recomputed by the
-        learner, advantages and value targets from the gae service (V-trace if configured)."""
+    def estimate_advantages(self, batch: Batch) -> Batch:
+        """Fills in the batch's advantages and value targets (the gae service; V-trace if configured)
+        and the learner's value predictions before the update."""
         t = self.config.train_config
-        batch = chains_from_chunks(self.reader.next(), self.device)
-        vpred, next_value, target_logp = self.compute_values(batch)
-        value = self.unwrapped_model.value_normalizer.denormalize(vpred)
+        started = time.monotonic()
+        vpred, next_vpred, target_logp = self.compute_values(batch)
+        normalizer = self.unwrapped_model.value_normalizer
+        # Denormalised with the statistics the predictions were made with, before this batch moves them.
+        value, next_value = normalizer.denormalize(vpred.to(self.device)), normalizer.denormalize(next_vpred.to(self.device))
         request = {
-            "reward": batch.reward.cpu().numpy(), "value": value.cpu().numpy().astype(np.float32),
-            "terminated": batch.terminated.cpu().numpy(), "truncated": batch.truncated.cpu().numpy(),
-            "bootstrap_value": batch.bootstrap_value.cpu().numpy(),
-            "next_value": next_value.cpu().numpy().astype(np.float32)}
+            "reward": batch.reward.numpy(), "value": value.float().cpu().numpy(),
+            "terminated": batch.terminated.numpy(), "truncated": batch.truncated.numpy(),
+            "bootstrap_value": batch.bootstrap_value.numpy(), "next_value": next_value.float().cpu().numpy()}
         if t.vtrace:
-            request["behaviour_logp"] = batch.behaviour_logp.cpu().numpy()
-            request["target_logp"] = target_logp.cpu().numpy().astype(np.float32)
-        adv, target = self.gae_client.estimate(request, self.discount, self.gae_lambda, vtrace=t.vtrace)
-        batch.advantage = torch.as_tensor(adv, device=self.device)
-        batch.value_target = torch.as_tensor(target, device=self.device)
+            request["behaviour_logp"] = batch.behaviour_logp.numpy()
+            request["target_logp"] = target_logp.numpy()
+        valued = time.monotonic()
+        adv, target = self.gae_client.estimate(request, self.discount, self.gae_lambda, vtrace=t.vtrace,
+                                               rho_clip=t.vtrace_rho_clip, c_clip=t.vtrace_c_clip)
+        self.timings.update(values=valued - started, gae=time.monotonic() - valued)
+        batch.advantage = torch.as_tensor(adv)
+        batch.value_target = torch.as_tensor(target)
         batch.old_vpred = vpred
         return batch
 
     @torch.no_grad()
     def compute_values(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-        """The learner's value predictions (B, L), the value after the last step (B,), and the
-        learner's log-probs of the behaviour actions (B, L), in one pass over each chain."""
+        """The learner's value predictions (B, L) in the value head's space, its prediction for the
+        observation after the last step (B,), and its log-probs of the behaviour actions (B, L); on
+        the host, float32.
+
+        Bounded memory: `inference_batch_size_per_gpu` chains at a time go through the model in
+        windows of `context_length` steps, each group from its recorded state with the recurrent
+        state carried from window to window (so the values are those of one pass over the chain)."""
         from overworld.policies.base import log_prob
 
         model = self.unwrapped_model
-        obs = {k: torch.cat([v, batch.next_obs[k]], 1) for k, v in batch.obs.items()}
+        B, L = batch.size, batch.length
+        group, window = max(1, self.inference_batch_size_per_gpu), min(self.context_length, L)
+        vpred, logp, next_vpred = torch.empty(B, L), torch.empty(B, L), torch.empty(B)
         last_done = batch.terminated[:, -1:] | batch.truncated[:, -1:]
-        out, _ = model(obs, batch.state, torch.cat([batch.first, last_done], 1))
-        logits = {k: v[:, :-1] for k, v in out.logits.items()}
-        next_value = model.value_normalizer.denormalize(out.vpred[:, -1])
-        return out.vpred[:, :-1], next_value, log_prob(logits, batch.action)
+        for b0 in range(0, B, group):
+            rows = slice(b0, min(b0 + group, B))
+            state = to_device(batch.state, self.device, rows)
+            for start in range(0, L, window):
+                end = min(start + window, L)
+                obs = {k: v[rows, start:end] for k, v in batch.obs.items()}
+                first = batch.first[rows, start:end]
+                if end == L:  # the step after the chain rides along with the last window
+                    obs = {k: torch.cat([v, batch.next_obs[k][rows]], 1) for k, v in obs.items()}
+                    first = torch.cat([first, last_done[rows]], 1)
+                with self.autocast():
+                    out, state = model(to_device(obs, self.device), state, first.to(self.device))
+                n = end - start
+                vpred[rows, start:end] = out.vpred[:, :n].float().cpu()
+                logits = {k: v[:, :n].float() for k, v in out.logits.items()}
+                logp[rows, start:end] = log_prob(logits, to_device(batch.action, self.device, rows, start, end)).cpu()
+                if end == L:
+                    next_vpred[rows] = out.vpred[:, -1].float().cpu()
+        return vpred, next_vpred, logp
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """`use_amp`: bf16 autocast (fp16 with a GradScaler on a GPU without bf16)."""
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
     # -- checkpoints -----------------------------------------------------------------------------
+    def rng_states(self) -> dict[str, list[torch.Tensor]]:
+        """Every rank's RNG state (a collective: every rank calls it), for rank 0 to save."""
+        states = {"torch": self.all_gather(torch.get_rng_state().to(self.device))}
+        if self.device.type == "cuda":
+            states["cuda"] = self.all_gather(torch.cuda.get_rng_state(self.device).to(self.device))
+        return {k: [x.cpu() for x in v] for k, v in states.items()}
+
     def save_checkpoint(self) -> str:
-        """Rank 0 writes the full training state; atomic (listed only once COMMITTED is written)."""
+        """Every rank calls it (the RNG states are gathered); rank 0 writes the full training state,
+        atomically (listed only once COMMITTED is written)."""
+        rng = self.rng_states()
+        ckpt_id = checkpoint_id(self.iteration)
+        self.latest_checkpoint = ckpt_id
+        if self.rank != 0:
+            return ckpt_id
         files = {"model.safetensors": to_bytes(self.unwrapped_model.state_dict()),
                  "optimizer.pt": tensors_to_bytes(self.optimizer.state_dict()),
-                 "rng.pt": tensors_to_bytes({"torch": torch.get_rng_state(),
-                                             **({"cuda": torch.cuda.get_rng_state_all()} if torch.cuda.is_available() else {})})}
+                 "rng.pt": tensors_to_bytes(rng)}
         scaler = getattr(self, "scaler", None)
         if scaler is not None:
             files["scaler.pt"] = tensors_to_bytes(scaler.state_dict())
@@ -313,12 +379,26 @@ class BaseTrainer:
             files["reference.safetensors"] = to_bytes(self.reference.state_dict())  # type: ignore[union-attr]
         state = {"iteration": self.iteration, "updates": self.updates, "samples_trained": self.samples_trained,
                  "env_steps": self.env_steps, "model_version": self.model_version, "rho": self.rho,
-                 "run_id": self.config.run_id, "config_hash": config_hash(self.config), "saved_unix": time.time(),
-                 "config": as_dict(self.config)}
-        ckpt_id = self.checkpoints.save(self.iteration, state, files)
+                 "world_size": self.world_size, "run_id": self.config.run_id,
+                 "config_hash": config_hash(self.config), "saved_unix": time.time(), "config": as_dict(self.config)}
+        self.checkpoints.save(self.iteration, state, files)
         self.checkpoints.prune(self.config.train_config.keep_interval, ckpt_id)
-        self.latest_checkpoint = ckpt_id
         return ckpt_id
+
+    def restore_rng(self, rng: dict[str, Any]) -> None:
+        """This rank's own RNG state. A checkpoint from a smaller world has none for the new ranks:
+        they draw a fresh, rank-specific seed (and say so)."""
+        states = rng.get("torch")
+        if isinstance(states, torch.Tensor):  # checkpoints written before RNG states were per rank
+            states = [states]
+        if self.rank < len(states):
+            torch.set_rng_state(states[self.rank])
+            if "cuda" in rng and self.device.type == "cuda" and self.rank < len(rng["cuda"]):
+                torch.cuda.set_rng_state(rng["cuda"][self.rank], self.device)
+        else:
+            log.warning("rank %d: the checkpoint holds the RNG states of %d ranks; seeding this rank afresh",
+                        self.rank, len(states))
+            torch.manual_seed(self.config.seed * 7919 + self.rank + 104729 * self.iteration)
 
     def restore(self) -> None:
         """Resume on every rank: model, optimizer, scaler, counters, KL coefficient, RNG, model version.
@@ -349,15 +429,12 @@ class BaseTrainer:
             self.optimizer.load_state_dict(tensors_from_bytes(ckpt.files["optimizer.pt"]))
         if "scaler.pt" in ckpt.files and getattr(self, "scaler", None) is not None:
             self.scaler.load_state_dict(tensors_from_bytes(ckpt.files["scaler.pt"]))
-        if "rng.pt" in ckpt.files:
-            rng = tensors_from_bytes(ckpt.files["rng.pt"])
-            torch.set_rng_state(rng["torch"])
-            if "cuda" in rng and torch.cuda.is_available():
-                torch.cuda.set_rng_state_all(rng["cuda"])
         if getattr(self, "reference", None) is not None and "reference.safetensors" in ckpt.files:
             self.reference.load_state_dict(from_bytes(ckpt.files["reference.safetensors"]))  # type: ignore[union-attr]
         s = ckpt.state
         self.iteration, self.updates = int(s["iteration"]), int(s["updates"])
+        if "rng.pt" in ckpt.files:
+            self.restore_rng(tensors_from_bytes(ckpt.files["rng.pt"]))
         self.samples_trained, self.env_steps = int(s["samples_trained"]), int(s["env_steps"])
         self.model_version, self.rho = int(s["model_version"]), float(s["rho"])
         self.resumed_from = ckpt_id
@@ -366,14 +443,53 @@ class BaseTrainer:
         log.info("rank %d resumed from %s: iteration %d, model version %d, env steps %d, rho %.4g",
                  self.rank, ckpt_id, self.iteration, self.model_version, self.env_steps, self.rho)
 
+    def publish_first_version(self) -> None:
+        """On the driver, while Ray starts: a fresh run's starting weights as version 1, tagged
+        `reference`, so that the workers step their envs with the learner's policy seconds after
+        `overworld run` instead of after Ray Train is up. The learner builds the same weights from the
+        same seed and does not publish them again (`publish_initial_version`). Nothing when the
+        registry already has a version or a checkpoint will be resumed: the learner publishes those."""
+        registry = ModelRegistryClient(self.model_registry)
+        try:
+            if registry.list_versions(timeout=60) or self._checkpoint_to_resume():
+                return
+            self.model, self.optimizer = self.build_starting_model()
+            registry.publish(1, to_bytes(self.unwrapped_model.state_dict()), config_hash=config_hash(self.config))
+            registry.set_tag("reference", 1)
+            log.info("published the starting weights as version 1 (before Ray Train)")
+        finally:
+            registry.close()
+            self.model = self.optimizer = self.reference = None  # type: ignore[assignment]  # the learner builds its own
+
+    def _checkpoint_to_resume(self) -> bool:
+        """Whether `restore()` will load a checkpoint (the same rules)."""
+        from overworld.trainer.minestudio_checkpoint import is_minestudio_checkpoint
+
+        store = checkpoint_store(self.config, self.workdir)
+        if self.extra.get("continue_run") and store.resolve("latest") is not None:
+            return True
+        which = (self.resume or "never").strip()
+        if which == "never":
+            return False
+        return is_minestudio_checkpoint(which) or store.resolve("latest" if which == "auto" else which) is not None
+
     def publish_initial_version(self) -> None:
         """Rank 0: publish the starting weights (version 1 on a fresh run, the next free version on a
-        resume) so every worker acts with the learner's policy from its first step."""
+        resume) so every worker acts with the learner's policy from its first step. When the driver
+        published these very weights already (`publish_first_version`), only adopt its version."""
         if self.rank != 0:
             return
         versions = self.registry.list_versions(timeout=120)  # retried: the registry may be restarting too
         latest = max((v.version for v in versions), default=0)
         has_reference = any("reference" in v.tags for v in versions)
+        if self.resumed_from is None and latest == 1 and self.model_version == 0:
+            data = to_bytes(self.unwrapped_model.state_dict())
+            if next(v for v in versions if v.version == 1).sha256 == hashlib.sha256(data).hexdigest():
+                self.model_version = 1
+                retry(lambda: self.buffer.SetModelVersion(
+                    replay_buffer_pb2.SetModelVersionRequest(model_version=1), timeout=30), "SetModelVersion", 60)
+                return
+            log.warning("version 1 in the registry is not this learner's starting weights: publishing them anew")
         self.model_version = max(latest, self.model_version)
         self.broadcast_model_to_rollout_workers(new_version=True)
         if not has_reference:
@@ -388,6 +504,19 @@ class BaseTrainer:
     def build_policy(self) -> Policy:
         _, policy, _, _ = run_spaces(self.config)
         return policy
+
+    def build_starting_model(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """(model, optimizer) from the run's seed: the same weights in the driver (`publish_first_version`)
+        and in every learner rank. Built on one thread: initialisers that factorise matrices (orthogonal
+        init's QR) round differently with more threads, and the driver's weights would differ from the
+        learner's. (Machines with different CPUs may still differ: the learner then publishes anew.)"""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            torch.manual_seed(self.config.seed)
+            return self._as_policy_model(*self.setup_model_and_optimizer(self.policy_generator))
+        finally:
+            torch.set_num_threads(threads)
 
     def _as_policy_model(self, model: Any, optimizer: torch.optim.Optimizer,
                          *rest: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
@@ -413,7 +542,7 @@ class BaseTrainer:
         self.buffer = replay_buffer_pb2_grpc.ReplayBufferStub(self._buffer_channel)
         self._status = trainer_pb2_grpc.TrainerStub(channel(self.status_address)) if self.status_address else None
         self.reader = ChunkReader(self.buffer, t.batch_size_per_gpu * t.batches_per_iteration, t.num_readers,
-                                  t.prefetch_batches, t.sample_timeout, f"rank-{self.rank}")
+                                  t.prefetch_batches, t.sample_timeout, f"rank-{self.rank}", t.data_timeout)
         self.checkpoints = checkpoint_store(self.config, self.workdir)
 
     def report(self, state: str, metrics: dict[str, float]) -> bool:
@@ -422,7 +551,7 @@ class BaseTrainer:
         stop = False
         if self.rank == 0 and self._status is not None:
             stop = self._report(state, metrics)
-        if is_distributed():
+        if self.distributed:
             flag = torch.tensor(float(stop), device=self.device)
             dist.broadcast(flag, src=0)
             stop = bool(flag.item())
@@ -448,11 +577,11 @@ class BaseTrainer:
 
         ctx = ray.train.get_context()
         self.rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
+        require_usable_cuda()  # Ray gave this worker a GPU: it is used, or training stops here
         self.device = ray.train.torch.get_device()
-        torch.manual_seed(self.config.seed)
         torch.set_num_threads(1)
         self._connect()
-        self.model, self.optimizer = self._as_policy_model(*self.setup_model_and_optimizer(self.policy_generator))
+        self.model, self.optimizer = self.build_starting_model()
         torch.manual_seed(self.config.seed * 7919 + self.rank)  # minibatch order; a resume restores it
         try:
             self.restore()

@@ -6,9 +6,11 @@ import logging
 from pathlib import Path
 from typing import Any
 
+from overworld.core.blobs import open_blob_store
 from overworld.core.config import as_dict
+from overworld.trainer.checkpoint import is_durable, save_location
 from overworld.trainer.evaluation import evaluate
-from overworld.trainer.loggers import build_loggers
+from overworld.trainer.loggers import LogSync, build_loggers
 from overworld.trainer.minestudio_metrics import MineStudioMetrics
 
 log = logging.getLogger("overworld.trainer")
@@ -22,16 +24,18 @@ def anneal_learning_rate(trainer: Any) -> None:
 
 
 def publish_weights(trainer: Any, metrics: dict[str, float]) -> None:
-    # During the value warm-up MineStudio broadcasts nothing: the policy has not changed.
-    if trainer.updates >= trainer.config.train_config.vf_warmup:
+    # During the value warm-up (its first vf_warmup iterations) MineStudio broadcasts nothing.
+    if trainer.iteration > trainer.config.train_config.vf_warmup:
         trainer.broadcast_model_to_rollout_workers(new_version=True)
 
 
 def save_checkpoint(trainer: Any, metrics: dict[str, float]) -> None:
+    # Every rank: each one's RNG state goes into the checkpoint (rank 0 writes it).
     t = trainer.config.train_config
-    if trainer.rank == 0 and t.save_interval > 0 and trainer.iteration % t.save_interval == 0:
+    if t.save_interval > 0 and trainer.iteration % t.save_interval == 0:
         ckpt_id = trainer.save_checkpoint()
-        trainer.hooks.run("on_checkpoint", trainer, checkpoint_id=ckpt_id)
+        if trainer.rank == 0:
+            trainer.hooks.run("on_checkpoint", trainer, checkpoint_id=ckpt_id)
 
 
 def run_evaluation(trainer: Any, metrics: dict[str, float]) -> None:
@@ -58,24 +62,39 @@ def request_video(trainer: Any, metrics: dict[str, float]) -> None:
 
 class LogMetrics:
     """Console / TensorBoard / W&B every log_interval (the driver's status, and so Prometheus, gets
-    every iteration from the loop itself)."""
+    every iteration from the loop itself). Their files are written under <workdir>/logs/<run_id>/ and,
+    when save_path is durable, copied to <save_path>/<run_id>/logs/ every minute, at every checkpoint
+    and at the end."""
 
     def __init__(self, trainer: Any) -> None:
         self.loggers = []
+        self.sync: LogSync | None = None
         if trainer.rank == 0:
-            run_dir = Path(trainer.workdir) / "logs" / (trainer.config.run_id or "run")
+            run_id = trainer.config.run_id or "run"
+            run_dir = Path(trainer.workdir) / "logs" / run_id
             self.loggers = build_loggers(trainer.config.logger_config, run_dir,
                                          trainer.config.train_config.num_iterations, as_dict(trainer.config))
+            if is_durable(trainer.config):
+                self.sync = LogSync(run_dir, open_blob_store(save_location(trainer.config, trainer.workdir)),
+                                    f"{run_id}/logs")
 
     def __call__(self, trainer: Any, metrics: dict[str, float]) -> None:
         if trainer.iteration % trainer.config.train_config.log_interval:
             return
         for logger in self.loggers:
             logger.log(metrics, trainer.iteration)
+        if self.sync is not None:
+            self.sync.maybe()
+
+    def on_checkpoint(self, trainer: Any, checkpoint_id: str) -> None:
+        if self.sync is not None:
+            self.sync.sync()
 
     def close(self) -> None:
         for logger in self.loggers:
             logger.close()
+        if self.sync is not None:
+            self.sync.sync()
 
 
 def register_builtin_hooks(trainer: Any) -> LogMetrics:
@@ -87,4 +106,5 @@ def register_builtin_hooks(trainer: Any) -> LogMetrics:
     trainer.hooks.register("post_iteration", MineStudioMetrics())
     logger = LogMetrics(trainer)
     trainer.hooks.register("post_iteration", logger)
+    trainer.hooks.register("on_checkpoint", logger.on_checkpoint)
     return logger

@@ -1,4 +1,4 @@
-"""Checkpoints in the object store: `checkpoints/<id>/` holds the model (safetensors), the optimizer
+"""Checkpoints under `train_config.save_path` (`save_location`: the object store, or a directory): `checkpoints/<id>/` holds the model (safetensors), the optimizer
 and RNG states (torch tensors, loaded with weights_only=True), and `state.json` (counters, KL
 coefficient, model version, config). `COMMITTED` is written last: a checkpoint without it is a
 half-written one and is never listed, loaded or kept.
@@ -13,11 +13,13 @@ import io
 import json
 import re
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 import torch
 
-from overworld.core.blobs import BlobStore
+from overworld.core.blobs import BlobStore, open_blob_store
+from overworld.core.config import RunConfig
 
 COMMITTED = "COMMITTED"
 ID_PATTERN = re.compile(r"^iter-(\d{8})$")
@@ -112,3 +114,22 @@ class CheckpointStore:
         # Uncommit first, so a crash halfway through never leaves a listed, partial checkpoint.
         self.blobs.delete([marker])
         self.blobs.delete([k for k in keys if k != marker])
+
+
+def save_location(config: RunConfig, workdir: str) -> str:
+    """`train_config.save_path`: s3://BUCKET/PREFIX, an absolute directory, or one relative to the workdir
+    (null: the default, `output`)."""
+    path = config.train_config.save_path or "output"
+    return path if path.startswith("s3://") or Path(path).is_absolute() else str(Path(workdir) / path)
+
+
+def is_durable(config: RunConfig) -> bool:
+    """Whether `save_path` is outside the workdir (an object store, a mounted volume), so that the
+    trainer's logs must be copied there too: in a pod the workdir dies with it."""
+    path = config.train_config.save_path or "output"
+    return path.startswith("s3://") or Path(path).is_absolute()
+
+
+def checkpoint_store(config: RunConfig, workdir: str) -> CheckpointStore:
+    return CheckpointStore(open_blob_store(save_location(config, workdir)),
+                           prefix=f"{config.run_id or 'run'}/checkpoints")

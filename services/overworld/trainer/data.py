@@ -1,4 +1,7 @@
-"""From sampled chunks to a training batch: chains of consecutive steps of one env slot."""
+"""From sampled chunks to a training batch: chains of consecutive steps of one env slot.
+
+A batch lives in host memory; `to_device` moves the part in use (a group of chains, a window, a
+minibatch) to the learner's device."""
 
 from __future__ import annotations
 
@@ -30,7 +33,7 @@ class Batch:
     # Filled by the learner before the update:
     advantage: torch.Tensor | None = None
     value_target: torch.Tensor | None = None
-    old_vpred: torch.Tensor | None = None
+    old_vpred: torch.Tensor | None = None  # the learner's prediction before the update, the value head's space
 
     @property
     def size(self) -> int:
@@ -55,8 +58,22 @@ class Batch:
             model_version=pick(self.model_version),  # type: ignore[arg-type]
             advantage=pick(self.advantage), value_target=pick(self.value_target), old_vpred=pick(self.old_vpred))
 
+    def to(self, device: torch.device) -> Batch:
+        fields = {f: getattr(self, f) for f in self.__dataclass_fields__}
+        return Batch(**{f: to_device(v, device) if isinstance(v, dict) else None if v is None
+                        else v.to(device, non_blocking=True) for f, v in fields.items()})
 
-def chains_from_chunks(chunks: list[replay_buffer_pb2.SampledChunk], device: torch.device) -> Batch:
+
+def to_device(tensors: dict[str, torch.Tensor], device: torch.device, rows: slice | None = None,
+              start: int | None = None, end: int | None = None) -> dict[str, torch.Tensor]:
+    """`tensors[rows, start:end]` on `device` (only that part is copied)."""
+    rows = slice(None) if rows is None else rows
+    if start is None and end is None:
+        return {k: v[rows].to(device, non_blocking=True) for k, v in tensors.items()}
+    return {k: v[rows, start:end].to(device, non_blocking=True) for k, v in tensors.items()}
+
+
+def chains_from_chunks(chunks: list[replay_buffer_pb2.SampledChunk]) -> Batch:
     chains: list[dict[str, np.ndarray]] = []
     for chunk in chunks:
         fragments = [Fragment.from_proto(f) for f in chunk.fragments]
@@ -67,12 +84,14 @@ def chains_from_chunks(chunks: list[replay_buffer_pb2.SampledChunk], device: tor
                 chain[key] = first[key]
             elif key.startswith("next_obs."):
                 chain[key] = last[key]
+            elif len(fragments) == 1:  # one fragment per chunk: its arrays as they are (np.stack copies once)
+                chain[key] = first[key]
             else:
                 chain[key] = np.concatenate([f.data[key] for f in fragments], axis=0)
         chains.append(chain)
 
     def stack(key: str) -> torch.Tensor:
-        return torch.as_tensor(np.stack([c[key] for c in chains]), device=device)
+        return torch.as_tensor(np.stack([c[key] for c in chains]))
 
     keys = chains[0].keys()
 

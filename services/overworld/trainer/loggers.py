@@ -4,7 +4,11 @@ Prometheus gets the same numbers through the trainer driver.
 W&B as MineStudio runs it: logger_config goes to wandb.init as given, and the x-axes are
 MineStudio's (`trainer/*` against `trainer/env_steps_all_workers`, `episode_statistics/*` against
 `episode_statistics/step`). Without an API key, or when the server cannot be reached, the run is
-logged offline (one notice; `wandb sync` uploads it later) instead of failing the trainer."""
+logged offline (one notice; `wandb sync` uploads it later) instead of failing the trainer.
+
+TensorBoard and W&B write files under the workdir; when `save_path` is durable (an object store, a
+mounted volume), `LogSync` copies them there, next to the checkpoints, so a pod's death cannot take
+them (see docs/trainer.md)."""
 
 from __future__ import annotations
 
@@ -13,10 +17,12 @@ import math
 import netrc
 import os
 import sys
+import time
 from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
+from overworld.core.blobs import BlobStore
 from overworld.core.config import LoggerConfig
 
 log = logging.getLogger("overworld.trainer")
@@ -122,3 +128,37 @@ def build_loggers(config: LoggerConfig, run_dir: Path, total_iterations: int,
     if config.wandb:
         loggers.append(WandbLogger(config, run_dir, run_config))
     return loggers
+
+
+class LogSync:
+    """Copies the files under `local_dir` that changed since the last copy to `prefix/` in `store`
+    (every `interval` seconds when asked with `maybe()`, and on `sync()`). A failed copy is logged
+    and tried again next time: logs never stop training."""
+
+    def __init__(self, local_dir: Path, store: BlobStore, prefix: str, interval: float = 60.0) -> None:
+        self.local_dir = local_dir
+        self.store = store
+        self.prefix = prefix.rstrip("/")
+        self.interval = interval
+        self.copied: dict[Path, tuple[int, int]] = {}
+        self.last = time.monotonic()
+
+    def maybe(self) -> None:
+        if time.monotonic() - self.last >= self.interval:
+            self.sync()
+
+    def sync(self) -> int:
+        self.last = time.monotonic()
+        copied = 0
+        for path in sorted(p for p in self.local_dir.rglob("*") if p.is_file()):
+            try:
+                stat = path.stat()
+                version = (stat.st_size, stat.st_mtime_ns)
+                if self.copied.get(path) == version:
+                    continue
+                self.store.put(f"{self.prefix}/{path.relative_to(self.local_dir).as_posix()}", path.read_bytes())
+                self.copied[path] = version
+                copied += 1
+            except Exception as err:  # a vanished temp file, the store away: next time
+                log.warning("could not copy %s to the save path: %s", path, err)
+        return copied

@@ -36,9 +36,14 @@ class LossTerms:
 
 def ppo_loss(out: PolicyOutput, action: dict[str, torch.Tensor], behaviour_logp: torch.Tensor,
              advantage: torch.Tensor, target_vpred: torch.Tensor, old_vpred: torch.Tensor,
-             ref_logits: dict[str, torch.Tensor] | None, rho: float, cfg: LossConfig,
+             ref_logits: dict[str, torch.Tensor] | None, kl_coef: float, cfg: LossConfig,
              value_only: bool = False) -> LossTerms:
-    """All inputs are (B, T); `target_vpred` and `old_vpred` are in the value head's (normalised) space."""
+    """All inputs are (B, T); `target_vpred` and `old_vpred` are in the value head's (normalised) space.
+    `kl_coef`: the weight of KL(pi || reference), rho (MineStudio: 1 during the value warm-up).
+
+    `value_only` (the value warm-up): value loss and KL term only. The logits still enter the total
+    with weight zero, so that every parameter the forward used gets a (zero) gradient: under DDP a
+    parameter that produced an output but no gradient would leave the all-reduce waiting."""
     logp = log_prob(out.logits, action)
     log_ratio = torch.clamp(logp - behaviour_logp, max=cfg.log_ratio_range)
     ratio = torch.exp(log_ratio)
@@ -55,10 +60,10 @@ def ppo_loss(out: PolicyOutput, action: dict[str, torch.Tensor], behaviour_logp:
     ent = entropy(out.logits).mean()
     kl = kl_divergence(out.logits, ref_logits).mean() if ref_logits is not None else torch.zeros((), device=vpred.device)
     if value_only:
-        total = cfg.ppo_vf_coef * value_loss + rho * kl
+        total = cfg.ppo_vf_coef * value_loss + kl_coef * kl + 0.0 * sum(v.sum() for v in out.logits.values())
     else:
         total = (cfg.ppo_policy_coef * policy_loss + cfg.ppo_vf_coef * value_loss
-                 - cfg.entropy_bonus_coef * ent + rho * kl)
+                 - cfg.entropy_bonus_coef * ent + kl_coef * kl)
     with torch.no_grad():
         approx_kl = ((ratio - 1) - log_ratio).mean()
         clip_fraction = ((ratio - 1).abs() > cfg.ppo_clip).float().mean()

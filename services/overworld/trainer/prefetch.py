@@ -2,7 +2,8 @@
 
 `num_readers` Sample streams split each batch between them; `prefetch_batches` batches are fetched
 ahead in the background (0: fetch when asked, which keeps the policy lag of on-policy runs lowest).
-Every call has a deadline: nothing here waits forever.
+Every call has a deadline, and a reader that receives no chunk at all for `data_timeout` seconds
+fails (`NoDataError`, naming what it waited for): nothing here waits forever.
 
 When the buffer's blobs are in S3, chunks are sampled by reference: the front claims them and hands
 out their blob keys, and the reader fetches the blobs from the store itself, in parallel threads
@@ -15,6 +16,7 @@ from __future__ import annotations
 import logging
 import queue
 import threading
+import time
 from concurrent.futures import ThreadPoolExecutor
 
 from overworld.replay_buffer.client import blob_store_for, fetch_chunks, sample_stream
@@ -23,34 +25,59 @@ from overworld.v1 import replay_buffer_pb2, replay_buffer_pb2_grpc
 log = logging.getLogger("overworld.trainer")
 
 
+class NoDataError(TimeoutError):
+    """The replay buffer handed out no chunk for `train_config.data_timeout` seconds."""
+
+
+def _buffer_state(stub: replay_buffer_pb2_grpc.ReplayBufferStub) -> str:
+    try:
+        stats = stub.GetStats(replay_buffer_pb2.GetStatsRequest(), timeout=10)
+    except Exception as err:  # the message must be written even when the buffer is gone
+        return f"its statistics are unavailable ({err.__class__.__name__})"
+    return (f"it holds {stats.chunks} chunks ({stats.fragments} fragments), has accepted "
+            f"{stats.inserted_fragments} fragments in all, model version {stats.model_version}")
+
+
 def sample_chunks(stub: replay_buffer_pb2_grpc.ReplayBufferStub, n: int, timeout: float, reader_id: str,
-                  stop: threading.Event | None = None, blob_refs: bool | None = None
-                  ) -> list[replay_buffer_pb2.SampledChunk]:
+                  stop: threading.Event | None = None, blob_refs: bool | None = None,
+                  data_timeout: float | None = None) -> list[replay_buffer_pb2.SampledChunk]:
     """n chunks (fewer only when stopped), with their fragments. blob_refs (None: when the buffer's
     blobs are in S3): the front hands out the claimed chunks' blob keys and the blobs are fetched from
-    the store here; a chunk whose blob is gone is skipped and another one sampled in its place."""
+    the store here; a chunk whose blob is gone is skipped and another one sampled in its place.
+    data_timeout: raise NoDataError once no chunk has arrived for that many seconds."""
     chunks: list[replay_buffer_pb2.SampledChunk] = []
+    last_data = time.monotonic()
     while len(chunks) < n and not (stop and stop.is_set()):
         store = blob_store_for(stub, blob_refs)
-        request = replay_buffer_pb2.SampleRequest(num_chunks=n - len(chunks), timeout_seconds=timeout,
+        wait = timeout if data_timeout is None else max(0.1, min(timeout, last_data + data_timeout - time.monotonic()))
+        request = replay_buffer_pb2.SampleRequest(num_chunks=n - len(chunks), timeout_seconds=wait,
                                                   reader_id=reader_id, allow_partial=True,
                                                   blob_refs=store is not None)
-        got = sample_stream(stub, request, timeout + 30, timeout + 60)
+        got = sample_stream(stub, request, wait + 30, wait + 60)
         if not got:
             log.info("%s waiting for data: %d of %d chunks", reader_id, len(chunks), n)
         elif store is not None:
             got = fetch_chunks(stub, store, reader_id, got)
+        if got:
+            last_data = time.monotonic()
+        elif data_timeout is not None and time.monotonic() - last_data >= data_timeout:
+            raise NoDataError(
+                f"{reader_id}: no chunk from the replay buffer for {time.monotonic() - last_data:.0f}s "
+                f"(train_config.data_timeout={data_timeout:g}); waited for {n - len(chunks)} more of {n} chunks "
+                f"of this rank's batch; {_buffer_state(stub)}. Are rollout workers running and sending "
+                "fragments (overworld status; rollout-worker logs)?")
         chunks += got
     return chunks
 
 
 class ChunkReader:
     def __init__(self, stub: replay_buffer_pb2_grpc.ReplayBufferStub, chunks_per_batch: int, num_readers: int,
-                 prefetch_batches: int, timeout: float, name: str) -> None:
+                 prefetch_batches: int, timeout: float, name: str, data_timeout: float | None = None) -> None:
         self.stub = stub
         self.n = chunks_per_batch
         self.readers = max(1, min(num_readers, chunks_per_batch))
         self.timeout = timeout
+        self.data_timeout = data_timeout
         self.name = name
         self.stop = threading.Event()
         self.pool = ThreadPoolExecutor(self.readers, thread_name_prefix="reader")
@@ -63,15 +90,16 @@ class ChunkReader:
     def _fetch(self) -> list[replay_buffer_pb2.SampledChunk]:
         shares = [self.n // self.readers + (i < self.n % self.readers) for i in range(self.readers)]
         parts = self.pool.map(lambda i: sample_chunks(self.stub, shares[i], self.timeout, f"{self.name}-r{i}",
-                                                      self.stop), range(self.readers))
+                                                      self.stop, data_timeout=self.data_timeout), range(self.readers))
         return [c for part in parts for c in part]
 
     def _prefetch(self) -> None:
         assert self.queue is not None
         while not self.stop.is_set():
+            batch: list[replay_buffer_pb2.SampledChunk] | Exception
             try:
-                batch: list | Exception = self._fetch()
-            except Exception as err:  # the buffer stayed away past the deadline: the learner raises it
+                batch = self._fetch()
+            except Exception as err:  # handed to next(): the learner fails instead of waiting forever
                 batch = err
             while not self.stop.is_set():
                 try:
@@ -79,12 +107,15 @@ class ChunkReader:
                     break
                 except queue.Full:
                     continue
+            if isinstance(batch, Exception):
+                return
 
     def next(self) -> list[replay_buffer_pb2.SampledChunk]:
         if self.queue is None:
             return self._fetch()
         batch = self.queue.get()
         if isinstance(batch, Exception):
+            self.stop.set()
             raise batch
         return batch
 

@@ -11,11 +11,12 @@ import time
 
 from prometheus_client import Counter, Gauge
 
-from overworld.core.config import load_config
+from overworld.core.config import RunConfig, load_config
 from overworld.core.grpc_util import Server, serve
 from overworld.core.imports import import_object
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.trainer.base import BaseTrainer
+from overworld.trainer.placement import PlacementError
 from overworld.v1 import trainer_pb2 as pb
 from overworld.v1 import trainer_pb2_grpc
 
@@ -85,19 +86,38 @@ class TrainerStatusService(trainer_pb2_grpc.TrainerServicer):
 
 
 RAY_START_ATTEMPTS = 3
+# A Ray of its own for one run on this machine gets only what the trainer uses: no dashboard, no usage
+# report, no metrics agent work, a small object store (weights and batches travel over gRPC, not
+# through Ray), no Ray Train preemption watcher or metrics callbacks. bench/bench_startup.py measures
+# each knob; a variable already set in the environment wins.
+LOCAL_RAY_ENV = {
+    "RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER": "0",  # every Ray socket on loopback (read by Ray at import)
+    "RAY_USAGE_STATS_ENABLED": "0",
+    "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
+    "RAY_TRAIN_METRICS_ENABLED": "0",
+}
+LOCAL_RAY_INIT = {"include_dashboard": False, "object_store_memory": 128 * 2**20,
+                  "_system_config": {"enable_metrics_collection": False}}
 
 
 def start_ray(address: str) -> None:
-    """Start (or join) Ray, trying again on a start that timed out: on a busy machine the raylet can
-    miss Ray's startup deadline, and one slow start must not fail a run."""
+    """Start a local Ray (`address` empty) or join a cluster, trying again on a start that timed out:
+    on a busy machine the raylet can miss Ray's startup deadline, and one slow start must not fail a run."""
+    if not address:
+        for key, value in LOCAL_RAY_ENV.items():
+            os.environ.setdefault(key, value)
+    # Ray nices its workers to 15 by default; the learner must not yield to every other process.
+    os.environ.setdefault("RAY_worker_niceness", "0")
     import ray
 
+    started = time.monotonic()
     for attempt in range(1, RAY_START_ATTEMPTS + 1):
         try:
             if address:
                 ray.init(address=address, log_to_driver=True)
             else:
-                ray.init(include_dashboard=False, log_to_driver=True, configure_logging=False)
+                ray.init(log_to_driver=True, configure_logging=False, **LOCAL_RAY_INIT)  # type: ignore[arg-type]
+            log.info("Ray started in %.1fs", time.monotonic() - started)
             return
         except Exception as err:
             ray.shutdown()
@@ -114,20 +134,27 @@ def advertised_host(bind_host: str) -> str:
     return os.environ.get("POD_IP") or socket.gethostbyname(socket.gethostname())
 
 
+def apply_flags(config: RunConfig, resume: str, save_path: str) -> RunConfig:
+    """`--resume` and `--save-path` (OVERWORLD_RESUME, OVERWORLD_SAVE_PATH) win over the run config:
+    they are the deployment's say (the chart points save_path at the object store). `--resume auto`
+    (a restarted trainer) leaves `resume` to the config: see `continue_run`."""
+    if resume and resume != "auto":
+        config.train_config.resume = resume
+    if save_path:
+        if save_path != config.train_config.save_path:
+            log.info("save_path %s (--save-path / OVERWORLD_SAVE_PATH) replaces the run config's %r",
+                     save_path, config.train_config.save_path)
+        config.train_config.save_path = save_path
+    return config
+
+
 class TrainerDriver:
     def __init__(self, rollout_manager: str, replay_buffer: str, gae: str, model_registry: str, host: str,
                  port: int, ray_address: str, workdir: str, resume: str, done: threading.Event,
-                 config_path: str = "") -> None:
+                 config_path: str = "", save_path: str = "") -> None:
         self.status = TrainerStatusService()
         self.server: Server = serve([(trainer_pb2_grpc.add_TrainerServicer_to_server, self.status,
                                       "overworld.v1.Trainer")], host, port)
-        self.config = RolloutManagerClient(rollout_manager).run_config()
-        if config_path:  # the trainer's own config (overworld.online.start_trainer); the run is the manager's
-            own = load_config(config_path)
-            own.run_id = self.config.run_id
-            self.config = own
-        if resume and resume != "auto":
-            self.config.train_config.resume = resume
         self.addresses = {"rollout_manager": rollout_manager, "replay_buffer": replay_buffer, "gae": gae,
                           "model_registry": model_registry, "status_address": f"{advertised_host(host)}:{self.server.port}",
                           "workdir": workdir}
@@ -136,25 +163,46 @@ class TrainerDriver:
         self.ray_address = ray_address
         self.done = done
         self.failed = False
+        self._trainer: BaseTrainer | None = None
+        self._started = threading.Event()  # the config is here and the first version published (or failed)
+        self._startup_error: Exception | None = None
+        # Ray starts at once in the thread that trains, while this one fetches the config and publishes
+        # the first version. That thread lives as long as training: Ray's processes are bound to the
+        # thread that started them (PR_SET_PDEATHSIG) and die with it.
+        self.config_error = False  # failed in a way a restart would repeat (EXIT_CONFIG)
         self._thread = threading.Thread(target=self._fit, name="trainer-fit", daemon=True)
         self._thread.start()
+        try:
+            self.config = RolloutManagerClient(rollout_manager).run_config()
+            if config_path:  # the trainer's own config (overworld.online.start_trainer); the run is the manager's
+                own = load_config(config_path)
+                own.run_id = self.config.run_id
+                self.config = own
+            self.config = apply_flags(self.config, resume, save_path)
+            self._trainer = trainer_class(self.config.trainer_name).from_config(self.config, **self.addresses)
+            self._trainer.publish_first_version()  # the workers start stepping while Ray starts
+        except Exception as err:
+            self._startup_error = err
+        finally:
+            self._started.set()
 
     def _fit(self) -> None:
-        if not self.ray_address:
-            # Ray binds its node to the primary interface unless told it is a single-machine cluster:
-            # a laptop run keeps every Ray socket on loopback. (Read by Ray at import.)
-            os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-
-        # Ray nices its workers to 15 by default; the learner must not yield to every other process.
-        os.environ.setdefault("RAY_worker_niceness", "0")
         try:
             start_ray(self.ray_address)
-            cls = trainer_class(self.config.trainer_name)
-            trainer = cls.from_config(self.config, **self.addresses)
+            self._started.wait()
+            if self._startup_error is not None:
+                raise self._startup_error
+            assert self._trainer is not None
+            if not self.ray_address:
+                self._trainer.placement_timeout = 0  # a Ray this driver started has what it has: no waiting
             self.status.set_state("running")
-            trainer.fit()
+            self._trainer.fit()
             self.status.set_state("finished")
             log.info("training finished")
+        except PlacementError as err:
+            log.error("the trainer's workers cannot be placed: %s", err)
+            self.failed = self.config_error = True
+            self.status.set_state("failed", str(err)[:2000])
         except Exception as err:
             log.exception("training failed")
             self.failed = True

@@ -1,5 +1,6 @@
 {{/*
-One Overworld service: a Deployment running `overworld serve <component>` and, unless
+One Overworld service: a Deployment running `overworld serve <component>` (with the certificate
+of identity <component>; probes on the plaintext health-only port) and, unless
 .headless is set, a ClusterIP Service for its gRPC (and metrics) port.
 
 Usage: include "overworld.component" (dict
@@ -82,6 +83,7 @@ spec:
             {{- end }}
           env:
             {{- include "overworld.env.ports" (dict "context" $ "port" $v.port) | nindent 12 }}
+            {{- include "overworld.env.security" (dict "context" $ "identity" .component) | nindent 12 }}
             {{- with .env }}
             {{- . | nindent 12 }}
             {{- end }}
@@ -92,6 +94,9 @@ spec:
             - name: grpc
               containerPort: {{ $v.port }}
               protocol: TCP
+            - name: health
+              containerPort: {{ $.Values.tls.healthPort }}
+              protocol: TCP
             {{- if $.Values.metrics.enabled }}
             - name: metrics
               containerPort: {{ $.Values.metrics.port }}
@@ -99,18 +104,18 @@ spec:
             {{- end }}
           startupProbe:
             grpc:
-              port: {{ $v.port }}
+              port: {{ $.Values.tls.healthPort }}
             periodSeconds: 5
             failureThreshold: 60
           livenessProbe:
             grpc:
-              port: {{ $v.port }}
+              port: {{ $.Values.tls.healthPort }}
             periodSeconds: 10
             timeoutSeconds: 5
             failureThreshold: 6
           readinessProbe:
             grpc:
-              port: {{ $v.port }}
+              port: {{ $.Values.tls.healthPort }}
             periodSeconds: 5
             timeoutSeconds: 3
             failureThreshold: 3
@@ -127,6 +132,7 @@ spec:
           volumeMounts:
             - name: tmp
               mountPath: /tmp
+            {{- include "overworld.tls.volumeMount" $ | nindent 12 }}
             {{- if .configMount }}
             - name: run-config
               mountPath: /etc/overworld
@@ -139,6 +145,7 @@ spec:
       volumes:
         - name: tmp
           emptyDir: {}
+        {{- include "overworld.tls.volume" (dict "context" $ "identity" .component) | nindent 8 }}
         {{- if .configMount }}
         - name: run-config
           configMap:

@@ -173,6 +173,11 @@ OVERWORLD_INDEX: the bundled Redis, an external URL, or an external URL from a S
 {{- if .Values.redis.enabled }}
 - name: OVERWORLD_INDEX
   value: {{ printf "redis://%s:6379/0" (include "overworld.redisName" .) | quote }}
+- name: OVERWORLD_REDIS_PASSWORD
+  valueFrom:
+    secretKeyRef:
+      name: {{ include "overworld.redisSecretName" . }}
+      key: {{ .Values.redis.auth.passwordKey }}
 {{- else if .Values.externalRedis.existingSecret }}
 - name: OVERWORLD_INDEX
   valueFrom:
@@ -231,6 +236,8 @@ The environment of the trainer (in the RayJob's head and worker pods).
 {{ include "overworld.env.gae" . }}
 {{ include "overworld.env.modelRegistry" . }}
 {{ include "overworld.env.objectStore" . }}
+- name: OVERWORLD_SAVE_PATH
+  value: {{ printf "s3://%s/%s" .Values.objectStore.bucket .Values.objectStore.prefix | quote }}
 - name: OVERWORLD_WORKDIR
   value: /tmp/overworld
 {{- with .Values.trainer.extraEnv }}
@@ -269,4 +276,52 @@ Checks of the values that the JSON schema cannot express.
 {{- if and (not .Values.redis.enabled) (not .Values.externalRedis.url) (not .Values.externalRedis.existingSecret) -}}
 {{- fail "redis.enabled=false needs externalRedis.url or externalRedis.existingSecret" -}}
 {{- end -}}
+{{- end -}}
+
+{{/*
+Security of one Overworld process: its identity's certificate (tls.yaml) at /etc/overworld/tls, or
+plaintext said out loud; and the plaintext health-only port the probes use (kubelet sends no
+client certificate). Usage: include "overworld.env.security" (dict "context" $ "identity" "gae")
+*/}}
+{{- define "overworld.env.security" -}}
+- name: OVERWORLD_HEALTH_PORT
+  value: {{ .context.Values.tls.healthPort | quote }}
+{{- if .context.Values.tls.enabled }}
+- name: OVERWORLD_TLS_DIR
+  value: /etc/overworld/tls
+{{- else }}
+- name: OVERWORLD_INSECURE
+  value: "true"
+{{- end }}
+{{- end -}}
+
+{{- define "overworld.tls.secretName" -}}
+{{- printf "%s-tls-%s" (include "overworld.fullname" .context) .identity -}}
+{{- end -}}
+
+{{- define "overworld.tls.volumeMount" -}}
+{{- if .Values.tls.enabled }}
+- name: tls
+  mountPath: /etc/overworld/tls
+  readOnly: true
+{{- end }}
+{{- end -}}
+
+{{/*
+Usage: include "overworld.tls.volume" (dict "context" $ "identity" "gae")
+*/}}
+{{- define "overworld.tls.volume" -}}
+{{- if .context.Values.tls.enabled }}
+- name: tls
+  secret:
+    secretName: {{ include "overworld.tls.secretName" . }}
+    defaultMode: 0440
+{{- end }}
+{{- end -}}
+
+{{/*
+The bundled Redis' password Secret (generated once, kept across upgrades) or the user's.
+*/}}
+{{- define "overworld.redisSecretName" -}}
+{{- default (include "overworld.redisName" .) .Values.redis.auth.existingSecret -}}
 {{- end -}}

@@ -1,0 +1,137 @@
+"""Good data for each service, sent after hostile input: the service must still do its job."""
+
+from __future__ import annotations
+
+import functools
+import uuid
+from collections.abc import Callable
+from typing import Any
+
+import numpy as np
+
+from overworld.core import tensors, tls, weights
+from overworld.core.config import from_yaml
+from overworld.core.fragment import Fragment, expected_tensors
+from overworld.core.grpc_util import channel
+from overworld.v1 import (
+    gae_pb2,
+    gae_pb2_grpc,
+    replay_buffer_pb2,
+    replay_buffer_pb2_grpc,
+    rollout_manager_pb2,
+    rollout_manager_pb2_grpc,
+    rollout_worker_pb2,
+    rollout_worker_pb2_grpc,
+    trainer_pb2,
+    trainer_pb2_grpc,
+)
+from tests.security.fleet import Fleet
+
+
+def _as(fleet: Fleet, identity: str, service: str) -> Any:
+    assert fleet.credentials is not None
+    tls.use(fleet.credentials[identity])
+    return channel(fleet.addresses[service])
+
+
+@functools.cache
+def _run(address: str, tls_dir: str) -> tuple[Any, Any]:
+    """The fleet's run config and spaces (asked once)."""
+    from overworld.policies.factory import run_spaces
+
+    tls.use(tls_dir)
+    with channel(address) as ch:
+        reply = rollout_manager_pb2_grpc.RolloutManagerStub(ch).GetRunConfig(rollout_manager_pb2.GetRunConfigRequest(),
+                                                                             timeout=10)
+    config = from_yaml(reply.config_yaml)
+    spaces, policy, _, _ = run_spaces(config)
+    return config, (spaces, weights.to_bytes(policy.state_dict()))
+
+
+def run_of(fleet: Fleet) -> tuple[Any, Any]:
+    assert fleet.credentials is not None
+    config, (spaces, _) = _run(fleet.addresses["rollout-manager"], str(fleet.credentials["rollout-worker"]))
+    return config, spaces
+
+
+def policy_weights(fleet: Fleet) -> bytes:
+    """The run's policy's initial weights: what the fleet's real worker can swap in."""
+    assert fleet.credentials is not None
+    return _run(fleet.addresses["rollout-manager"], str(fleet.credentials["rollout-worker"]))[1][1]
+
+
+def rollout_manager(fleet: Fleet) -> None:
+    config, spaces = run_of(fleet)
+    with _as(fleet, "rollout-worker", "rollout-manager") as ch:
+        stub = rollout_manager_pb2_grpc.RolloutManagerStub(ch)
+        reply = stub.Register(rollout_manager_pb2.RegisterRequest(hostname="fuzz", num_envs=1,
+                                                                  spaces=spaces.to_proto()), timeout=10)
+        assert reply.worker_id and reply.run_id == config.run_id
+        assert stub.Heartbeat(rollout_manager_pb2.HeartbeatRequest(worker_id=reply.worker_id), timeout=10).lease_valid
+        stub.Deregister(rollout_manager_pb2.DeregisterRequest(worker_id=reply.worker_id), timeout=10)
+
+
+def replay_buffer(fleet: Fleet) -> None:
+    config, spaces = run_of(fleet)
+    length = config.rollout_config.fragment_length
+    data = {name: np.zeros(shape, dtype=dtype) for name, (shape, dtype) in expected_tensors(spaces, length).items()}
+    fragment = Fragment(config.run_id, f"fuzz-{uuid.uuid4().hex[:8]}", 0, 0, data).to_proto()
+    with _as(fleet, "rollout-worker", "replay-buffer") as ch:
+        stub = replay_buffer_pb2_grpc.ReplayBufferStub(ch)
+        (ack,) = stub.Insert(iter([replay_buffer_pb2.InsertRequest(fragment=fragment)]), timeout=30)
+        assert ack.worker_id == fragment.header.worker_id and ack.sequence == 0
+
+
+def gae(fleet: Fleet) -> None:
+    B, T = 2, 4
+    batch = {k: np.zeros((B, T), np.float32) for k in ("reward", "value", "bootstrap_value")}
+    batch |= {k: np.zeros((B, T), np.bool_) for k in ("terminated", "truncated")}
+    batch["next_value"] = np.zeros((B,), np.float32)
+    batch["reward"][:, -1] = 1.0
+    with _as(fleet, "trainer", "gae") as ch:
+        reply = gae_pb2_grpc.GaeStub(ch).Estimate(gae_pb2.EstimateRequest(discount=0.9, gae_lambda=0.95,
+                                                                         tensors=tensors.encode(batch)), timeout=30)
+    out = tensors.decode(reply.tensors)
+    assert out["advantage"].shape == (B, T) and out["advantage"][0, -1] == 1.0
+
+
+def model_registry(fleet: Fleet) -> None:
+    from overworld.model_registry.client import ModelRegistryClient
+
+    payload = policy_weights(fleet)
+    assert fleet.credentials is not None
+    tls.use(fleet.credentials["trainer"])
+    trainer = ModelRegistryClient(fleet.addresses["model-registry"])
+    try:
+        version = max((v.version for v in trainer.list_versions()), default=0) + 1
+        trainer.publish(version, payload, timeout=30)
+    finally:
+        trainer.close()
+    tls.use(fleet.credentials["rollout-worker"])
+    worker = ModelRegistryClient(fleet.addresses["model-registry"])
+    try:
+        info, data = worker.fetch(version, timeout=30)
+        assert info.version == version and bytes(data) == payload
+    finally:
+        worker.close()
+
+
+def trainer(fleet: Fleet) -> None:
+    with _as(fleet, "trainer", "trainer") as ch:
+        trainer_pb2_grpc.TrainerStub(ch).ReportProgress(trainer_pb2.TrainerStatus(state="running", iteration=3),
+                                                        timeout=10)
+    with _as(fleet, "operator", "trainer") as ch:
+        status = trainer_pb2_grpc.TrainerStub(ch).GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=10)
+    assert status.state == "running" and status.iteration == 3
+
+
+def rollout_worker(fleet: Fleet) -> None:
+    with _as(fleet, "operator", "rollout-worker") as ch:
+        status = rollout_worker_pb2_grpc.RolloutWorkerStub(ch).GetStatus(rollout_worker_pb2.GetWorkerStatusRequest(),
+                                                                         timeout=10)
+    assert status.worker_id and status.num_envs > 0
+
+
+GOOD_DATA: dict[str, Callable[[Fleet], None]] = {
+    "rollout-manager": rollout_manager, "replay-buffer": replay_buffer, "gae": gae,
+    "model-registry": model_registry, "trainer": trainer, "rollout-worker": rollout_worker}

@@ -1,0 +1,195 @@
+"""Only the run's own services talk to each other: over real sockets, every service refuses a
+plaintext client and a client of another CA, and answers PERMISSION_DENIED (naming the caller and
+the method) to every identity on every method core/authz.py does not give it."""
+
+from __future__ import annotations
+
+import asyncio
+import shutil
+from pathlib import Path
+
+import grpc
+import pytest
+from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+from overworld.core import authz, tls
+from overworld.core.grpc_util import channel, serve, wait_healthy
+from overworld.gae.server import GaeService
+from overworld.v1 import gae_pb2, gae_pb2_grpc
+from tests.security.fleet import Fleet
+from tests.security.rpcs import RPCS, call_raw
+
+
+def health(ch: grpc.Channel, timeout: float = 5.0) -> grpc.StatusCode:
+    try:
+        health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+    except grpc.RpcError as err:
+        return err.code()
+    return grpc.StatusCode.OK
+
+
+def test_every_rpc_is_in_the_table() -> None:
+    """A method nobody may call is a method the table forgot (or dead code): each has a caller."""
+    for rpc in RPCS:
+        assert authz.callers(rpc.path), f"{rpc} is in no identity's row of core/authz.py"
+    known = {rpc.path for rpc in RPCS} | set(authz.HEALTH)
+    for identity, methods in authz.ALLOWED.items():
+        assert set(methods) <= known, f"{identity} lists methods no service has: {set(methods) - known}"
+
+
+def test_a_plaintext_client_is_refused_by_every_service(fleet: Fleet) -> None:
+    for service, address in fleet.addresses.items():
+        with grpc.insecure_channel(address) as ch:
+            assert health(ch) == grpc.StatusCode.UNAVAILABLE, service
+            rpc = next(r for r in RPCS if r.service == service)
+            assert call_raw(ch, rpc, [b""], 5)[0] == grpc.StatusCode.UNAVAILABLE, service
+
+
+def test_a_client_of_another_ca_is_refused_by_every_service(fleet: Fleet, tmp_path: Path) -> None:
+    # Same run name, same identity names: only the CA differs.
+    other = tls.write_run_credentials(tmp_path, "fleet-run")
+    for identity in ("trainer", "operator"):
+        tls.use(other[identity])
+        for service, address in fleet.addresses.items():
+            with channel(address) as ch:
+                assert health(ch) == grpc.StatusCode.UNAVAILABLE, (identity, service)
+
+
+def test_each_identity_may_call_exactly_its_methods(fleet: Fleet) -> None:
+    assert fleet.credentials is not None
+    for identity in authz.IDENTITIES:
+        tls.use(fleet.credentials[identity])
+        channels = {service: channel(address) for service, address in fleet.addresses.items()}
+        try:
+            for service, ch in channels.items():
+                assert health(ch) == grpc.StatusCode.OK, (identity, service)
+            for rpc in RPCS:
+                # An allowed call gets whatever the service answers to an empty request (or its
+                # deadline: Watch and Sample wait for data); a refused one is refused up front.
+                code, details = call_raw(channels[rpc.service], rpc, [b""], 1.0)
+                if authz.allowed(identity, rpc.path):
+                    assert code != grpc.StatusCode.PERMISSION_DENIED, (identity, rpc, details)
+                else:
+                    assert code == grpc.StatusCode.PERMISSION_DENIED, (identity, rpc, code, details)
+                    assert identity in details and rpc.path in details, details
+        finally:
+            for ch in channels.values():
+                ch.close()
+
+
+def test_a_certificate_of_another_run_from_the_same_issuer_is_refused(tmp_path: Path) -> None:
+    """Runs sharing one issuer (a cert-manager ClusterIssuer) stay apart: the run in the SPIFFE ID counts."""
+    ca = tls.Authority.create("shared")
+    for run, identity in (("run-a", "gae"), ("run-a", "trainer"), ("run-b", "trainer")):
+        tls.write_identity(tmp_path / run / identity, ca.pem, *ca.issue(identity, run))
+    tls.use(tmp_path / "run-a" / "gae")
+    server = serve([(gae_pb2_grpc.add_GaeServicer_to_server, GaeService(), "overworld.v1.Gae")])
+    try:
+        for run, expected in (("run-a", grpc.StatusCode.INVALID_ARGUMENT), ("run-b", grpc.StatusCode.PERMISSION_DENIED)):
+            tls.use(tmp_path / run / "trainer")
+            with channel(server.address) as ch:
+                with pytest.raises(grpc.RpcError) as err:
+                    gae_pb2_grpc.GaeStub(ch).Estimate(gae_pb2.EstimateRequest(), timeout=5)
+                assert err.value.code() == expected, err.value.details()
+        assert "run 'run-b'" in (err.value.details() or "")
+    finally:
+        server.stop(0)
+
+
+def test_a_server_with_a_client_only_certificate_is_not_trusted(fleet: Fleet) -> None:
+    """The operator's and run-controller's certificates lack the server name: neither can pose as a service."""
+    assert fleet.credentials is not None
+    tls.use(fleet.credentials["operator"])
+    impostor = serve([(gae_pb2_grpc.add_GaeServicer_to_server, GaeService(), "overworld.v1.Gae")])
+    try:
+        tls.use(fleet.credentials["trainer"])
+        with channel(impostor.address) as ch:
+            assert health(ch, 3) == grpc.StatusCode.UNAVAILABLE
+    finally:
+        impostor.stop(0)
+
+
+def test_the_health_port_answers_kubelet_probes_and_nothing_else(fleet: Fleet, monkeypatch: pytest.MonkeyPatch
+                                                                ) -> None:
+    from tests.support import free_port
+
+    assert fleet.credentials is not None
+    port = free_port()
+    monkeypatch.setenv("OVERWORLD_HEALTH_PORT", str(port))
+    tls.use(fleet.credentials["gae"])
+    server = serve([(gae_pb2_grpc.add_GaeServicer_to_server, GaeService(), "overworld.v1.Gae")])
+    try:
+        with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:  # as kubelet: plaintext, no certificate
+            assert health(ch) == grpc.StatusCode.OK
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="overworld.v1.Gae"))
+            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            estimate = next(r for r in RPCS if r.path.endswith("Gae/Estimate"))
+            assert call_raw(ch, estimate, [b""], 5)[0] == grpc.StatusCode.UNIMPLEMENTED
+            server.set_serving(False)
+            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
+            assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+    finally:
+        server.stop(0)
+    with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
+        assert health(ch, 2) == grpc.StatusCode.UNAVAILABLE  # stopped with its server
+
+
+def test_certificates_rotate_without_a_restart(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """New files (here even a new CA) are used by the running server's next handshake and by an open
+    channel's next connection; a client still holding the old files is then refused."""
+    monkeypatch.setattr(tls, "RELOAD_CHECK_SECONDS", 0.0)
+    first = tls.write_run_credentials(tmp_path / "first", "run")
+    second = tls.write_run_credentials(tmp_path / "second", "run")
+    live = {i: tmp_path / "live" / i for i in ("gae", "trainer")}
+    for identity, path in live.items():
+        shutil.copytree(first[identity], path)
+    tls.use(live["gae"])
+    server = serve([(gae_pb2_grpc.add_GaeServicer_to_server, GaeService(), "overworld.v1.Gae")])
+    tls.use(live["trainer"])
+    ch = channel(server.address)
+    stub = gae_pb2_grpc.GaeStub(ch)
+    try:
+        wait_healthy(server.address, 10)
+        with pytest.raises(grpc.RpcError) as err:
+            stub.Estimate(gae_pb2.EstimateRequest(), timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # through TLS and authorization
+        for identity, path in live.items():  # as a Secret volume update: every file replaced
+            for name in (tls.CERT, tls.KEY, tls.CA):
+                shutil.copy(second[identity] / name, path / f".{name}")
+                (path / f".{name}").replace(path / name)
+        old = tmp_path / "old"
+        shutil.copytree(first["trainer"], old)
+        tls.use(old)
+        with channel(server.address) as stale:
+            assert health(stale, 3) == grpc.StatusCode.UNAVAILABLE
+        with pytest.raises(grpc.RpcError) as err:  # the open channel follows its files
+            stub.Estimate(gae_pb2.EstimateRequest(), timeout=5)
+        assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    finally:
+        ch.close()
+        server.stop(0)
+
+
+def test_the_run_controller_reads_trainer_progress_over_mutual_tls(fleet: Fleet, monkeypatch: pytest.MonkeyPatch
+                                                                   ) -> None:
+    from overworld.run_controller.progress import read_progress
+
+    assert fleet.credentials is not None
+    monkeypatch.setenv(tls.TLS_DIR_ENV, str(fleet.credentials["run-controller"]))
+    progress = asyncio.run(read_progress(fleet.addresses["trainer"]))
+    assert progress.model_version == 0  # an answer, through TLS and authorization
+    monkeypatch.delenv(tls.TLS_DIR_ENV)
+    with pytest.raises(grpc.aio.AioRpcError) as err:
+        asyncio.run(read_progress(fleet.addresses["trainer"], timeout=3))
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+
+
+def test_the_documented_table_is_the_code() -> None:
+    """docs/operations.md's "Who may call what" is core/authz.py's table."""
+    text = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
+    documented = {}
+    for line in text.split("### Who may call what", 1)[1].split("###", 1)[0].splitlines():
+        cells = [c.strip().strip("`") for c in line.strip().strip("|").split("|")]
+        if len(cells) == 2 and "/" in cells[0]:
+            documented[f"/overworld.v1.{cells[0]}"] = [c.strip() for c in cells[1].split(",")]
+    assert documented == {rpc.path: authz.callers(rpc.path) for rpc in RPCS}

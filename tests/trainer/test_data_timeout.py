@@ -1,0 +1,52 @@
+"""A trainer that gets no data fails after train_config.data_timeout with a message that says what it
+waited for, instead of waiting forever (MineStudio's fetch has no timeout). Over a real replay-buffer
+front on a loopback socket."""
+
+from __future__ import annotations
+
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from overworld.trainer.prefetch import ChunkReader, NoDataError, sample_chunks
+from tests.replay_buffer.rb_support import (
+    LENGTH,
+    SERVICE_DEFAULTS,
+    SPACES,
+    Backend,
+    Buffer,
+    insert,
+    make_rb_config,
+    new_run_id,
+)
+
+
+@pytest.fixture
+def empty_buffer(tmp_path: Path) -> Iterator[Buffer]:
+    buffer = Buffer(Backend("memory", tmp_path), new_run_id(), make_rb_config(), LENGTH, SPACES, dict(SERVICE_DEFAULTS))
+    buffer.add_front()
+    yield buffer
+    buffer.close()
+
+
+def test_sample_chunks_fails_after_data_timeout_naming_what_it_waited_for(empty_buffer: Buffer) -> None:
+    insert(empty_buffer.stub, [empty_buffer.fragment(seq=0)])  # one chunk of the three asked for
+    started = time.monotonic()
+    with pytest.raises(NoDataError) as err:
+        sample_chunks(empty_buffer.stub, 3, timeout=0.5, reader_id="rank-1-r0", data_timeout=1.5)
+    assert time.monotonic() - started < 10
+    message = str(err.value)
+    assert "rank-1-r0" in message and "train_config.data_timeout=1.5" in message
+    assert "2 more of 3 chunks" in message and "holds 0 chunks" in message and "accepted 1 fragments" in message
+
+
+def test_the_prefetching_reader_hands_the_failure_to_the_learner(empty_buffer: Buffer) -> None:
+    reader = ChunkReader(empty_buffer.stub, chunks_per_batch=2, num_readers=2, prefetch_batches=1, timeout=0.5,
+                         name="rank-0", data_timeout=1.0)
+    try:
+        with pytest.raises(NoDataError, match="rank-0-r"):
+            reader.next()  # without data_timeout this would block forever
+    finally:
+        reader.close()

@@ -1,0 +1,41 @@
+"""The trainer's start cost is paid early: `overworld serve trainer` starts Ray the moment it starts,
+while the rollout-manager it needs is not even up (under `overworld run` every service starts at once)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+
+from overworld.launcher import descendants, kill_if_same
+from tests.support import free_port
+
+
+@pytest.mark.slow
+def test_ray_starts_before_the_rollout_manager_answers(tmp_path: Path) -> None:
+    nobody = free_port()  # no rollout-manager listens here: the driver keeps asking for the run config
+    log = tmp_path / "trainer.log"
+    proc = subprocess.Popen(
+        [sys.executable, "-m", "overworld.cli", "serve", "trainer", "--host", "127.0.0.1", "--port", str(free_port()),
+         "--metrics-port", "0", "--rollout-manager", f"127.0.0.1:{nobody}", "--workdir", str(tmp_path)],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT,
+        env={**os.environ, "OVERWORLD_LOG_FORMAT": "text", "PYTHONUNBUFFERED": "1"})
+    family: list[tuple[int, str]] = []
+    try:
+        deadline = time.monotonic() + 240
+        while "Ray started in" not in log.read_text(errors="replace"):
+            assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, "Ray did not start within 240 s:\n" + log.read_text()[-3000:]
+            family = descendants(proc.pid) or family
+            time.sleep(0.5)
+        assert proc.poll() is None  # still waiting for the rollout-manager
+        family = descendants(proc.pid)
+    finally:
+        proc.kill()
+        proc.wait()
+        for pid, started in family:
+            kill_if_same(pid, started)
