@@ -7,7 +7,7 @@ Redis + S3 (its own redis-server and S3-protocol server on loopback). For each k
 - run going on: kill -> the run has a newer model version and more env steps than when the service
   was restarted (a killed trainer's Ray workers, killed then, may publish one last version).
 
-    python -m bench.bench_recovery [--rounds 2]   -> bench/results/recovery.json
+    python -m bench.bench_recovery [--rounds 1]   -> bench/results/recovery.json
 """
 
 from __future__ import annotations
@@ -58,7 +58,7 @@ def measure(workdir: Path, args: list[str], env: dict[str, str] | None, rounds: 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(prog="python -m bench.bench_recovery")
-    parser.add_argument("--rounds", type=int, default=2, help="times each service is killed per backend")
+    parser.add_argument("--rounds", type=int, default=1, help="times each service is killed per backend")
     args = parser.parse_args(argv)
     results: dict[str, Any] = {}
     with tempfile.TemporaryDirectory(prefix="recovery-") as tmp:
