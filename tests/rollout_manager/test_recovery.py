@@ -21,9 +21,10 @@ from overworld.core.grpc_util import serve, wait_healthy
 from overworld.core.specs import Spaces, TensorSpec
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.rollout_manager.server import RolloutManagerService
+from overworld.rollout_manager.state import StateUnavailable, open_state_store
 from overworld.v1 import rollout_manager_pb2 as pb
 from overworld.v1 import rollout_manager_pb2_grpc
-from tests.support import free_port
+from tests.support import RedisServer, free_port
 
 SPACES = Spaces(obs={"obs": TensorSpec((4,), "float32")}, action={"action": TensorSpec((), "int64")})
 
@@ -138,3 +139,17 @@ def test_a_worker_whose_lease_expired_is_counted_as_losing_its_queue() -> None:
     finally:
         client.close()
         server.stop(0)
+
+
+def test_the_state_lives_in_a_redis_that_asks_for_a_password(tmp_path: Path) -> None:
+    """The chart's and kustomize's Redis ask for a password, given apart from the URL
+    ($OVERWORLD_REDIS_PASSWORD, as the replay buffer's index gets it)."""
+    redis = RedisServer(tmp_path / "redis", password="pw")
+    redis.start()
+    try:
+        with pytest.raises(StateUnavailable):
+            open_state_store(redis.url, str(tmp_path), "run").load()
+        open_state_store(redis.url, str(tmp_path), "run", password="pw").save({"run": {"episodes": 3}})
+        assert open_state_store(redis.url, str(tmp_path), "run", password="pw").load() == {"run": {"episodes": 3}}
+    finally:
+        redis.stop()

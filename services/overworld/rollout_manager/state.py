@@ -72,11 +72,12 @@ class FileState:
 
 
 class RedisState:
-    def __init__(self, url: str, key: str) -> None:
+    def __init__(self, url: str, key: str, password: str | None = None) -> None:
         import redis
 
         self._errors = (redis.ConnectionError, redis.TimeoutError)
-        self.client = redis.Redis.from_url(url, socket_timeout=5, socket_connect_timeout=2)
+        extra = {"password": password} if password else {}  # wins over one in the URL, as the index's
+        self.client = redis.Redis.from_url(url, **extra, socket_timeout=5, socket_connect_timeout=2)
         self.key = key
         self.where = f"{url} (hash {key})"
 
@@ -106,9 +107,10 @@ class RedisState:
             raise StateUnavailable(f"Redis {self.where}: {err}") from err
 
 
-def open_state_store(index_url: str, workdir: str, run: str) -> StateStore:
-    """Redis when the run's index is Redis, else a file under the workdir."""
+def open_state_store(index_url: str, workdir: str, run: str, password: str | None = None) -> StateStore:
+    """Redis when the run's index is Redis (`password`: $OVERWORLD_REDIS_PASSWORD), else a file under
+    the workdir."""
     name = _UNSAFE.sub("_", run)[:64] or "run"
     if index_url.startswith(("redis://", "rediss://", "unix://")):
-        return RedisState(index_url, f"ow:rm:{{{name}}}:state")
+        return RedisState(index_url, f"ow:rm:{{{name}}}:state", password)
     return FileState(Path(workdir) / "rollout-manager" / f"{name}.json")
