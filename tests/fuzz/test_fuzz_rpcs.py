@@ -37,7 +37,9 @@ from tests.security.rpcs import RPCS, Rpc
 QUICK_CASES = int(os.environ.get("OVERWORLD_FUZZ_QUICK", "40"))
 FULL_CASES = int(os.environ.get("OVERWORLD_FUZZ_FULL", "2000"))
 IN_FLIGHT = 32
-DEADLINE = 5.0
+# Generous: what is checked is that each case ends with a status a person can act on, not how fast;
+# 5 s proved tight for 32 calls in flight on a loaded 2-core CI machine.
+DEADLINE = 30.0
 # RPCs that wait by design for data or an event: their deadline is short and DEADLINE_EXCEEDED is their answer.
 WAITING = {"Watch": 0.3, "Sample": 0.3, "GetPushStatus": 0.3}
 RSS_GROWTH_LIMIT = 384 << 20
