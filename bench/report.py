@@ -58,6 +58,10 @@ def headline_rows(name: str, data: dict[str, Any]) -> list[str]:
                 f"{'≥ ' + str(data['target_ratio']) if key in judged else '(reported beside)'} |"
                 for key in data if key.startswith("worst_") and isinstance(data[key], (int, float))
                 ] + tls_rows(name, "ingest", {"1 front": data["tls_ingest"]} if "tls_ingest" in data else {})
+    if name == "recovery":
+        return [f"| recovery | {backend}: {service} killed -> first call answered / run going on (s) | "
+                f"{row['first_call_seconds']} / {row['run_going_on_seconds']} | |"
+                for backend, services in data["backends"].items() for service, row in services.items()]
     if name == "e2e":
         s, crafter = data["summary"], data.get("crafter_cow", {})
         return [f"| e2e | CartPole to a 100-episode mean of {data['target_return']:.0f}, wall seconds from process "

@@ -9,24 +9,14 @@ one that can be neither found nor fetched ends the session with one message, not
 from __future__ import annotations
 
 import os
-import shutil
-import subprocess
 from collections.abc import Iterator
-from pathlib import Path
 
 import pytest
 
-from tests.support import free_port, server_binary, stop_process, wait_port
+from tests.support import RedisServer, S3Server, server_binary
 
 # Ray started by tests stays on loopback (read by Ray when it is imported).
 os.environ["RAY_ENABLE_WINDOWS_OR_OSX_CLUSTER"] = "0"
-
-
-def _require(binary: str, how: str) -> str:
-    path = shutil.which(binary)
-    if path is None:
-        pytest.fail(f"{binary} is not installed ({how}); .ci/run installs it")
-    return path
 
 
 def _needs(item: pytest.Item) -> set[str]:
@@ -45,37 +35,6 @@ def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item
         server_binary(name)
 
 
-class RedisServer:
-    def __init__(self, workdir: Path, appendonly: bool = True, password: str = "") -> None:
-        self.binary = server_binary("redis-server")
-        self.workdir = workdir
-        self.port = free_port()
-        self.appendonly = appendonly
-        self.password = password
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
-                "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always",
-                "--protected-mode", "no", *(["--requirepass", self.password] if self.password else [])]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_port(self.port)
-
-    def stop(self, kill: bool = False) -> None:
-        if self.proc is not None:
-            if kill:
-                self.proc.kill()
-                self.proc.wait()
-            else:
-                stop_process(self.proc)
-            self.proc = None
-
-
 @pytest.fixture(scope="session")
 def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServer]:
     server = RedisServer(tmp_path_factory.mktemp("redis"))
@@ -87,16 +46,12 @@ def redis_server(tmp_path_factory: pytest.TempPathFactory) -> Iterator[RedisServ
 @pytest.fixture(scope="session")
 def s3_server() -> Iterator[dict[str, str]]:
     """moto's S3-protocol server on a free loopback port; yields the OVERWORLD_S3_* settings."""
-    binary = _require("moto_server", "PyPI moto[server], in the dev extra")
-    port = free_port()
-    proc = subprocess.Popen([binary, "-H", "127.0.0.1", "-p", str(port)], stdout=subprocess.DEVNULL,
-                            stderr=subprocess.DEVNULL)
+    server = S3Server()
     try:
-        wait_port(port)
-        yield {"OVERWORLD_S3_ENDPOINT": f"http://127.0.0.1:{port}", "OVERWORLD_S3_ACCESS_KEY": "testing",
-               "OVERWORLD_S3_SECRET_KEY": "testing"}
+        server.start()
+        yield server.env
     finally:
-        stop_process(proc)
+        server.stop()
 
 
 @pytest.fixture

@@ -1,11 +1,13 @@
-"""Small helpers for tests: free ports, waiting for a listener, stopping a process, is it alive, the
-server binaries."""
+"""Small helpers for tests (and benchmarks): free ports, waiting for a listener, stopping a process, is
+it alive, the server binaries, and real stores on loopback (redis-server, an S3-protocol server)."""
 
 from __future__ import annotations
 
 import functools
+import shutil
 import signal
 import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -43,3 +45,77 @@ def alive(pid: int) -> bool:
     except OSError:
         return False
     return state != "Z"
+
+
+def _require(binary: str, how: str) -> str:
+    """A binary on PATH or in this Python's bin directory (the venv's moto_server)."""
+    path = shutil.which(binary) or shutil.which(binary, path=str(Path(sys.executable).parent))
+    if path is None:
+        raise RuntimeError(f"{binary} is not installed ({how}); .ci/run installs it")
+    return path
+
+
+class RedisServer:
+    def __init__(self, workdir: Path, appendonly: bool = True, password: str = "") -> None:
+        self.binary = server_binary("redis-server")
+        self.workdir = workdir
+        self.port = free_port()
+        self.appendonly = appendonly
+        self.password = password
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def url(self) -> str:
+        return f"redis://127.0.0.1:{self.port}/0"
+
+    def start(self) -> None:
+        self.workdir.mkdir(parents=True, exist_ok=True)
+        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
+                "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always",
+                "--protected-mode", "no", *(["--requirepass", self.password] if self.password else [])]
+        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_port(self.port)
+
+    def stop(self, kill: bool = False) -> None:
+        if self.proc is not None:
+            if kill:
+                self.proc.kill()
+                self.proc.wait()
+            else:
+                stop_process(self.proc)
+            self.proc = None
+
+
+class S3Server:
+    """moto's S3-protocol server on a free loopback port. It keeps its objects in memory: `pause()`
+    (SIGSTOP) makes it unreachable without losing them, as an S3 outage would."""
+
+    def __init__(self) -> None:
+        self.binary = _require("moto_server", "PyPI moto[server], in the dev extra")
+        self.port = free_port()
+        self.proc: subprocess.Popen | None = None
+
+    @property
+    def env(self) -> dict[str, str]:
+        """The OVERWORLD_S3_* settings."""
+        return {"OVERWORLD_S3_ENDPOINT": f"http://127.0.0.1:{self.port}", "OVERWORLD_S3_ACCESS_KEY": "testing",
+                "OVERWORLD_S3_SECRET_KEY": "testing"}
+
+    def start(self) -> None:
+        self.proc = subprocess.Popen([self.binary, "-H", "127.0.0.1", "-p", str(self.port)],
+                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
+        wait_port(self.port)
+
+    def pause(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGSTOP)
+
+    def resume(self) -> None:
+        assert self.proc is not None
+        self.proc.send_signal(signal.SIGCONT)
+
+    def stop(self) -> None:
+        if self.proc is not None:
+            self.resume()
+            stop_process(self.proc)
+            self.proc = None

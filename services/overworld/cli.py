@@ -5,6 +5,7 @@ from __future__ import annotations
 import argparse
 import sys
 import threading
+from pathlib import Path
 
 from overworld.core.service import env_default
 
@@ -31,6 +32,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workdir", default=env_default("workdir", "."))
     p.add_argument("--retain", type=int, default=env_default("retain", 20))
     p.add_argument("--lease-seconds", type=float, default=env_default("lease-seconds", 15.0))
+    p.add_argument("--fresh-state", action="store_true", default=env_default("fresh-state", False),
+                   help="rollout-manager: start a new fleet (counters from zero) instead of restoring the saved one")
     _tls_flags(p)
 
 
@@ -46,7 +49,6 @@ def use_tls_flags(args: argparse.Namespace, log: bool = True) -> None:
     that what it starts (the trainer's Ray workers) has the same identity."""
     import logging
     import os
-    from pathlib import Path
 
     from overworld.core import tls
 
@@ -107,6 +109,9 @@ def main(argv: list[str] | None = None) -> int:
     e.add_argument("out", help="directory for model.ckpt, optimizer.ckpt (scaler.ckpt) and whole_config.pkl")
     s = sub.add_parser("status", help="print the fleet status of a running run")
     s.add_argument("--rollout-manager", default=env_default("rollout-manager", "127.0.0.1:50051"))
+    s.add_argument("--workdir", default=None,
+                   help="the workdir of an `overworld run`: its services, their restarts, and its rollout-manager "
+                        "(as the run's operator, <workdir>/tls/operator, unless --tls-dir or --insecure)")
     _tls_flags(s)
     c = sub.add_parser("certs", help="make a CA and a certificate for every identity of a run (kustomize, "
                                      "hand-started services)")
@@ -140,11 +145,12 @@ def main(argv: list[str] | None = None) -> int:
     if args.command == "status":
         from overworld.status import print_status
 
+        if args.workdir and not args.tls_dir and not args.insecure:
+            operator = Path(args.workdir, "tls", "operator")
+            args.tls_dir = str(operator) if operator.is_dir() else ""
         use_tls_flags(args, log=False)
-        return print_status(args.rollout_manager)
+        return print_status(args.rollout_manager, args.workdir)
     if args.command == "certs":
-        from pathlib import Path
-
         from overworld.core.tls import write_run_credentials
 
         for identity, path in write_run_credentials(Path(args.out), args.run, days=args.days).items():

@@ -19,18 +19,15 @@ import grpc
 
 from overworld.core import authz, tls
 from overworld.core.config import ConfigError, RunConfig, check_generators, load_config, to_yaml
-from overworld.core.grpc_util import channel, wait_healthy
+from overworld.core.grpc_util import Retry, channel, wait_healthy
 from overworld.core.net import free_port, reserve_port
 from overworld.core.service import EXIT_CONFIG, PARENT_PID_ENV
 from overworld.envs.crafter_score import score_summary
+from overworld.restarts import SERVICES_FILE, RestartPolicy, write_services
 from overworld.rollout_manager.client import RolloutManagerClient
-from overworld.v1 import trainer_pb2, trainer_pb2_grpc
+from overworld.v1 import replay_buffer_pb2, replay_buffer_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 ROLLOUT_SIDE = ("rollout-manager", "model-registry", "replay-buffer", "gae")
-MAX_RESTARTS = 3  # per service; a restarted trainer continues from this run's latest checkpoint
-RESTARTABLE = ("trainer", "rollout-worker")
-
-
 
 
 @dataclass
@@ -40,11 +37,13 @@ class Child:
     proc: subprocess.Popen
     log_path: Path
     log_file: IO[bytes] = field(repr=False)
+    started: float = field(default_factory=time.monotonic)
+    restart_at: float | None = None  # exited: when it is started again
 
 
 class Launcher:
     def __init__(self, config: RunConfig, workdir: Path, config_path: Path,
-                 security: RunSecurity | None = None) -> None:
+                 security: RunSecurity | None = None, policy: RestartPolicy | None = None) -> None:
         self.config = config
         self.workdir = workdir
         self.config_path = config_path
@@ -52,11 +51,18 @@ class Launcher:
         self.children: list[Child] = []
         self.addresses: dict[str, str] = {}
         self.flags: dict[str, tuple[str, ...]] = {}
-        self.restarts: dict[str, int] = {}
+        self.policy = policy or RestartPolicy()
         self.family: dict[int, list[tuple[int, str]]] = {}
         self.extra_env: dict[str, str] = {}  # for every service started (overworld.online's import path)
+        self.services_file = SERVICES_FILE
 
-    def start(self, name: str, *flags: str, port: int | None = None) -> Child:
+    @property
+    def restarts(self) -> dict[str, int]:
+        return self.policy.totals()
+
+    def start(self, name: str, *flags: str, port: int | None = None, first_start: tuple[str, ...] = ()) -> Child:
+        """Start a service (as its own identity under mutual TLS); a restart later gives it the same
+        port, identity and `flags` (not `first_start`)."""
         port = port or (port_of(self.addresses[name]) if name in self.addresses else free_port())
         self.flags[name] = flags
         address = f"127.0.0.1:{port}"
@@ -71,13 +77,22 @@ class Launcher:
         if not self.security:
             env.pop(tls.TLS_DIR_ENV, None)
         cmd = [sys.executable, "-m", "overworld.cli", "serve", service, "--host", "127.0.0.1", "--port", str(port),
-               "--metrics-port", "0", "--workdir", str(self.workdir), *flags]
+               "--metrics-port", "0", "--workdir", str(self.workdir), *flags, *first_start]
         proc = subprocess.Popen(cmd, stdout=log_file, stderr=subprocess.STDOUT, env=env, start_new_session=True)
         child = Child(name, address, proc, log_path, log_file)
         self.children.append(child)
         self.addresses[name] = address
         print(f"  {name:<18} {address:<18} pid {proc.pid:<8} log {log_path}", flush=True)
+        self.write_services()
         return child
+
+    def write_services(self, running: bool = True) -> None:
+        """services.json: where each service is and how often it was restarted (`overworld status`)."""
+        restarts = self.restarts
+        write_services(self.workdir, self.config.run_id, {
+            c.name: {"address": c.address, "pid": c.proc.pid, "restarts": restarts.get(c.name, 0),
+                     "log": str(c.log_path), "exit_code": c.proc.poll()} for c in self.children}, running,
+            self.services_file)
 
     def remember_families(self) -> None:
         """Note every service's descendants: once a service dies, its orphans are found only here."""
@@ -85,17 +100,34 @@ class Launcher:
             if c.proc.poll() is None:
                 self.family[c.proc.pid] = descendants(c.proc.pid)
 
+    def supervise(self) -> None:
+        """Restart every service that exited, as a Deployment would (restarts.py); RuntimeError when
+        one crashed too often in a row."""
+        now = time.monotonic()
+        for c in self.dead():
+            if c.restart_at is None:
+                if c.proc.returncode == EXIT_CONFIG:  # a restart would only fail the same way
+                    raise RuntimeError(f"{c.name} refused its configuration (exit code {EXIT_CONFIG}); last lines "
+                                       f"of {c.log_path}:\n" + tail(c.log_path))
+                delay = self.policy.on_exit(c.name, c.proc.returncode, now - c.started)
+                if delay is None:
+                    raise RuntimeError(f"{c.name} exited with code {c.proc.returncode}, {self.policy.max_restarts + 1} "
+                                       f"times in a row; last lines of {c.log_path}:\n" + tail(c.log_path))
+                c.restart_at = now + delay
+                print(f"\n{c.name} exited with code {c.proc.returncode}; restarting it"
+                      + (f" in {delay:.0f}s (crash loop)" if delay else ""), flush=True)
+            if now >= c.restart_at:
+                self.restart(c)
+
     def restart(self, child: Child) -> Child:
-        """Start a crashed service again on the same port, as a Deployment's restart would (its
+        """Start an exited service again on the same port, as a Deployment's restart would (its
         leftover processes, e.g. Ray workers of a killed trainer, are killed first)."""
         for pid, started in self.family.pop(child.proc.pid, []):
             kill_if_same(pid, started)
         child.log_file.close()
         self.children.remove(child)
-        self.restarts[child.name] = self.restarts.get(child.name, 0) + 1
+        self.policy.restarted(child.name)
         port = port_of(child.address)
-        print(f"\n{child.name} exited with code {child.proc.returncode}; restarting it "
-              f"({self.restarts[child.name]} of {MAX_RESTARTS})", flush=True)
         flags = self.flags[child.name]
         if child.name == "trainer" and "--resume" not in flags:
             flags = (*flags, "--resume", "auto")  # continue this run, not start it over
@@ -131,8 +163,13 @@ class Launcher:
         held = self.hold_ports(ROLLOUT_SIDE)
         try:
             a = self.addresses
-            self.start("rollout-manager", "--config", str(self.config_path))
-            self.start("model-registry")
+            db = self.config.rollout_config.replay_buffer_config.database_config
+            # With the run's blobs in S3 the registry keeps its versions there too, beside the fragments.
+            registry_blobs = (f"{db.blobs.rstrip('/')}/{self.config.run_id}/registry"
+                              if db.blobs.startswith("s3://") else "")
+            # A new `overworld run` (or --resume) starts a new fleet; a restarted manager restores it.
+            self.start("rollout-manager", "--config", str(self.config_path), first_start=("--fresh-state",))
+            self.start("model-registry", *(["--blobs", registry_blobs] if registry_blobs else []))
             self.start("replay-buffer", "--rollout-manager", a["rollout-manager"])
             self.start("gae")
             if wait:
@@ -173,6 +210,14 @@ class Launcher:
     def dead(self) -> list[Child]:
         return [c for c in self.children if c.proc.poll() is not None]
 
+    def buffer_stats(self) -> replay_buffer_pb2.BufferStats | None:
+        try:
+            with channel(self.addresses["replay-buffer"]) as ch:
+                stub = replay_buffer_pb2_grpc.ReplayBufferStub(ch)
+                return Retry(5.0).unary(stub.GetStats, replay_buffer_pb2.GetStatsRequest(), "GetStats")
+        except (grpc.RpcError, KeyError):
+            return None
+
     def stop(self) -> None:
         """Workers first (they flush), then the trainer, then the rest; SIGKILL whatever lingers,
         descendants included (Ray's raylet and workers, env processes). A second Ctrl-C skips the
@@ -200,6 +245,7 @@ class Launcher:
                     c.proc.kill()
                 c.proc.wait()
                 c.log_file.close()
+            self.write_services(running=False)
 
 
 def port_of(address: str) -> int:
@@ -314,6 +360,7 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
                                "resumed_from": None, "start_env_steps": 0, "start_model_version": 0,
                                "steps_to_target": None}
     fleet: Any = None
+    buffer: replay_buffer_pb2.BufferStats | None = None
     trainer_status: Any = None
     last_trainer_error = ""
 
@@ -329,30 +376,30 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
         last_print = 0.0
         while True:
             time.sleep(0.5)
-            dead = launcher.dead()
-            if dead:
-                c = dead[0]
-                if c.name == "trainer" and trainer_status is not None and trainer_status.state == "finished":
+            exited = next((c for c in launcher.dead() if c.name == "trainer" and c.restart_at is None), None)
+            if exited is not None:
+                if trainer_status is not None and trainer_status.state == "finished":
                     summary["status"] = "completed"
                     break
-                if (c.name.startswith(RESTARTABLE) and launcher.restarts.get(c.name, 0) < MAX_RESTARTS
-                        and c.proc.returncode != EXIT_CONFIG):
-                    if c.name == "trainer" and last_trainer_error:
-                        print(f"\ntrainer failed: {last_trainer_error.splitlines()[-1][:300]}", flush=True)
-                    launcher.restart(c)
-                    trainer_status = None if c.name == "trainer" else trainer_status
-                    continue
-                reason = f": {last_trainer_error}" if c.name == "trainer" and last_trainer_error else ""
-                raise RuntimeError(f"{c.name} exited with code {c.proc.returncode}{reason}; last lines of "
-                                   f"{c.log_path}:\n" + tail(c.log_path))
+                if last_trainer_error and exited.proc.returncode == EXIT_CONFIG:  # not restarted: say why
+                    raise RuntimeError(f"trainer exited with code {EXIT_CONFIG}: {last_trainer_error}; last lines "
+                                       f"of {exited.log_path}:\n" + tail(exited.log_path))
+                if last_trainer_error:
+                    print(f"\ntrainer failed: {last_trainer_error.splitlines()[-1][:300]}", flush=True)
+                    last_trainer_error = ""
+            launcher.supervise()  # restarts whatever exited (the trainer resumes from its checkpoint)
             try:
                 fleet = manager.fleet_status()
-                trainer_status = trainer.GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=5)
+                status = trainer.GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=5)
             except grpc.RpcError:
                 continue
+            if (trainer_status is not None and trainer_status.state == "running" and status.state in ("starting", "running")
+                    and status.model_version < trainer_status.model_version):
+                status = trainer_status  # a restarted trainer has not reported yet: the run is where it was
+            trainer_status = status
             if trainer_status.state == "failed":
-                # The trainer process exits next; the restart policy above brings it back (it resumes
-                # from its checkpoint) until MAX_RESTARTS, as a Deployment would.
+                # The trainer process exits next; the restart policy brings it back (it resumes from its
+                # checkpoint), as a Deployment would.
                 last_trainer_error = trainer_status.error
                 continue
             if trainer_status.state == "finished":
@@ -376,6 +423,7 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
             if max_env_steps is not None and offset(trainer_status) + fleet.env_steps >= max_env_steps:
                 summary["status"] = "max_env_steps"
                 break
+        buffer = launcher.buffer_stats()  # before the buffer stops: its counters go in the summary
     except KeyboardInterrupt:
         summary["status"] = "interrupted"
     except RuntimeError as err:
@@ -390,6 +438,7 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
     if fleet is not None:
         summary.update(env_steps=offset(trainer_status) + fleet.env_steps, episodes=fleet.episodes,
                        mean_return_last_100=fleet.mean_return_last_100 if fleet.episodes else None,
+                       fragments_acknowledged=fleet.fragments_sent, fragments_lost=fleet.fragments_lost,
                        tasks={t.task: {"episodes": t.episodes, "mean_return_last_100": t.mean_return_last_100,
                                        "mean_length_last_100": t.mean_length_last_100,
                                        **dict(t.mean_extras_last_100),
@@ -402,7 +451,11 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
                        start_env_steps=trainer_status.start_env_steps if resume else 0,
                        start_model_version=trainer_status.start_model_version,
                        start_rho=trainer_status.start_rho, latest_checkpoint=trainer_status.latest_checkpoint or None)
-    summary["restarts"] = dict(launcher.restarts)
+    if buffer is not None:
+        summary["replay_buffer"] = {"inserted_fragments": buffer.inserted_fragments, "fragments": buffer.fragments,
+                                    "chunks": buffer.chunks, "sampled_chunks": buffer.sampled_chunks,
+                                    "dropped_chunks": dict(buffer.dropped_chunks)}
+    summary["restarts"] = launcher.restarts
     summary["wall_seconds"] = round(wall, 2)
     run_steps = summary["env_steps"] - summary.get("start_env_steps", 0)  # a resumed run: only its own steps
     summary["env_steps_per_second"] = round(run_steps / wall, 1) if wall > 0 else 0.0

@@ -29,13 +29,20 @@ class Served:
 
 
 def rollout_manager(args: argparse.Namespace, done: threading.Event) -> Any:
+    from overworld.core.config import config_hash
     from overworld.rollout_manager.server import RolloutManagerService
+    from overworld.rollout_manager.state import open_state_store
     from overworld.v1 import rollout_manager_pb2_grpc
 
     if not args.config:
         raise SystemExit("rollout-manager needs --config (or OVERWORLD_CONFIG)")
     config = load_config(args.config, args.set)
-    service = RolloutManagerService(config, lease_seconds=args.lease_seconds, workdir=args.workdir, blobs=args.blobs)
+    # The state lives in the run's index store: Redis on a cluster, else a file under the workdir.
+    index_url = args.index or config.rollout_config.replay_buffer_config.database_config.index
+    state = open_state_store(index_url, args.workdir, config.run_id or config_hash(config)[:16],
+                             password=os.environ.get("OVERWORLD_REDIS_PASSWORD") or None)
+    service = RolloutManagerService(config, lease_seconds=args.lease_seconds, workdir=args.workdir, blobs=args.blobs,
+                                    state=state, fresh=args.fresh_state)
     return Served(serve([(rollout_manager_pb2_grpc.add_RolloutManagerServicer_to_server, service,
                           "overworld.v1.RolloutManager")], args.host, args.port))
 

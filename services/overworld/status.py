@@ -1,19 +1,23 @@
-"""`overworld status`: the fleet as the rollout-manager sees it."""
+"""`overworld status`: the fleet as the rollout-manager sees it, and, for a run started by
+`overworld run` (`--workdir`), every service of the run with its restarts."""
 
 from __future__ import annotations
 
 import sys
+from typing import Any
 
 import grpc
 
 from overworld.core import tls
+from overworld.restarts import read_services
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.v1 import rollout_manager_pb2 as pb
 
 
 def format_status(fleet: pb.FleetStatus, videos: list[pb.VideoInfo] | None = None) -> str:
     lines = [f"run {fleet.run_id}: {len(fleet.workers)} workers, {fleet.env_steps:,} env steps, "
-             f"{fleet.episodes} episodes, mean return (last 100) {fleet.mean_return_last_100:.2f}"]
+             f"{fleet.episodes} episodes, mean return (last 100) {fleet.mean_return_last_100:.2f}, "
+             f"{fleet.fragments_sent:,} fragments acknowledged, {fleet.fragments_lost} lost"]
     header = (f"{'worker':<12} {'address':<21} {'host':<16} {'envs':>7} {'steps/s':>8} {'env steps':>12} "
               f"{'fragments':>9} {'dropped':>7} {'queue':>5} {'model':>6} {'heartbeat':>9}  restarts")
     lines.append(header)
@@ -36,11 +40,31 @@ def format_status(fleet: pb.FleetStatus, videos: list[pb.VideoInfo] | None = Non
     return "\n".join(lines)
 
 
-def print_status(address: str) -> int:
+def format_services(services: dict[str, Any]) -> str:
+    """The services of an `overworld run` (its services.json) with their restarts."""
+    lines = [f"{'service':<18} {'address':<21} {'pid':>8} {'restarts':>8}  log"]
+    for name, s in sorted(services["services"].items()):
+        state = "" if s["exit_code"] is None else f"  (exited {s['exit_code']})"
+        lines.append(f"{name:<18} {s['address']:<21} {s['pid']:>8} {s['restarts']:>8}  {s['log']}{state}")
+    return "\n".join(lines)
+
+
+def print_status(address: str, workdir: str | None = None) -> int:
+    """The fleet of the manager at `address`; with `workdir` (a run of `overworld run`), the manager of
+    that run and its services' restarts."""
+    services = None
+    if workdir:
+        try:
+            services = read_services(workdir)
+        except (OSError, ValueError) as err:
+            print(f"error: no services.json of a run in {workdir}: {err}", file=sys.stderr)
+            return 1
+        address = services["services"]["rollout-manager"]["address"]
+        print(format_services(services))
     client = RolloutManagerClient(address)
     try:
         fleet = client.fleet_status()
-        videos = list(client.stub.ListVideos(pb.ListVideosRequest(), timeout=5).videos) if fleet.videos else []
+        videos = client.list_videos() if fleet.videos else []
     except grpc.RpcError as err:
         hint = ""
         if err.code() == grpc.StatusCode.UNAVAILABLE and tls.current_dir() is None:

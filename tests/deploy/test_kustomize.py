@@ -160,6 +160,8 @@ def test_external_storage(built: dict[str, list[dict[str, Any]]]) -> None:
             "valueFrom": {"secretKeyRef": {"name": "overworld-redis", "key": "url"}},
         }
         assert env["OVERWORLD_S3_ENDPOINT"]["value"].startswith("https://")
+    manager = {e["name"]: e for e in containers(by_kind(objects, "Deployment")["overworld-rollout-manager"])[0]["env"]}
+    assert manager["OVERWORLD_INDEX"]["valueFrom"] == {"secretKeyRef": {"name": "overworld-redis", "key": "url"}}
     base_env = [e["name"] for e in next(iter(by_kind(built["base"], "TrainingRun").values()))["spec"]["env"]]
     (training_run,) = by_kind(objects, "TrainingRun").values()
     assert [e["name"] for e in training_run["spec"]["env"]] == base_env

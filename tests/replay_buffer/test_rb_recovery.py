@@ -210,6 +210,23 @@ def test_a_new_front_serves_the_same_index(make_buffer, backend):
     assert sorted(len(c.fragments) for c in sample(front.stub, 3)) == [2, 2, 2]
 
 
+def test_reuse_and_staleness_stay_exact_across_a_new_front(make_buffer, backend):
+    """What a restarted front enforces comes from the index: the model version (staleness) and each
+    chunk's times sampled (reuse) are where the last front left them."""
+    _durable(backend)
+    buf = make_buffer(max_reuse=2, max_staleness=1)
+    insert(buf.stub, [buf.fragment(seq=q, version=5) for q in range(2)])
+    buf.stub.SetModelVersion(replay_buffer_pb2.SetModelVersionRequest(model_version=6), timeout=10)
+    assert sorted(c.times_sampled for c in sample(buf.stub, 2)) == [1, 1]
+    buf.front.stop()
+    buf.fronts.pop(0)
+    front = buf.add_front()
+    insert(front.stub, [buf.fragment(seq=2, version=4)])  # 6 - 1 > 4: stale on arrival at the new front
+    assert stats(front.stub).dropped_chunks == {"stale": 1}
+    assert sorted(c.times_sampled for c in sample(front.stub, 2)) == [2, 2]  # the second and last use
+    assert stats(front.stub).chunks == 0
+
+
 # ---------------------------------------------------------------------------------------------- isolation, resume
 
 

@@ -9,7 +9,7 @@ from typing import Any
 
 import pytest
 
-from overworld.core.blobs import LocalBlobStore
+from overworld.core.blobs import BlobStore, LocalBlobStore
 from overworld.core.config import load_config
 from overworld.core.grpc_util import channel, serve
 from overworld.core.weights import to_bytes
@@ -19,6 +19,7 @@ from overworld.policies.factory import run_spaces
 from overworld.replay_buffer.index import MemoryIndex
 from overworld.replay_buffer.server import ReplayBufferService
 from overworld.rollout_manager.server import RolloutManagerService
+from overworld.rollout_manager.state import StateStore
 from overworld.v1 import (
     model_registry_pb2_grpc,
     replay_buffer_pb2,
@@ -44,13 +45,17 @@ def merge(base: dict, extra: dict) -> dict:
 
 
 class Cluster:
-    def __init__(self, tmp_path: Path, overrides: dict, source: Path | None = None) -> None:
+    """`manager_state` and `registry_blobs`: where the manager's state and the registry's versions live
+    (default: the manager's in its process, the registry's in a local directory)."""
+
+    def __init__(self, tmp_path: Path, overrides: dict, source: Path | None = None,
+                 manager_state: StateStore | None = None, registry_blobs: BlobStore | None = None) -> None:
         self.config = load_config(source if source is not None else merge(BASE, overrides))
         self.manager = RolloutManagerService(self.config, lease_seconds=5.0,
-                                             video_store=LocalBlobStore(tmp_path / "videos"))
+                                             video_store=LocalBlobStore(tmp_path / "videos"), state=manager_state)
         self.ms = serve([(rollout_manager_pb2_grpc.add_RolloutManagerServicer_to_server, self.manager,
                           "overworld.v1.RolloutManager")])
-        self.registry = ModelRegistryService(LocalBlobStore(tmp_path / "registry"))
+        self.registry = ModelRegistryService(registry_blobs or LocalBlobStore(tmp_path / "registry"))
         self.rs = serve([(model_registry_pb2_grpc.add_ModelRegistryServicer_to_server, self.registry,
                           "overworld.v1.ModelRegistry")])
         rb = self.config.rollout_config.replay_buffer_config

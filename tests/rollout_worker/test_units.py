@@ -64,5 +64,4 @@ def test_episode_outbox_is_bounded_and_keeps_order() -> None:
     assert [e.sum_reward for e in taken] == [2.0] and not tracker.take()
     for _ in range(OUTBOX_LIMIT + 5):
         tracker.ended(1, 0, {})
-    tracker.give_back(taken)
     assert len(tracker.take()) == OUTBOX_LIMIT

@@ -1,14 +1,16 @@
-"""gRPC plumbing shared by every service: servers with health checking, channels, errors."""
+"""gRPC plumbing shared by every service: servers with health checking, channels, errors, and the
+one retry policy every client uses to ride through a service's restart."""
 
 from __future__ import annotations
 
 import logging
 import os
+import threading
 import time
 from collections.abc import Callable, Iterable
 from concurrent import futures
 from dataclasses import dataclass
-from typing import Any, NoReturn
+from typing import Any, NoReturn, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
@@ -27,6 +29,11 @@ CHANNEL_OPTIONS = [
     # balanced call by call over all of them, and a dead pod's calls go to the others.
     ("grpc.lb_policy_name", "round_robin"),
     ("grpc.dns_min_time_between_resolutions_ms", 5_000),
+    # gRPC's own reconnect backoff grows to 120 s: a channel to a service that restarted would stay in
+    # TRANSIENT_FAILURE long after the service is back. Reconnect as fast as the clients retry.
+    ("grpc.initial_reconnect_backoff_ms", 100),
+    ("grpc.min_reconnect_backoff_ms", 100),
+    ("grpc.max_reconnect_backoff_ms", 2_000),
 ]
 
 
@@ -205,20 +212,85 @@ def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) ->
     raise AssertionError("unreachable")  # context.abort raises
 
 
+log = logging.getLogger("overworld.grpc")
+T = TypeVar("T")
+
+RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
+                       grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED})
+
+
 def is_retryable(err: grpc.RpcError) -> bool:
-    return err.code() in (grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
-                          grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED)
+    return err.code() in RETRYABLE
 
 
-def retry(fn: Callable[[], Any], what: str, timeout: float = 60.0, stop: Callable[[], bool] | None = None) -> Any:
-    """Call fn until it succeeds, retrying transient gRPC errors with capped exponential backoff."""
-    deadline = time.monotonic() + timeout
-    delay = 0.05
-    while True:
-        try:
-            return fn()
-        except grpc.RpcError as err:
-            if not is_retryable(err) or time.monotonic() + delay > deadline or (stop and stop()):
-                raise
-        time.sleep(delay)
-        delay = min(delay * 2, 2.0)
+class Backoff:
+    """Capped exponential backoff: 0.05 s, 0.1 s, ... up to `cap` (2 s: a restarted service is found
+    again within 2 s of coming back). `reset()` after a success."""
+
+    def __init__(self, initial: float = 0.05, cap: float = 2.0) -> None:
+        self.initial, self.cap = initial, cap
+        self.delay = initial
+
+    def next(self) -> float:
+        """The delay to wait now; the next one doubles."""
+        delay = self.delay
+        self.delay = min(self.delay * 2, self.cap)
+        return delay
+
+    def reset(self) -> None:
+        self.delay = self.initial
+
+    def wait(self, stop: threading.Event | None = None) -> bool:
+        """Sleep the next delay (cut short by `stop`); True if stop was set."""
+        delay = self.next()
+        if stop is None:
+            time.sleep(delay)
+            return False
+        return stop.wait(delay)
+
+
+@dataclass(frozen=True)
+class Retry:
+    """How every client call rides through a restart of the service it calls: transient errors
+    (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED) are retried with capped exponential
+    backoff until `deadline` seconds have passed since the call began; each attempt gets the time
+    left (at most `attempt` seconds), so no call waits longer than `deadline`. Other errors are
+    raised at once. (gRPC's built-in retry policy stops after 5 attempts, a few seconds: not enough
+    to wait out a service's restart, so Overworld retries here, in one place.)"""
+
+    deadline: float = 60.0
+    attempt: float | None = None  # per-attempt timeout (None: the time left)
+    initial_backoff: float = 0.05
+    max_backoff: float = 2.0
+
+    def run(self, fn: Callable[[float], T], what: str = "call", stop: Callable[[], bool] | None = None) -> T:
+        """fn(timeout) until it succeeds; timeout is the attempt's deadline in seconds."""
+        started = time.monotonic()
+        end = started + self.deadline
+        backoff = Backoff(self.initial_backoff, self.max_backoff)
+        failures = 0
+        while True:
+            left = end - time.monotonic()
+            try:
+                result = fn(max(0.001, min(left, self.attempt) if self.attempt else left))
+                if failures:
+                    log.info("%s succeeded after %d failed attempts (%.1fs)", what, failures,
+                             time.monotonic() - started)
+                return result
+            except grpc.RpcError as err:
+                delay = backoff.next()
+                if not is_retryable(err) or time.monotonic() + delay >= end or (stop and stop()):
+                    raise
+                failures += 1
+                if failures == 1:
+                    log.warning("%s: %s; retrying for up to %.0fs", what, err.code().name, self.deadline)
+            time.sleep(delay)
+
+    def unary(self, method: Callable[..., T], request: Any, what: str) -> T:
+        """A unary stub call, retried: `Retry(30).unary(stub.GetStats, GetStatsRequest(), "GetStats")`."""
+        return self.run(lambda timeout: method(request, timeout=timeout), what)
+
+
+def retry(fn: Callable[[], T], what: str, timeout: float = 60.0, stop: Callable[[], bool] | None = None) -> T:
+    """Call fn until it succeeds: `Retry(timeout)` for a call that sets its own per-attempt timeout."""
+    return Retry(timeout).run(lambda _timeout: fn(), what, stop)

@@ -3,7 +3,7 @@ from __future__ import annotations
 import numpy as np
 
 from overworld.core import tensors
-from overworld.core.grpc_util import channel, retry
+from overworld.core.grpc_util import Retry, channel
 from overworld.v1 import gae_pb2, gae_pb2_grpc
 
 
@@ -17,7 +17,8 @@ class GaeClient:
                  timeout: float = 60.0) -> tuple[np.ndarray, np.ndarray]:
         request = gae_pb2.EstimateRequest(discount=discount, gae_lambda=gae_lambda, tensors=tensors.encode(batch),
                                           vtrace=vtrace, vtrace_rho_clip=rho_clip, vtrace_c_clip=c_clip)
-        reply = retry(lambda: self._stub.Estimate(request, timeout=timeout), "gae.Estimate", timeout)
+        # gae is stateless: a call that broke with the service is simply made again
+        reply = Retry(timeout).unary(self._stub.Estimate, request, "gae.Estimate")
         out = tensors.decode(reply.tensors)
         return out["advantage"], out["value_target"]
 

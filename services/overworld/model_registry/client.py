@@ -10,12 +10,13 @@ from collections.abc import Callable, Iterator
 import grpc
 
 from overworld.core import weights
-from overworld.core.grpc_util import channel, retry
+from overworld.core.grpc_util import Retry, channel
 from overworld.model_registry import wire
 from overworld.v1 import model_registry_pb2 as pb
 from overworld.v1 import model_registry_pb2_grpc
 
 CHUNK = 4 << 20  # the registry's message size: each chunk published becomes one message sent
+WATCH_SECONDS = 3600.0  # a watch stream's deadline; the watcher then opens the next one
 _SERVICE = "/overworld.v1.ModelRegistry/"
 
 
@@ -62,7 +63,7 @@ class ModelRegistryClient:
                 yield wire.encode_publish_chunk(chunk)
             yield wire.encode_publish_sha256(digest.hexdigest())
 
-        return retry(lambda: self._publish(messages(), timeout=timeout), "registry.Publish", timeout)
+        return Retry(timeout).run(lambda left: self._publish(messages(), timeout=left), "registry.Publish")
 
     # -- fetch ---------------------------------------------------------------------------------
     def _fetch_stream(self, version: int, tag: str, precision: str, verify: bool, timeout: float,
@@ -74,11 +75,11 @@ class ModelRegistryClient:
         received = 0
         digest = hashlib.sha256() if verify else None
 
-        def attempt() -> None:
+        def attempt(left: float) -> None:
             nonlocal info, received
             request = pb.FetchRequest(version=info.version if info else version, tag="" if info else tag,
                                       offset=received, precision=precision)
-            stream = self._fetch(request, timeout=timeout)
+            stream = self._fetch(request, timeout=left)
             for chunk in stream:
                 if chunk.info is not None:
                     # a version still being published comes without its sha256, then ends with the whole info
@@ -103,7 +104,7 @@ class ModelRegistryClient:
                     stream.cancel()
                     raise FetchBroken("stopped")
 
-        retry(attempt, "registry.Fetch", timeout, stop=stop)
+        Retry(timeout).run(attempt, "registry.Fetch", stop=stop)  # each attempt resumes where the last broke
         if info is None:
             raise FetchBroken("the registry ended the fetch without sending the version")
         if received != info.size_bytes:
@@ -165,20 +166,20 @@ class ModelRegistryClient:
 
     # -- the rest --------------------------------------------------------------------------------
     def list_versions(self, timeout: float = 30.0) -> list[pb.VersionInfo]:
-        return list(retry(lambda: self.stub.ListVersions(pb.ListVersionsRequest(), timeout=timeout),
-                          "registry.ListVersions", timeout).versions)
+        return list(Retry(timeout).unary(self.stub.ListVersions, pb.ListVersionsRequest(), "registry.ListVersions")
+                    .versions)
 
     def set_tag(self, tag: str, version: int = 0, timeout: float = 30.0) -> pb.VersionInfo:
-        return retry(lambda: self.stub.SetTag(pb.SetTagRequest(tag=tag, version=version), timeout=timeout),
-                     "registry.SetTag", timeout)
+        return Retry(timeout).unary(self.stub.SetTag, pb.SetTagRequest(tag=tag, version=version), "registry.SetTag")
 
     def remove_tag(self, tag: str, timeout: float = 30.0) -> pb.VersionInfo:
-        return retry(lambda: self.stub.SetTag(pb.SetTagRequest(tag=tag, remove=True), timeout=timeout),
-                     "registry.SetTag", timeout)
+        return Retry(timeout).unary(self.stub.SetTag, pb.SetTagRequest(tag=tag, remove=True), "registry.SetTag")
 
-    def watch(self, watcher_id: str, known_version: int = 0) -> Iterator[pb.VersionInfo]:
-        """The Watch stream (cancel it with .cancel())."""
-        return self.stub.Watch(pb.WatchRequest(watcher_id=watcher_id, known_version=known_version))
+    def watch(self, watcher_id: str, known_version: int = 0, timeout: float = WATCH_SECONDS) -> Iterator[pb.VersionInfo]:
+        """The Watch stream (cancel it with .cancel()). It ends with DEADLINE_EXCEEDED after `timeout`
+        seconds, like every call: open the next one with the version held (the registry announces its
+        latest version at once when it differs from `known_version`)."""
+        return self.stub.Watch(pb.WatchRequest(watcher_id=watcher_id, known_version=known_version), timeout=timeout)
 
     def ack(self, watcher_id: str, version: int, timeout: float = 5.0) -> grpc.Future:
         """Acknowledge a swapped-in version without waiting for the reply."""

@@ -3,7 +3,7 @@ rollout-manager, replay-buffer and the rollout workers, kept running by one supe
 
 `python -m overworld.online.rollout_side WORKDIR` starts them from `WORKDIR/config.yaml`, writes
 `WORKDIR/online.json` (its pid, the services' addresses, the run id and the config key that decides
-whether a later start_rolloutmanager may reuse it), restarts crashed rollout workers as `overworld
+whether a later start_rolloutmanager may reuse it), restarts any service that exits as `overworld
 run` does, and stops everything on SIGTERM. Detached (`detach_rollout_manager: true`) it outlives the
 script that started it; otherwise it stops when that script's process ends (PR_SET_PDEATHSIG).
 """
@@ -65,7 +65,7 @@ def write_state(workdir: Path, record: dict[str, Any], name: str = STATE_FILE) -
 
 def main(argv: list[str]) -> int:
     from overworld.core import tls
-    from overworld.launcher import MAX_RESTARTS, Launcher, RunSecurity
+    from overworld.launcher import Launcher, RunSecurity
 
     workdir = Path(argv[0]).resolve()
     stop_with_parent()
@@ -91,14 +91,7 @@ def main(argv: list[str]) -> int:
         write_state(workdir, {**me, "ready": True, "addresses": launcher.addresses})
         while not stopping[0]:
             time.sleep(0.5)
-            for child in launcher.dead():
-                if child.name.startswith("rollout-worker") and launcher.restarts.get(child.name, 0) < MAX_RESTARTS:
-                    launcher.restart(child)
-                else:
-                    print(f"{child.name} exited with code {child.proc.returncode}; stopping the rollout side",
-                          flush=True)
-                    stopping[0], code = True, 1
-                    break
+            launcher.supervise()  # any service that exits, as `overworld run` restarts them (RuntimeError at the limit)
             launcher.remember_families()
     except Exception as err:  # noqa: BLE001 - reported through the state file and the log
         print(f"error: {err}", flush=True)

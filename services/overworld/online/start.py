@@ -203,7 +203,7 @@ def start_trainer(policy_generator: Any, env_generator: Any, online_cfg: Mapping
         return None
     from overworld.core import tls
     from overworld.core.grpc_util import channel
-    from overworld.launcher import MAX_RESTARTS, Launcher, RunSecurity
+    from overworld.launcher import Launcher, RunSecurity
     from overworld.v1 import trainer_pb2, trainer_pb2_grpc
 
     work = _workdir(workdir)
@@ -226,6 +226,7 @@ def start_trainer(policy_generator: Any, env_generator: Any, online_cfg: Mapping
     launcher = Launcher(config, work, work / "config.yaml", security)
     launcher.addresses.update(side["addresses"])
     launcher.extra_env = {k: v for k, v in _service_env().items() if k in ("PYTHONPATH", IN_SERVICE_ENV)}
+    launcher.services_file = "services-trainer.json"  # the rollout side's launcher writes services.json
     child = launcher.start_trainer(None, "--config", str(trainer_yaml))
     write_state(work, {"pid": child.proc.pid, "pid_started": process_start_time(child.proc.pid)}, TRAINER_FILE)
     stub = trainer_pb2_grpc.TrainerStub(channel(child.address))
@@ -234,16 +235,16 @@ def start_trainer(policy_generator: Any, env_generator: Any, online_cfg: Mapping
         while True:
             time.sleep(1.0)
             launcher.remember_families()  # Ray's processes, to be stopped with the trainer
-            dead = launcher.dead()
-            if dead:
+            if launcher.dead():
                 if status is not None and status.state == "finished":
                     break
-                if launcher.restarts.get("trainer", 0) >= MAX_RESTARTS:
-                    raise RuntimeError(f"the trainer exited with code {dead[0].proc.returncode}; see {dead[0].log_path}")
-                child = launcher.restart(dead[0])
-                stub = trainer_pb2_grpc.TrainerStub(channel(child.address))
-                write_state(work, {"pid": child.proc.pid, "pid_started": process_start_time(child.proc.pid)},
-                            TRAINER_FILE)
+                launcher.supervise()  # restarted as `overworld run` restarts it (RuntimeError at the limit)
+                restarted = next(c for c in launcher.children if c.name == "trainer")
+                if restarted is not child:
+                    child = restarted
+                    stub = trainer_pb2_grpc.TrainerStub(channel(child.address))
+                    write_state(work, {"pid": child.proc.pid, "pid_started": process_start_time(child.proc.pid)},
+                                TRAINER_FILE)
                 continue
             try:
                 status = stub.GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=5)

@@ -1,4 +1,8 @@
-"""Client side of the replay buffer for trainer readers: sampling by reference.
+"""Client side of the replay buffer for trainer readers: the Sample stream, and sampling by reference.
+
+`sample_stream` runs one Sample call through a restart of the front: a stream that breaks keeps the
+chunks it delivered (they were claimed, and count as sampled) and the reader asks for the rest; a call
+that got nothing is retried with backoff.
 
 With `SampleRequest.blob_refs` the front claims chunks as usual (reuse counting, rate limiter,
 deadline) but hands out their blob keys; the reader fetches the blobs from the blob store itself
@@ -22,6 +26,7 @@ import grpc
 from prometheus_client import Counter
 
 from overworld.core.blobs import BlobStore, open_blob_store
+from overworld.core.grpc_util import Retry
 from overworld.v1 import replay_buffer_pb2, replay_buffer_pb2_grpc
 
 log = logging.getLogger("overworld.replay_buffer.client")
@@ -44,6 +49,26 @@ _buffers_lock = threading.Lock()
 
 class _NoRefs(Exception):
     pass
+
+
+def sample_stream(stub: replay_buffer_pb2_grpc.ReplayBufferStub, request: replay_buffer_pb2.SampleRequest,
+                  timeout: float, deadline: float) -> list[replay_buffer_pb2.SampledChunk]:
+    """The chunks of one Sample call (each attempt `timeout` at most, all of them `deadline`). A stream
+    that breaks after delivering chunks returns them (fewer than asked: ask again for the rest)."""
+    got: list[replay_buffer_pb2.SampledChunk] = []
+
+    def attempt(left: float) -> None:
+        try:
+            for chunk in stub.Sample(request, timeout=min(left, timeout)):
+                got.append(chunk)
+        except grpc.RpcError as err:
+            if not got:
+                raise
+            log.warning("%s: Sample stream broke after %d of %d chunks (%s); asking again for the rest",
+                        request.reader_id, len(got), request.num_chunks, err.code().name)
+
+    Retry(deadline).run(attempt, "Sample")
+    return got
 
 
 def blob_store_for(stub: replay_buffer_pb2_grpc.ReplayBufferStub, blob_refs: bool | None) -> BlobStore | None:

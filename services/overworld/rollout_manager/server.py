@@ -1,15 +1,27 @@
 """The rollout-manager: hands out the run config, keeps the fleet (leases, heartbeats), owns the
 run's spaces, aggregates episode statistics, and brokers episode videos (requests handed to
-workers in heartbeat replies, MP4s stored in a blob store and listed)."""
+workers in heartbeat replies, MP4s stored in a blob store and listed).
+
+Its state (run id, spaces, fleet and each worker's cumulative counters, episode statistics) is saved
+in a state store (`state.py`: Redis, or a file beside the run), so that a restarted manager takes up
+where it was: workers keep their ids and leases (each restored worker gets a fresh lease), env steps
+and episode counts go on from where they were. Every change is saved before the lock is released,
+so a restarted manager never reports less than it did (a heartbeat rewrites only its worker's part).
+An episode report is acknowledged only once saved and carries a per-worker sequence number, so a
+retried report is never counted twice. Video requests not yet answered are not saved.
+"""
 
 from __future__ import annotations
 
+import base64
+import dataclasses
 import logging
 import threading
 import time
 import uuid
 from collections import deque
 from dataclasses import dataclass, field
+from typing import Any
 
 import grpc
 import numpy as np
@@ -17,8 +29,9 @@ from prometheus_client import Counter, Gauge
 
 from overworld.core.blobs import BlobStore
 from overworld.core.config import RunConfig, config_hash, to_yaml
-from overworld.core.grpc_util import abort
+from overworld.core.grpc_util import Backoff, abort
 from overworld.core.specs import Spaces
+from overworld.rollout_manager.state import StateStore, StateUnavailable
 from overworld.rollout_manager.videos import VideoBook, video_store_url
 from overworld.v1 import common_pb2, rollout_manager_pb2, rollout_manager_pb2_grpc
 
@@ -30,6 +43,8 @@ EPISODE_RETURN = Gauge("overworld_episode_return", "Mean return of the last 100 
 EPISODE_LENGTH = Gauge("overworld_episode_length", "Mean length of the last 100 episodes", ["task"])
 
 WINDOW = 100
+STATE_WAIT_SECONDS = 60.0  # at start, how long to wait for the state store
+STATE_FORMAT = 1
 
 
 @dataclass
@@ -65,35 +80,126 @@ class TaskRecord:
 
 class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
     def __init__(self, config: RunConfig, lease_seconds: float = 15.0, video_store: BlobStore | None = None,
-                 workdir: str = ".", blobs: str = "") -> None:
+                 workdir: str = ".", blobs: str = "", state: StateStore | None = None, fresh: bool = False) -> None:
+        """`state`: where the manager's state survives a restart (None: nowhere, it lives and dies with
+        the process); restored from there unless `fresh` (then cleared)."""
         self.config = config
-        self.run_id = config.run_id or uuid.uuid4().hex[:12]
-        self.config.run_id = self.run_id
         self.lease_seconds = lease_seconds
-        self._yaml = to_yaml(config)
-        self._hash = config_hash(config)
         self._lock = threading.Lock()
         self._workers: dict[str, WorkerRecord] = {}
         self._departed_steps = 0
         self._departed_fragments = 0
+        self._fragments_lost = 0
         self._spaces: Spaces | None = None
         self._spaces_proto: common_pb2.Spaces | None = None
         self._tasks: dict[str, TaskRecord] = {}
         self._all_returns: deque = deque(maxlen=WINDOW)
         self._episodes = 0
         self._registrations = 0
+        self._reports: dict[str, int] = {}  # worker id -> the last report_sequence applied
+        self._state = state
+        self._unsaved = False  # the last save failed
+        self.run_id = config.run_id
+        if state is not None:
+            if fresh:
+                state.clear()
+            else:
+                self._restore(state)
+        self.run_id = self.run_id or uuid.uuid4().hex[:12]
+        self.config.run_id = self.run_id
+        self._yaml = to_yaml(config)
+        self._hash = config_hash(config)
+        with self._lock:
+            self._save(run=True, episodes=True, workers=tuple(self._workers.values()))
         url = video_store_url(config.rollout_config.worker_config.video_output_dir, workdir, blobs)
         wc = config.rollout_config.worker_config
         self.videos = VideoBook(video_store, url, self.run_id, config.train_config.record_video_interval,
                                 wc.video_episodes, video_store_url(wc.video_output_dir, workdir))
 
+    # -- state that survives a restart ------------------------------------------------------------
+    def _restore(self, store: StateStore) -> None:
+        saved = _load(store)
+        run = saved.get("run")
+        if not run:
+            log.info("no saved state in %s: a new fleet", store.where)
+            return
+        if run.get("format") != STATE_FORMAT:
+            raise StateUnavailable(f"{store.where} holds state format {run.get('format')}, "
+                                   f"this manager reads {STATE_FORMAT}")
+        if self.run_id and run["run_id"] != self.run_id:
+            raise StateUnavailable(f"{store.where} holds the state of run {run['run_id']}, not {self.run_id}")
+        self.run_id = run["run_id"]
+        if run["spaces"]:
+            self._spaces_proto = common_pb2.Spaces.FromString(base64.b64decode(run["spaces"]))
+            self._spaces = Spaces.from_proto(self._spaces_proto)
+        self._departed_steps, self._departed_fragments = run["departed_steps"], run["departed_fragments"]
+        self._fragments_lost, self._registrations = run["fragments_lost"], run["registrations"]
+        self._reports = {k: int(v) for k, v in run["reports"].items()}
+        now = time.monotonic()
+        names = {f.name for f in dataclasses.fields(WorkerRecord)}
+        for part, w in saved.items():
+            if part.startswith("worker:"):  # a fresh lease: it has lease_seconds to heartbeat again
+                record = WorkerRecord(**{k: v for k, v in w.items() if k in names}, last_heartbeat=now)
+                self._workers[record.worker_id] = record
+        episodes = saved.get("episodes") or {"episodes": 0, "all_returns": [], "tasks": {}}
+        self._episodes = episodes["episodes"]
+        self._all_returns.extend(episodes["all_returns"])
+        for name, values in episodes["tasks"].items():
+            task = self._tasks[name] = TaskRecord()
+            for key, value in values.items():
+                current = getattr(task, key, None)
+                if isinstance(current, deque):
+                    current.extend(value)
+                elif current is not None:
+                    setattr(task, key, value)
+            if task.returns:
+                EPISODE_RETURN.labels(name).set(float(np.mean(task.returns)))
+                EPISODE_LENGTH.labels(name).set(float(np.mean(task.lengths)))
+        WORKERS.set(len(self._workers))
+        log.info("restored from %s: %d workers, %d env steps, %d episodes", store.where, len(self._workers),
+                 self._departed_steps + sum(w.env_steps for w in self._workers.values()), self._episodes)
+
+    def _save(self, run: bool = False, episodes: bool = False, workers: tuple[WorkerRecord, ...] = (),
+              gone: tuple[str, ...] = (), strict: bool = False) -> None:
+        """Save the parts that changed, under self._lock: whatever a client is told has been saved. A
+        failed save raises StateUnavailable when strict (the caller must not acknowledge), else it is
+        logged (the next change of the part saves it again; worker counters are cumulative anyway)."""
+        if self._state is None:
+            return
+        parts: dict[str, Any] = {f"worker:{w.worker_id}": {k: v for k, v in dataclasses.asdict(w).items()
+                                                          if k != "last_heartbeat"} for w in workers}
+        if run:
+            parts["run"] = {
+                "format": STATE_FORMAT, "run_id": self.run_id, "registrations": self._registrations,
+                "spaces": base64.b64encode(self._spaces_proto.SerializeToString()).decode() if self._spaces_proto else "",
+                "departed_steps": self._departed_steps, "departed_fragments": self._departed_fragments,
+                "fragments_lost": self._fragments_lost, "reports": self._reports}
+        if episodes:
+            parts["episodes"] = {
+                "episodes": self._episodes, "all_returns": list(self._all_returns),
+                "tasks": {name: {k: list(v) if isinstance(v, deque) else v for k, v in vars(t).items()}
+                          for name, t in self._tasks.items()}}
+        try:
+            self._state.save(parts, [f"worker:{worker_id}" for worker_id in gone])
+            self._unsaved = False
+        except StateUnavailable as err:
+            self._unsaved = True
+            if strict:
+                raise
+            log.warning("state not saved (saved again with the next change): %s", err)
+
     def _expire(self) -> None:
         now = time.monotonic()
-        for worker_id, w in list(self._workers.items()):
-            if now - w.last_heartbeat > self.lease_seconds:
-                log.warning("worker %s (%s) missed its lease; removed from the fleet", worker_id, w.hostname)
-                self._depart(worker_id)
+        expired = [worker_id for worker_id, w in self._workers.items() if now - w.last_heartbeat > self.lease_seconds]
+        for worker_id in expired:
+            w = self._workers[worker_id]
+            log.warning("worker %s (%s) missed its lease; removed from the fleet (%d fragments it had not had "
+                        "acknowledged are counted as lost)", worker_id, w.hostname, w.send_queue_depth)
+            self._fragments_lost += w.send_queue_depth
+            self._depart(worker_id)
         WORKERS.set(len(self._workers))
+        if expired:
+            self._save(run=True, gone=tuple(expired))
 
     def _depart(self, worker_id: str) -> None:
         w = self._workers.pop(worker_id, None)
@@ -125,9 +231,10 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             worker_id = f"w-{uuid.uuid4().hex[:8]}"
             worker_index = self._registrations
             self._registrations += 1
-            self._workers[worker_id] = WorkerRecord(worker_id, request.hostname, request.address,
-                                                    request.num_envs, time.monotonic())
+            record = self._workers[worker_id] = WorkerRecord(worker_id, request.hostname, request.address,
+                                                             request.num_envs, time.monotonic())
             self._expire()
+            self._save(run=True, workers=(record,))  # not saved: after a restart its heartbeat re-registers it
         log.info("worker %s registered from %s with %d envs", worker_id, request.hostname, request.num_envs)
         return rollout_manager_pb2.RegisterResponse(worker_id=worker_id, lease_seconds=self.lease_seconds,
                                                     run_id=self.run_id, worker_index=worker_index)
@@ -149,6 +256,7 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             w.fragments_completed = max(w.fragments_completed, request.fragments_completed)
             w.envs_ready = request.envs_ready
             version = max(x.model_version for x in self._workers.values())
+            self._save(workers=(w,))
         self.videos.on_model_version(version)
         video = self.videos.assign(request.worker_id)
         return rollout_manager_pb2.HeartbeatResponse(lease_valid=True, record_video=bool(video),
@@ -158,6 +266,7 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         with self._lock:
             self._depart(request.worker_id)
             WORKERS.set(len(self._workers))
+            self._save(run=True, gone=(request.worker_id,))
         log.info("worker %s left the fleet", request.worker_id)
         return rollout_manager_pb2.DeregisterResponse()
 
@@ -167,6 +276,15 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             if not np.all(np.isfinite(values)):
                 abort(context, grpc.StatusCode.INVALID_ARGUMENT, "episode statistics contain NaN or infinity")
         with self._lock:
+            sequence = request.report_sequence
+            if sequence and sequence <= self._reports.get(request.worker_id, 0):
+                log.info("episode report %d of %s was applied before; acknowledged again", sequence,
+                         request.worker_id)
+                if self._unsaved:  # applied, but a save failed since: save before acknowledging
+                    self._save_or_abort(context)
+                return rollout_manager_pb2.ReportEpisodesResponse()
+            if sequence:
+                self._reports[request.worker_id] = sequence
             for ep in request.episodes:
                 task = ep.task or "default"
                 t = self._tasks.setdefault(task, TaskRecord())
@@ -185,7 +303,16 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                 EPISODES.labels(task).inc()
                 EPISODE_RETURN.labels(task).set(float(np.mean(t.returns)))
                 EPISODE_LENGTH.labels(task).set(float(np.mean(t.lengths)))
+            self._save_or_abort(context)
         return rollout_manager_pb2.ReportEpisodesResponse()
+
+    def _save_or_abort(self, context: grpc.ServicerContext) -> None:
+        """Episodes are acknowledged only once saved: if the save fails the worker sends the same report
+        again, and its sequence number keeps it from being counted twice."""
+        try:
+            self._save(run=True, episodes=True, strict=True)
+        except StateUnavailable as err:
+            abort(context, grpc.StatusCode.UNAVAILABLE, f"rollout-manager state store unavailable ({err}); retry")
 
     def GetSpaces(self, request, context):  # type: ignore[no-untyped-def]
         with self._lock:
@@ -221,7 +348,8 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             return rollout_manager_pb2.FleetStatus(
                 run_id=self.run_id, workers=workers,
                 env_steps=self._departed_steps + sum(w.env_steps for w in self._workers.values()),
-                episodes=self._episodes,
+                fragments_sent=self._departed_fragments + sum(w.fragments_sent for w in self._workers.values()),
+                fragments_lost=self._fragments_lost, episodes=self._episodes,
                 mean_return_last_100=float(np.mean(self._all_returns)) if self._all_returns else 0.0,
                 tasks=tasks, videos=len(self.videos.list()), pending_video_requests=self.videos.pending())
 
@@ -249,3 +377,18 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
 
     def ListVideos(self, request, context):  # type: ignore[no-untyped-def]
         return rollout_manager_pb2.ListVideosResponse(videos=self.videos.list())
+
+
+def _load(store: StateStore, wait: float = STATE_WAIT_SECONDS) -> dict[str, Any] | None:
+    """The saved state, waiting out a store that is down (Redis restarting) for up to `wait` seconds;
+    then StateUnavailable, and the manager does not start (its supervisor restarts it)."""
+    end = time.monotonic() + wait
+    backoff = Backoff(0.2)
+    while True:
+        try:
+            return store.load()
+        except StateUnavailable as err:
+            if time.monotonic() >= end:
+                raise
+            log.warning("cannot load the saved state yet: %s", err)
+            backoff.wait()

@@ -52,11 +52,3 @@ class EpisodeTracker:
             out = list(self._outbox)
             self._outbox.clear()
         return out
-
-    def give_back(self, episodes: list[mpb.EpisodeStats]) -> None:
-        """A report failed: keep them (oldest dropped first once the outbox is full)."""
-        with self._lock:
-            newer = list(self._outbox)
-            self._outbox.clear()
-            self._outbox.extend(episodes)
-            self._outbox.extend(newer)

@@ -1,8 +1,11 @@
 """Streams fragments to the replay buffer with acknowledgements, backpressure and reconnects.
 
 The queue is bounded (`to_send_queue_size`): when the buffer is slow or gone, the worker blocks
-instead of growing memory. Fragments sent but not yet acknowledged are sent again on reconnect.
-Each stream has a generation number; a request generator of a dead stream takes nothing more.
+instead of growing memory. Fragments sent but not yet acknowledged are sent again on reconnect, in
+order (capped exponential backoff between attempts); the buffer recognises one it had indexed
+already (its ack was lost with the stream) by its (worker, slot, sequence) and acknowledges it
+without indexing it twice. Each stream has a generation number; a request generator of a dead
+stream takes nothing more.
 """
 
 from __future__ import annotations
@@ -15,7 +18,7 @@ from collections.abc import Iterator
 
 import grpc
 
-from overworld.core.grpc_util import channel
+from overworld.core.grpc_util import Backoff, channel
 from overworld.v1 import common_pb2, replay_buffer_pb2, replay_buffer_pb2_grpc
 
 log = logging.getLogger("overworld.rollout_worker.sender")
@@ -33,6 +36,7 @@ class FragmentSender:
         self._cond = threading.Condition()
         self._generation = 0
         self._closing = False
+        self._give_up_at = float("inf")  # closing: stop retrying then
         self._thread = threading.Thread(target=self._run, name="fragment-sender", daemon=True)
         self._thread.start()
 
@@ -68,7 +72,7 @@ class FragmentSender:
             yield replay_buffer_pb2.InsertRequest(fragment=item)
 
     def _run(self) -> None:
-        delay = 0.1
+        backoff = Backoff(0.1)
         while True:
             with self._cond:
                 self._generation += 1
@@ -81,7 +85,7 @@ class FragmentSender:
                             self._unacked.popleft()
                             self._cond.notify_all()
                         self.sent += 1
-                        delay = 0.1
+                        backoff.reset()
                 with self._cond:
                     if self._closing and not self._pending and not self._unacked:
                         return
@@ -97,20 +101,22 @@ class FragmentSender:
                     log.error("replay buffer rejected fragment %s: %s",
                               bad.header.sequence if bad else "?", err.details())
                     continue
-                log.warning("replay buffer %s unavailable (%s); retrying in %.1fs", self.address,
-                            err.code().name, delay)
+                delay = backoff.next()
+                log.warning("replay buffer %s unavailable (%s); %d fragments to send again, retrying in %.1fs",
+                            self.address, err.code().name, len(self._unacked), delay)
                 with self._cond:
-                    if self._closing and delay >= 5.0:
+                    if self._closing and time.monotonic() + delay > self._give_up_at:
                         log.error("giving up on %d unsent fragments at shutdown", len(self._pending) + len(self._unacked))
                         return
                 time.sleep(delay)
-                delay = min(delay * 2, 5.0)
 
     def close(self, timeout: float = 30.0) -> bool:
-        """Send everything queued and wait for the acknowledgements; True if all were acknowledged."""
+        """Send everything queued and wait for the acknowledgements (retrying a buffer that is away for
+        up to `timeout`); True if all were acknowledged."""
         with self._cond:
             self._closing = True
+            self._give_up_at = time.monotonic() + timeout
             self._cond.notify_all()
-        self._thread.join(timeout)
+        self._thread.join(timeout + 1)
         with self._cond:
             return not self._pending and not self._unacked

@@ -35,6 +35,7 @@ import grpc
 import torch
 
 from overworld.core import weights
+from overworld.core.grpc_util import Backoff
 from overworld.model_registry.client import FetchBroken, ModelRegistryClient
 from overworld.v1 import model_registry_pb2 as pb
 
@@ -70,10 +71,10 @@ class WeightsWatcher:
 
     # -- background --------------------------------------------------------------------------------
     def _watch_loop(self) -> None:
-        delay = 0.1
+        backoff = Backoff(0.1)
         while not self._stop.is_set():
             try:
-                stream = self.client.stub.Watch(pb.WatchRequest(watcher_id=self.watcher_id, known_version=self.version))
+                stream = self.client.watch(self.watcher_id, known_version=self.version)
                 self._stream = stream
                 first = True
                 for info in stream:
@@ -86,16 +87,19 @@ class WeightsWatcher:
                         if info.version:
                             self.announced = info.version if first else max(self.announced, info.version)
                     first = False
-                    delay = 0.1
+                    backoff.reset()
                 if self._stop.is_set():
                     return
                 log.info("model registry closed the watch stream; reconnecting")
             except grpc.RpcError as err:
                 if self._stop.is_set():
                     return
-                log.warning("model registry watch broke (%s); reconnecting in %.1fs", err.code().name, delay)
-            self._stop.wait(delay)
-            delay = min(delay * 2, 5.0)
+                if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # the stream's deadline: open the next one
+                    backoff.reset()
+                    continue
+                log.warning("model registry watch broke (%s); reconnecting from version %d in %.1fs",
+                            err.code().name, self.version, backoff.delay)
+            backoff.wait(self._stop)
 
     def _wanted(self) -> pb.VersionInfo | None:
         info = self._announcement

@@ -16,10 +16,9 @@ import torch
 
 from overworld.core.config import RunConfig
 from overworld.core.fragment import Fragment
-from overworld.core.grpc_util import retry
 from overworld.core.specs import Spaces
 from overworld.policies.factory import run_spaces
-from overworld.rollout_manager.client import RolloutManagerClient
+from overworld.rollout_manager.client import PERIODIC_TIMEOUT, RolloutManagerClient
 from overworld.rollout_worker.env_pool import EnvPool, GroupResult, InProcessEnvPool, num_groups_for
 from overworld.rollout_worker.env_runner import TASK_KEY
 from overworld.rollout_worker.episodes import EpisodeTracker
@@ -98,7 +97,7 @@ class RolloutWorker:
         self.device = pick_device(wc.device, rc.num_gpus_per_worker)
         self.policy.to(self.device).eval()
         self.address = address
-        reply = retry(lambda: self.manager.stub.Register(self._register_request(), timeout=10), "Register", 120)
+        reply = self.manager.register(self._register_request())
         self.worker_id, self.run_id, self.index = reply.worker_id, reply.run_id, reply.worker_index
         self.lease_seconds = reply.lease_seconds
         log.info("registered as %s (index %d) in run %s; inference on %s", self.worker_id, self.index, self.run_id,
@@ -109,6 +108,12 @@ class RolloutWorker:
         self.fragments_dropped = 0
         self.model_version = 0
         self.steps_per_second = 0.0
+        # What the manager has counted under earlier worker ids (a re-registration after a lost lease):
+        # the heartbeats of the new id report only what came after, so nothing is counted twice.
+        self._counted = {"env_steps": 0, "fragments_sent": 0, "fragments_completed": 0}
+        self._acked = dict(self._counted)  # the counters of the last heartbeat the manager answered
+        self._report_sequence = 0
+        self._unacked_report: mpb.ReportEpisodesRequest | None = None
         self._leftover: list[common_pb2.Fragment] = []
         self.sender = FragmentSender(replay_buffer, rc.to_send_queue_size)
         self.watcher = WeightsWatcher(model_registry, self.worker_id, self.policy.state_dict())
@@ -135,34 +140,51 @@ class RolloutWorker:
             self._report()
 
     def _report(self) -> None:
-        episodes = self.episodes.take()
         try:
-            if episodes:
-                self.manager.stub.ReportEpisodes(mpb.ReportEpisodesRequest(worker_id=self.worker_id,
-                                                                           episodes=episodes), timeout=5)
-                episodes = []
-            reply = self.manager.stub.Heartbeat(mpb.HeartbeatRequest(
-                worker_id=self.worker_id, env_steps=self.env_steps, fragments_sent=self.sender.sent,
+            self._report_episodes()
+            counters = {"env_steps": self.env_steps, "fragments_sent": self.sender.sent,
+                        "fragments_completed": self.fragments_completed}
+            reply = self.manager.heartbeat(mpb.HeartbeatRequest(
+                worker_id=self.worker_id, **{k: v - self._counted[k] for k, v in counters.items()},
                 model_version=self.model_version, env_steps_per_second=self.steps_per_second,
                 env_restarts=self.pool.restarts_snapshot(), fragments_dropped=self.fragments_dropped,
-                send_queue_depth=self.sender.depth(), fragments_completed=self.fragments_completed,
-                envs_ready=int(self.pool.active.sum())), timeout=5)
-            if not reply.lease_valid:
-                log.warning("lease expired (manager restarted or we were too slow); registering again")
-                again = self.manager.stub.Register(self._register_request(), timeout=10)
+                send_queue_depth=self.sender.depth(), envs_ready=int(self.pool.active.sum())))
+            if reply.lease_valid:
+                self._acked = counters
+                if reply.video_request_id:
+                    self.video.requested(reply.video_request_id)
+            else:
+                log.warning("lease expired (worker too slow, or the manager lost its state); registering again")
+                again = self.manager.stub.Register(self._register_request(), timeout=PERIODIC_TIMEOUT)
                 self.worker_id = again.worker_id
                 self.watcher.watcher_id = self.worker_id  # push acknowledgements follow the new id
-            elif reply.video_request_id:
-                self.video.requested(reply.video_request_id)
+                self._counted = self._acked  # the old id's record keeps what it was told
         except grpc.RpcError as err:
-            self.episodes.give_back(episodes)
             log.warning("rollout manager unreachable (%s)", err.code().name)
         QUEUE_DEPTH.set(self.sender.depth())
+
+    def _report_episodes(self) -> None:
+        """Finished episodes to the manager. A report is sent again unchanged, with its sequence number,
+        until acknowledged (the manager ignores one it applied before): no episode lost or counted twice."""
+        if self._unacked_report is None:
+            episodes = self.episodes.take()
+            if not episodes:
+                return
+            self._report_sequence += 1
+            self._unacked_report = mpb.ReportEpisodesRequest(worker_id=self.worker_id, episodes=episodes,
+                                                             report_sequence=self._report_sequence)
+        try:
+            self.manager.report_episodes(self._unacked_report)
+        except grpc.RpcError as err:
+            if err.code() != grpc.StatusCode.INVALID_ARGUMENT:
+                raise  # sent again next time
+            log.error("rollout manager refused %d episodes: %s", len(self._unacked_report.episodes), err.details())
+        self._unacked_report = None
 
     def _upload_video(self, chunks: list[mpb.VideoChunk]) -> mpb.VideoInfo:
         for c in chunks[:1]:
             c.info.worker_id = self.worker_id
-        return self.manager.stub.UploadVideo(iter(chunks), timeout=120)
+        return self.manager.upload_video(chunks)
 
     # -- weights -----------------------------------------------------------------------------------
     def _swap_weights(self, pending: tuple[int, dict[str, torch.Tensor]] | None) -> None:
@@ -321,7 +343,7 @@ class RolloutWorker:
         self._done.set()
         self._report()
         try:
-            self.manager.stub.Deregister(mpb.DeregisterRequest(worker_id=self.worker_id), timeout=5)
+            self.manager.deregister(self.worker_id)
         except grpc.RpcError as err:
             log.warning("could not deregister: %s", err.code().name)
         self.watcher.close()

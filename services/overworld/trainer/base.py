@@ -47,7 +47,6 @@ from overworld.trainer.hooks import Hooks
 from overworld.trainer.placement import require_usable_cuda, reserve_workers, worker_resources
 from overworld.trainer.prefetch import ChunkReader
 from overworld.v1 import (
-    model_registry_pb2,
     replay_buffer_pb2,
     replay_buffer_pb2_grpc,
     trainer_pb2,
@@ -480,7 +479,7 @@ class BaseTrainer:
         published these very weights already (`publish_first_version`), only adopt its version."""
         if self.rank != 0:
             return
-        versions = self.registry.stub.ListVersions(model_registry_pb2.ListVersionsRequest(), timeout=30).versions
+        versions = self.registry.list_versions(timeout=120)  # retried: the registry may be restarting too
         latest = max((v.version for v in versions), default=0)
         has_reference = any("reference" in v.tags for v in versions)
         if self.resumed_from is None and latest == 1 and self.model_version == 0:
@@ -494,8 +493,7 @@ class BaseTrainer:
         self.model_version = max(latest, self.model_version)
         self.broadcast_model_to_rollout_workers(new_version=True)
         if not has_reference:
-            self.registry.stub.SetTag(model_registry_pb2.SetTagRequest(tag="reference", version=self.model_version),
-                                      timeout=30)
+            self.registry.set_tag("reference", self.model_version, timeout=120)
 
     # -- the Ray Train worker ------------------------------------------------------------------
     @property

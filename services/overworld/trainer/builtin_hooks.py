@@ -52,13 +52,10 @@ def run_evaluation(trainer: Any, metrics: dict[str, float]) -> None:
 
 def request_video(trainer: Any, metrics: dict[str, float]) -> None:
     """Every record_video_interval iterations, ask the rollout-manager for an MP4 of an episode."""
-    from overworld.v1 import rollout_manager_pb2
-
     interval = trainer.config.train_config.record_video_interval
     if trainer.rank == 0 and interval > 0 and trainer.iteration % interval == 0:
         try:
-            trainer.manager.stub.RequestVideo(rollout_manager_pb2.RequestVideoRequest(iteration=trainer.iteration),
-                                              timeout=10)
+            trainer.manager.request_video(trainer.iteration)
         except Exception as err:  # a missed video never stops training
             log.warning("video request failed: %s", err)
 

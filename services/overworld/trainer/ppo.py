@@ -78,7 +78,9 @@ class PPOTrainer(BaseTrainer):
             import_object(ref)(self)
         self.publish_initial_version()
         self.report("running", {})
-        last_env_steps = self._fleet_env_steps(self._ask_fleet())
+        # Where the fleet is now, waited for (the manager may be restarting too): a resumed trainer that
+        # missed it would count the whole fleet's steps again at its first iteration.
+        last_env_steps = self._fleet_env_steps(self._ask_fleet(timeout=60.0), 0)
         try:
             while self.iteration < t.num_iterations:
                 self.iteration += 1
@@ -92,8 +94,8 @@ class PPOTrainer(BaseTrainer):
                 self.timings["update"] = updated - started - fetched  # the PPO epochs (hooks included)
                 if self.iteration == 1 and self.rank == 0:
                     log.info("first update done: %d optimizer steps", self.updates)  # bench/bench_e2e.py's timeline
-                fleet_steps = self._fleet_env_steps(fleet)
-                new_steps = max(0, fleet_steps - last_env_steps)
+                fleet_steps = self._fleet_env_steps(fleet, last_env_steps)
+                new_steps = fleet_steps - last_env_steps
                 last_env_steps = fleet_steps
                 self.env_steps += new_steps
                 metrics.update({
@@ -113,18 +115,23 @@ class PPOTrainer(BaseTrainer):
             self.save_checkpoint()
         self.report("finished", {})
 
-    def _ask_fleet(self) -> grpc.Future | None:
+    def _ask_fleet(self, timeout: float = 5.0) -> grpc.Future | None:
+        """The fleet's status, asked now and answered while the caller works (waits for a manager
+        that is restarting, up to `timeout`)."""
         try:
-            return self.manager.stub.GetFleetStatus.future(rollout_manager_pb2.GetFleetStatusRequest(), timeout=5)
+            return self.manager.stub.GetFleetStatus.future(rollout_manager_pb2.GetFleetStatusRequest(),
+                                                           timeout=timeout, wait_for_ready=True)
         except Exception:  # statistics only: never stall training on the manager
             return None
 
     @staticmethod
-    def _fleet_env_steps(asked: grpc.Future | None) -> int:
+    def _fleet_env_steps(asked: grpc.Future | None, known: int) -> int:
+        """The fleet's env steps (cumulative, kept by the rollout-manager across its restarts); `known`
+        while the manager is away, so that the steps are counted once, when it answers again."""
         try:
-            return int(asked.result().env_steps) if asked is not None else 0
+            return max(known, int(asked.result().env_steps)) if asked is not None else known
         except Exception:  # statistics only: never stall training on the manager
-            return 0
+            return known
 
     # -- one iteration -------------------------------------------------------------------------
     def _normalize(self, adv: torch.Tensor, global_batch: bool) -> torch.Tensor:

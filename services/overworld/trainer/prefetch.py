@@ -19,8 +19,7 @@ import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
 
-from overworld.core.grpc_util import retry
-from overworld.replay_buffer.client import blob_store_for, fetch_chunks
+from overworld.replay_buffer.client import blob_store_for, fetch_chunks, sample_stream
 from overworld.v1 import replay_buffer_pb2, replay_buffer_pb2_grpc
 
 log = logging.getLogger("overworld.trainer")
@@ -54,7 +53,7 @@ def sample_chunks(stub: replay_buffer_pb2_grpc.ReplayBufferStub, n: int, timeout
         request = replay_buffer_pb2.SampleRequest(num_chunks=n - len(chunks), timeout_seconds=wait,
                                                   reader_id=reader_id, allow_partial=True,
                                                   blob_refs=store is not None)
-        got = retry(lambda r=request, w=wait: list(stub.Sample(r, timeout=w + 30)), "Sample", wait + 60)
+        got = sample_stream(stub, request, wait + 30, wait + 60)
         if not got:
             log.info("%s waiting for data: %d of %d chunks", reader_id, len(chunks), n)
         elif store is not None:

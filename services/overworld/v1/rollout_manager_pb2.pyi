@@ -120,12 +120,14 @@ class EpisodeStats(_message.Message):
     def __init__(self, task: _Optional[str] = ..., sum_reward: _Optional[float] = ..., discounted_reward: _Optional[float] = ..., length: _Optional[int] = ..., model_version: _Optional[int] = ..., extras: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class ReportEpisodesRequest(_message.Message):
-    __slots__ = ("worker_id", "episodes")
+    __slots__ = ("worker_id", "episodes", "report_sequence")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     EPISODES_FIELD_NUMBER: _ClassVar[int]
+    REPORT_SEQUENCE_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     episodes: _containers.RepeatedCompositeFieldContainer[EpisodeStats]
-    def __init__(self, worker_id: _Optional[str] = ..., episodes: _Optional[_Iterable[_Union[EpisodeStats, _Mapping]]] = ...) -> None: ...
+    report_sequence: int
+    def __init__(self, worker_id: _Optional[str] = ..., episodes: _Optional[_Iterable[_Union[EpisodeStats, _Mapping]]] = ..., report_sequence: _Optional[int] = ...) -> None: ...
 
 class ReportEpisodesResponse(_message.Message):
     __slots__ = ()
@@ -217,7 +219,7 @@ class TaskStats(_message.Message):
     def __init__(self, task: _Optional[str] = ..., episodes: _Optional[int] = ..., mean_return_last_100: _Optional[float] = ..., mean_length_last_100: _Optional[float] = ..., mean_discounted_return_last_100: _Optional[float] = ..., mean_extras_last_100: _Optional[_Mapping[str, float]] = ..., total_return: _Optional[float] = ..., total_discounted_return: _Optional[float] = ..., total_length: _Optional[int] = ..., total_extras: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class FleetStatus(_message.Message):
-    __slots__ = ("run_id", "workers", "env_steps", "episodes", "mean_return_last_100", "tasks", "videos", "pending_video_requests")
+    __slots__ = ("run_id", "workers", "env_steps", "episodes", "mean_return_last_100", "tasks", "videos", "pending_video_requests", "fragments_sent", "fragments_lost")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     ENV_STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -226,6 +228,8 @@ class FleetStatus(_message.Message):
     TASKS_FIELD_NUMBER: _ClassVar[int]
     VIDEOS_FIELD_NUMBER: _ClassVar[int]
     PENDING_VIDEO_REQUESTS_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTS_SENT_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTS_LOST_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
     env_steps: int
@@ -234,7 +238,9 @@ class FleetStatus(_message.Message):
     tasks: _containers.RepeatedCompositeFieldContainer[TaskStats]
     videos: int
     pending_video_requests: int
-    def __init__(self, run_id: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., env_steps: _Optional[int] = ..., episodes: _Optional[int] = ..., mean_return_last_100: _Optional[float] = ..., tasks: _Optional[_Iterable[_Union[TaskStats, _Mapping]]] = ..., videos: _Optional[int] = ..., pending_video_requests: _Optional[int] = ...) -> None: ...
+    fragments_sent: int
+    fragments_lost: int
+    def __init__(self, run_id: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., env_steps: _Optional[int] = ..., episodes: _Optional[int] = ..., mean_return_last_100: _Optional[float] = ..., tasks: _Optional[_Iterable[_Union[TaskStats, _Mapping]]] = ..., videos: _Optional[int] = ..., pending_video_requests: _Optional[int] = ..., fragments_sent: _Optional[int] = ..., fragments_lost: _Optional[int] = ...) -> None: ...
 
 class RequestVideoRequest(_message.Message):
     __slots__ = ("iteration",)

@@ -1,0 +1,254 @@
+"""Drive an `overworld run` and kill its services one after another with SIGKILL: the chaos test
+(tests/chaos/test_chaos.py) and the recovery benchmark (bench/bench_recovery.py) share this.
+
+`ChaosRun` starts the run as a subprocess and watches it from outside, as an operator would (with the
+run's `operator` certificate, <workdir>/tls/operator: `overworld run` speaks mutual TLS): where each
+service is (the launcher's services.json), the fleet's env steps (rollout-manager) and the latest
+model version (model-registry), sampled every WATCH_SECONDS into `observations`. `kill_and_recover`
+kills one service and measures, from the kill, the first successful call to the service started in
+its place (`first_call_seconds`) and the moment the run made progress again: a newer model version
+and more env steps than when it was restarted (`progress_seconds`).
+"""
+
+from __future__ import annotations
+
+import contextlib
+import json
+import os
+import signal
+import subprocess
+import sys
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import grpc
+import numpy as np
+
+from overworld.core import tensors, tls
+from overworld.core.grpc_util import CHANNEL_OPTIONS
+from overworld.restarts import read_services
+from overworld.v1 import (
+    gae_pb2,
+    gae_pb2_grpc,
+    model_registry_pb2,
+    model_registry_pb2_grpc,
+    replay_buffer_pb2,
+    replay_buffer_pb2_grpc,
+    rollout_manager_pb2,
+    rollout_manager_pb2_grpc,
+    rollout_worker_pb2,
+    rollout_worker_pb2_grpc,
+    trainer_pb2,
+    trainer_pb2_grpc,
+)
+
+ROOT = Path(__file__).resolve().parents[2]
+KILL_ORDER = ("gae", "replay-buffer", "model-registry", "rollout-manager", "rollout-worker#0", "trainer")
+WATCH_SECONDS = 0.2
+PROBE_TIMEOUT = 1.0
+
+
+PROBE_BATCH = {"reward": np.ones((1, 4), np.float32), "value": np.zeros((1, 4), np.float32),
+               "bootstrap_value": np.zeros((1, 4), np.float32), "terminated": np.zeros((1, 4), bool),
+               "truncated": np.zeros((1, 4), bool), "next_value": np.zeros(1, np.float32)}
+
+
+def identity_channel(address: str, tls_root: Path, identity: str = "operator") -> grpc.Channel:
+    """A channel as one of the run's identities (its certificates under `tls_root`); plaintext when the
+    run has none (--insecure)."""
+    if not (tls_root / identity / tls.CERT).exists():
+        return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
+    return tls.ReloadingChannel(address, tls.CredentialFiles(tls_root / identity), CHANNEL_OPTIONS)
+
+
+def probe(service: str, address: str, tls_root: Path) -> None:
+    """One call of the service's own API at `address` (grpc.RpcError if it does not answer): a status
+    read as the operator, Estimate as the trainer (the only identity that may call it)."""
+    name = service.split("#")[0]
+    with identity_channel(address, tls_root, "trainer" if name == "gae" else "operator") as ch:
+        if name == "gae":
+            gae_pb2_grpc.GaeStub(ch).Estimate(gae_pb2.EstimateRequest(
+                discount=0.9, gae_lambda=0.9, tensors=tensors.encode(PROBE_BATCH)), timeout=PROBE_TIMEOUT)
+        elif name == "model-registry":
+            model_registry_pb2_grpc.ModelRegistryStub(ch).ListVersions(model_registry_pb2.ListVersionsRequest(),
+                                                                       timeout=PROBE_TIMEOUT)
+        elif name == "rollout-manager":
+            rollout_manager_pb2_grpc.RolloutManagerStub(ch).GetFleetStatus(
+                rollout_manager_pb2.GetFleetStatusRequest(), timeout=PROBE_TIMEOUT)
+        elif name == "replay-buffer":
+            replay_buffer_pb2_grpc.ReplayBufferStub(ch).GetStats(replay_buffer_pb2.GetStatsRequest(),
+                                                                 timeout=PROBE_TIMEOUT)
+        elif name == "trainer":
+            trainer_pb2_grpc.TrainerStub(ch).GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=PROBE_TIMEOUT)
+        elif name == "rollout-worker":
+            rollout_worker_pb2_grpc.RolloutWorkerStub(ch).GetStatus(rollout_worker_pb2.GetWorkerStatusRequest(),
+                                                                    timeout=PROBE_TIMEOUT)
+        else:
+            raise ValueError(f"no probe for {service}")
+
+
+@dataclass
+class Recovery:
+    service: str
+    killed_pid: int
+    restarted_pid: int
+    at_env_steps: int
+    at_model_version: int
+    first_call_seconds: float  # kill -> first successful call to the restarted service
+    progress_seconds: float  # kill -> a newer model version and more env steps than at the restart
+
+
+@dataclass
+class Observation:
+    seconds: float
+    env_steps: int | None
+    episodes: int | None
+    model_version: int | None
+
+
+class ChaosRun:
+    def __init__(self, config: str | Path, workdir: Path, args: list[str], env: dict[str, str] | None = None) -> None:
+        self.workdir = workdir
+        self.tls_root = workdir / "tls"  # the run's certificates, made before its services start
+        workdir.mkdir(parents=True, exist_ok=True)
+        self.summary_path = workdir / "summary.json"
+        cmd = [sys.executable, "-m", "overworld.cli", "run", str(config), "--workdir", str(workdir),
+               "--summary", str(self.summary_path), *args]
+        self.log = open(workdir / "stdout.log", "ab")  # noqa: SIM115 - closed in close()
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT,
+                                     env={**os.environ, **(env or {}), "PYTHONUNBUFFERED": "1"})
+        self.started = time.monotonic()
+        self.observations: list[Observation] = []
+        self.recoveries: list[Recovery] = []
+        self._stop = threading.Event()
+        self._latest = Observation(0.0, None, None, None)
+        self._observe_lock = threading.Lock()
+        self._channels: list[grpc.Channel] = []
+        self._stubs: tuple[rollout_manager_pb2_grpc.RolloutManagerStub, model_registry_pb2_grpc.ModelRegistryStub] \
+            | tuple[()] = ()
+        self._watcher = threading.Thread(target=self._watch, name="chaos-watch", daemon=True)
+        self._watcher.start()
+
+    # -- what the run looks like from outside --------------------------------------------------------
+    def services(self) -> dict[str, dict[str, Any]]:
+        try:
+            return read_services(self.workdir)["services"]
+        except (OSError, ValueError, KeyError):
+            return {}
+
+    def observe(self) -> Observation:
+        """Read the fleet's env steps and episodes (rollout-manager) and the latest model version
+        (model-registry) now; None for a service that does not answer. One reader at a time, so
+        `observations` is in the order things were seen."""
+        with self._observe_lock:
+            found = self.services()
+            if not self._stubs and "rollout-manager" in found and "model-registry" in found:
+                self._channels = [identity_channel(found[name]["address"], self.tls_root)
+                                  for name in ("rollout-manager", "model-registry")]
+                self._stubs = (rollout_manager_pb2_grpc.RolloutManagerStub(self._channels[0]),
+                               model_registry_pb2_grpc.ModelRegistryStub(self._channels[1]))
+            steps = episodes = version = None
+            if self._stubs:
+                manager, registry = self._stubs
+                with contextlib.suppress(grpc.RpcError):
+                    fleet = manager.GetFleetStatus(rollout_manager_pb2.GetFleetStatusRequest(), timeout=1)
+                    steps, episodes = fleet.env_steps, fleet.episodes
+                with contextlib.suppress(grpc.RpcError):
+                    version = max((v.version for v in registry.ListVersions(
+                        model_registry_pb2.ListVersionsRequest(), timeout=1).versions), default=0)
+            seen = Observation(round(time.monotonic() - self.started, 2), steps, episodes, version)
+            if self._stubs:
+                self.observations.append(seen)
+            last = self._latest
+            self._latest = Observation(seen.seconds, last.env_steps if steps is None else steps,
+                                       last.episodes if episodes is None else episodes,
+                                       last.model_version if version is None else version)
+            return seen
+
+    def _watch(self) -> None:
+        while not self._stop.wait(WATCH_SECONDS):
+            self.observe()
+
+    @property
+    def env_steps(self) -> int:
+        return self._latest.env_steps or 0
+
+    @property
+    def model_version(self) -> int:
+        return self._latest.model_version or 0
+
+    def wait_for(self, ready: Callable[[], bool], timeout: float, what: str) -> None:
+        deadline = time.monotonic() + timeout
+        while not ready():
+            if self.proc.poll() is not None:
+                raise AssertionError(f"the run ended while waiting for {what}:\n{self.tail()}")
+            if time.monotonic() > deadline:
+                raise AssertionError(f"no {what} within {timeout:.0f}s:\n{self.tail()}")
+            time.sleep(0.05)
+
+    def tail(self, lines: int = 40) -> str:
+        text = (self.workdir / "stdout.log").read_text(errors="replace")
+        return "\n".join(text.splitlines()[-lines:])
+
+    # -- chaos ---------------------------------------------------------------------------------------
+    def kill_and_recover(self, service: str, timeout: float = 240.0) -> Recovery:
+        """SIGKILL `service`; wait until the launcher restarted it, it answers, and the run went on."""
+        before = self.services()[service]
+        self.observe()  # where the run is at the kill, read now
+        steps, version = self.env_steps, self.model_version
+        os.kill(before["pid"], signal.SIGKILL)
+        killed = time.monotonic()
+        self.wait_for(lambda: self.services().get(service, {}).get("pid", before["pid"]) != before["pid"], timeout,
+                      f"restart of {service}")
+        after = self.services()[service]
+        # Progress counts from here: the launcher has killed what the dead service left (a killed trainer's
+        # Ray workers could still publish a version the moment after the kill).
+        self.observe()
+        steps, version = max(steps, self.env_steps), max(version, self.model_version)
+        first_call: float | None = None
+        while first_call is None:
+            try:
+                probe(service, after["address"], self.tls_root)
+                first_call = time.monotonic() - killed
+            except grpc.RpcError:
+                self.wait_for(lambda: time.monotonic() - killed < timeout, timeout, f"an answer from {service}")
+                time.sleep(0.02)
+        self.wait_for(lambda: self.model_version > version and self.env_steps > steps, timeout,
+                      f"progress after killing {service} (at {steps} env steps, model version {version})")
+        recovery = Recovery(service, before["pid"], after["pid"], steps, version, round(first_call, 3),
+                            round(time.monotonic() - killed, 3))
+        self.recoveries.append(recovery)
+        return recovery
+
+    def finish(self, timeout: float) -> dict[str, Any]:
+        """Wait for the run to end; its summary."""
+        try:
+            self.proc.wait(timeout)
+        except subprocess.TimeoutExpired:
+            raise AssertionError(f"the run did not end within {timeout:.0f}s:\n{self.tail()}") from None
+        return json.loads(self.summary_path.read_text())
+
+    def progress(self) -> list[dict[str, Any]]:
+        path = self.workdir / "progress.jsonl"
+        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+
+    def close(self) -> None:
+        self._stop.set()
+        self._watcher.join(5)
+        for ch in self._channels:
+            ch.close()
+        if self.proc.poll() is None:
+            self.proc.send_signal(signal.SIGTERM)  # the launcher stops every service, then itself
+            try:
+                self.proc.wait(240)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+                self.proc.wait()
+        self.log.close()
+
+    def report(self) -> list[dict[str, Any]]:
+        return [asdict(r) for r in self.recoveries]
