@@ -50,3 +50,36 @@ def test_a_service_stops_when_its_launcher_is_killed(tmp_path: Path) -> None:
         stop_process(launcher)
         if service and alive(service):
             os.kill(service, signal.SIGKILL)
+
+
+SIGNALLED_ON_ANOTHER_THREAD = """
+import signal, sys, threading, time
+from overworld.core.service import run_until_signalled
+
+class Handle:
+    def stop(self, grace):
+        pass
+
+def start():
+    def later():
+        time.sleep(0.5)
+        # as the kernel may do with a process-directed SIGTERM: delivered to a gRPC or worker thread
+        signal.pthread_kill(threading.get_ident(), signal.SIGTERM)
+    threading.Thread(target=later, daemon=True).start()
+    return Handle()
+
+sys.exit(run_until_signalled("probe", start, 0))
+"""
+
+
+def test_a_signal_delivered_to_another_thread_stops_the_service() -> None:
+    """Python runs signal handlers on the main thread only: a main thread blocked in a wait without
+    timeout never sees a SIGTERM the kernel handed to another thread (a launcher's SIGKILL then left
+    the service running: its PR_SET_PDEATHSIG SIGTERM went to a gRPC thread)."""
+    env = {**os.environ, "OVERWORLD_LOG_FORMAT": "text"}
+    try:
+        done = subprocess.run([sys.executable, "-c", SIGNALLED_ON_ANOTHER_THREAD], capture_output=True, text=True,
+                              timeout=30, env=env)
+    except subprocess.TimeoutExpired as err:
+        raise AssertionError(f"the service did not stop on SIGTERM: {err.stderr!r}") from None
+    assert done.returncode == 0 and "received SIGTERM" in done.stderr and "stopped cleanly" in done.stderr, done.stderr

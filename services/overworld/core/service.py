@@ -87,9 +87,13 @@ def run_until_signalled(service: str, start: Callable[[], Stoppable], metrics_po
     log = setup_logging(service)
     stop_requested = done or threading.Event()
 
+    signalled: list[int] = []
+
     def on_signal(signum: int, _frame: object) -> None:
+        # Not stop_requested.set(): the handler may run inside that event's wait on this very thread,
+        # holding the lock set() takes. The loop below sees the flag.
         log.info("received %s, shutting down", signal.Signals(signum).name)
-        stop_requested.set()
+        signalled.append(signum)
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
@@ -98,7 +102,11 @@ def run_until_signalled(service: str, start: Callable[[], Stoppable], metrics_po
         start_http_server(metrics_port)
     handle = start()
     log.info("%s started (pid %d)", service, os.getpid())
-    stop_requested.wait()  # no timeout: a signal interrupts the wait, its handler sets the event
+    # Python runs signal handlers on the main thread, when it runs Python: a wait without a timeout
+    # never sees a signal the kernel handed to another thread (a gRPC thread, say).
+    while not signalled and not stop_requested.wait(1.0):
+        pass
+    stop_requested.set()
     started = time.monotonic()
     handle.stop(10.0)
     log.info("%s stopped cleanly in %.1fs", service, time.monotonic() - started)
