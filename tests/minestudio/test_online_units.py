@@ -6,6 +6,7 @@ from __future__ import annotations
 import subprocess
 import sys
 import textwrap
+import time
 from pathlib import Path
 from types import SimpleNamespace
 
@@ -16,7 +17,7 @@ import pytest
 from overworld.core.config import load_config
 from overworld.envs.minestudio import adapt_env
 from overworld.online import GeneratorError, generator_ref
-from overworld.online.rollout_side import rollout_key
+from overworld.online.rollout_side import alive, process_start_time, rollout_key
 from overworld.rollout_worker.env_runner import TASK_KEY, episode_extras
 from overworld.rollout_worker.pipeline_report import PipelineReport
 from overworld.trainer.minestudio_metrics import MineStudioMetrics
@@ -49,6 +50,23 @@ def test_generators_travel_by_import_path_and_closures_are_refused(tmp_path: Pat
     """))
     out = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=60, check=True)
     assert out.stdout.strip() == f"{script.resolve()}:env_generator"
+
+
+def test_a_rollout_side_that_exited_is_not_alive_while_it_waits_to_be_reaped() -> None:
+    """The script that started a non-detached rollout side is its parent: once it exits it is a zombie
+    until reaped, and the script's exit must not wait for it to "stop" (it waited out its 200 s timeout)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    record = {"pid": child.pid, "pid_started": process_start_time(child.pid)}
+    try:
+        stat = Path(f"/proc/{child.pid}/stat")
+        for _ in range(200):
+            if stat.read_text().rsplit(")", 1)[1].split()[0] == "Z":
+                break
+            time.sleep(0.05)
+        assert stat.read_text().rsplit(")", 1)[1].split()[0] == "Z"
+        assert not alive(record)
+    finally:
+        child.wait(10)
 
 
 def test_rollout_side_is_reused_unless_what_it_is_built_from_changes() -> None:

@@ -39,10 +39,13 @@ def rollout_key(config: RunConfig) -> dict[str, Any]:
 
 
 def process_start_time(pid: int) -> str | None:
+    """When the process `pid` started (clock ticks since boot); None if there is none, or only its
+    exit status is left (a zombie: a process that exited and its parent has not reaped yet)."""
     try:
-        return (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()[19]
-    except (OSError, IndexError):
+        fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
+    except OSError:
         return None
+    return None if len(fields) < 20 or fields[0] in ("Z", "X") else fields[19]
 
 
 def alive(record: dict[str, Any] | None) -> bool:

@@ -17,6 +17,7 @@ Everything lives in one work directory: `workdir=`, else $OVERWORLD_WORKDIR, els
 from __future__ import annotations
 
 import atexit
+import contextlib
 import logging
 import os
 import signal
@@ -117,12 +118,15 @@ def _wait(proc: subprocess.Popen, ready: Callable[[], dict[str, Any] | None], wh
 def _stop_process(record: dict[str, Any], timeout: float = STOP_TIMEOUT_SECONDS) -> None:
     if not alive(record):
         return
-    os.kill(int(record["pid"]), signal.SIGTERM)
+    pid = int(record["pid"])
+    os.kill(pid, signal.SIGTERM)
     deadline = time.monotonic() + timeout
     while alive(record) and time.monotonic() < deadline:
         time.sleep(0.2)
     if alive(record):
-        os.kill(int(record["pid"]), signal.SIGKILL)
+        os.kill(pid, signal.SIGKILL)
+    with contextlib.suppress(ChildProcessError):  # this script's own child (non-detached): collect its exit
+        os.waitpid(pid, os.WNOHANG)
 
 
 def start_rolloutmanager(policy_generator: Any, env_generator: Any, online_cfg: Mapping[str, Any] | DictConfig,
