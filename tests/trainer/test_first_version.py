@@ -100,3 +100,26 @@ def test_the_driver_publishes_nothing_when_the_registry_has_a_version(services) 
     client = ModelRegistryClient(services["registry"])
     assert [v.version for v in client.list_versions()] == [1]
     client.close()
+
+
+def test_a_stop_asked_while_ray_train_started_ends_training_before_its_first_iteration(services) -> None:
+    """The driver was told to stop (a drain, a kubectl resume) while Ray Train placed its workers: the
+    learner's first report gets the stop, and it finishes without waiting for the fleet or a batch."""
+    from overworld.trainer.checkpoint import checkpoint_store
+    from overworld.trainer.service import TrainerStatusService
+    from overworld.v1 import trainer_pb2_grpc
+
+    status = TrainerStatusService()
+    status.stop_requested.set()
+    server = serve([(trainer_pb2_grpc.add_TrainerServicer_to_server, status, "overworld.v1.Trainer")])
+    status_channel = channel(server.address)
+    try:
+        learner = learner_starts(services)
+        learner._status = trainer_pb2_grpc.TrainerStub(status_channel)
+        learner.checkpoints = checkpoint_store(learner.config, learner.workdir)
+        learner.train()  # no reader, no rollout manager: an iteration would fail
+        assert learner.iteration == 0 and learner.updates == 0
+        assert status.training_loop_started.is_set() and status.status.state == "finished"
+    finally:
+        status_channel.close()
+        server.stop(0)

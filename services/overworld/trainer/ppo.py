@@ -77,12 +77,14 @@ class PPOTrainer(BaseTrainer):
         for ref in t.hooks:
             import_object(ref)(self)
         self.publish_initial_version()
-        self.report("running", {})
+        stop = self.report("running", {})  # asked to stop while Ray Train started: no iteration to finish
+        if stop:
+            log.info("stop requested before the first iteration: finishing")
         # Where the fleet is now, waited for (the manager may be restarting too): a resumed trainer that
         # missed it would count the whole fleet's steps again at its first iteration.
-        last_env_steps = self._fleet_env_steps(self._ask_fleet(timeout=60.0), 0)
+        last_env_steps = 0 if stop else self._fleet_env_steps(self._ask_fleet(timeout=60.0), 0)
         try:
-            while self.iteration < t.num_iterations:
+            while not stop and self.iteration < t.num_iterations:
                 self.iteration += 1
                 started = time.monotonic()
                 fleet = self._ask_fleet()  # answered while this iteration runs: no round trip of its own

@@ -56,6 +56,7 @@ class TrainerStatusService(trainer_pb2_grpc.TrainerServicer):
     def __init__(self) -> None:
         self.status = pb.TrainerStatus(state="starting")
         self.stop_requested = threading.Event()
+        self.training_loop_started = threading.Event()  # rank 0 has reported: stops go through it
         self._lock = threading.Lock()
 
     def GetStatus(self, request, context):  # type: ignore[no-untyped-def]
@@ -77,6 +78,7 @@ class TrainerStatusService(trainer_pb2_grpc.TrainerServicer):
         if "trainer/approx_kl" in request.metrics:
             APPROX_KL.set(request.metrics["trainer/approx_kl"])
         LAST_UPDATE.set(time.time())
+        self.training_loop_started.set()
         return pb.ReportProgressResponse(stop=self.stop_requested.is_set())
 
     def set_state(self, state: str, error: str = "") -> None:
@@ -215,10 +217,13 @@ class TrainerDriver:
         import ray
 
         self.status.stop_requested.set()
-        self._thread.join(STOP_TIMEOUT_SECONDS)
-        if self._thread.is_alive():
-            log.warning("training did not finish within %ds of the stop request; shutting Ray down",
-                        STOP_TIMEOUT_SECONDS)
+        if self.status.training_loop_started.is_set():
+            self._thread.join(STOP_TIMEOUT_SECONDS)
+            if self._thread.is_alive():
+                log.warning("training did not finish within %ds of the stop request; shutting Ray down",
+                            STOP_TIMEOUT_SECONDS)
+        else:  # Ray Train is still placing or starting its workers (minutes on a cluster): nothing to save
+            log.info("stop requested before the training loop started: nothing to checkpoint; shutting Ray down")
         if ray.is_initialized():
             ray.shutdown()
         self.server.stop(grace)
