@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import ctypes
+import faulthandler
 import json
 import logging
 import os
@@ -80,6 +81,9 @@ def stop_with_parent() -> None:
 # would fail the same way, so `overworld run` does not restart it.
 EXIT_CONFIG = 78
 
+# A service that takes longer than this to stop writes every thread's stack to its log.
+STOP_STACKS_AFTER_SECONDS = 30.0
+
 
 def run_until_signalled(service: str, start: Callable[[], Stoppable], metrics_port: int,
                         done: threading.Event | None = None) -> int:
@@ -108,6 +112,9 @@ def run_until_signalled(service: str, start: Callable[[], Stoppable], metrics_po
         pass
     stop_requested.set()
     started = time.monotonic()
+    # A stop that hangs says where: every thread's stack goes to stderr (the service's log).
+    faulthandler.dump_traceback_later(STOP_STACKS_AFTER_SECONDS, exit=False)
     handle.stop(10.0)
+    faulthandler.cancel_dump_traceback_later()
     log.info("%s stopped cleanly in %.1fs", service, time.monotonic() - started)
     return 0
