@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 
 SB3_STAMP := .venv-sb3/.installed-sb3-2.9.2
 
-.PHONY: run test test-fast test-minestudio rehearsal bench sb3 lint protos install clean
+.PHONY: run test test-fast test-minestudio minestudio-venv rehearsal bench sb3 lint protos install clean
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -71,7 +71,7 @@ protos: $(STAMP)
 # through every service, trainer and W&B logger too), Overworld itself without dependencies.
 # The stamp skips the installs until the requirements file changes. The marked tests all live in
 # tests/minestudio/ (the rest of tests/ needs ray, kubernetes tools etc. just to be collected).
-test-minestudio:
+minestudio-venv:
 	set -e; stamp=.venv-minestudio/.installed-$$(cat .ci/minestudio-requirements.txt | sha1sum | cut -c1-12); \
 	if [ ! -e $$stamp ]; then \
 	  test -x .venv-minestudio/bin/python || $(PYTHON) -m venv .venv-minestudio; \
@@ -82,6 +82,8 @@ test-minestudio:
 	  .venv-minestudio/bin/python -c "import numpy, omegaconf, torchvision; from minestudio.models import VPTPolicy; import overworld.policies.minestudio; print('minestudio venv: numpy', numpy.__version__, 'omegaconf', omegaconf.__version__)"; \
 	  rm -f .venv-minestudio/.installed-*; touch $$stamp; \
 	fi
+
+test-minestudio: minestudio-venv
 	.venv-minestudio/bin/python -m pytest -q -m minestudio tests/minestudio $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
 clean:
