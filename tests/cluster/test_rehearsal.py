@@ -22,6 +22,7 @@ from pathlib import Path
 
 import pytest
 
+from overworld.run_controller.rayjob import JOB_STOP_WAIT_SECONDS
 from tests.cluster.cluster import RELEASE
 from tests.cluster.netns import wait_until
 from tests.cluster.rehearsal import Rehearsal
@@ -307,6 +308,7 @@ def test_kubectl_resume_replaces_the_trainer_and_continues_from_its_checkpoint(r
     old_name = old["metadata"]["name"]
     old_pods = [p for p in cluster.pods if p.owner.startswith(old["status"]["rayClusterName"])]
     version, steps = progress(rehearsal)
+    patched = time.monotonic()
     cluster.kubectl("patch", "trainingrun", RELEASE, "--type", "merge", "-p",
                     json.dumps({"spec": {"resumeFrom": "latest"}}))
 
@@ -319,6 +321,9 @@ def test_kubectl_resume_replaces_the_trainer_and_continues_from_its_checkpoint(r
     except TimeoutError as err:
         raise AssertionError(f"{err}\n{cluster.logs(CONTROLLER_LOGS, tail=4000)}") from err
     assert job["spec"]["entrypoint"].endswith("--resume latest")
+    # The old trainer ended by itself: Ray did not wait out RAY_JOB_STOP_WAIT_TIME_S to SIGKILL it (a
+    # driver aborted by Ray's signal handler, or a zombie under the head's PID 1, made every resume wait).
+    assert time.monotonic() - patched < JOB_STOP_WAIT_SECONDS, cluster.logs(old["status"]["rayClusterName"])[-6000:]
     # The old trainer was gone before the new RayJob existed: no two trainers of one run at once.
     seen = {what: at for at, kind, what in cluster.events if kind == "rayjob-seen"}
     assert all(p.ended and p.ended <= seen[job["metadata"]["name"]] for p in old_pods), [

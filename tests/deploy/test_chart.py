@@ -531,7 +531,7 @@ def test_default_values_make_a_runnable_trainer(default_objects: list[dict[str, 
         {"apiVersion": "overworld.dev/v1alpha1", "kind": "TrainingRun", "name": "overworld", "uid": "u-1"}
     ]
     validate_object(rayjob)
-    assert rayjob["spec"]["entrypoint"] == "overworld serve trainer --ray-address auto --resume latest"
+    assert rayjob["spec"]["entrypoint"] == "exec overworld serve trainer --ray-address auto --resume latest"
     assert rayjob["spec"]["backoffLimit"] == 2
     cluster = rayjob["spec"]["rayClusterSpec"]
     assert (

@@ -75,11 +75,11 @@ def training_run(**spec: Any) -> dict[str, Any]:
 
 def test_entrypoint_carries_resume_and_extra_args() -> None:
     # Every try resumes: KubeRay runs the same entrypoint again for each retry (backoffLimit).
-    assert trainer_entrypoint() == "overworld serve trainer --ray-address auto --resume latest"
-    assert trainer_entrypoint("latest") == "overworld serve trainer --ray-address auto --resume latest"
+    assert trainer_entrypoint() == "exec overworld serve trainer --ray-address auto --resume latest"
+    assert trainer_entrypoint("latest") == "exec overworld serve trainer --ray-address auto --resume latest"
     assert (
         trainer_entrypoint("ckpt 7", ["--log-every", "10"])
-        == "overworld serve trainer --ray-address auto --resume 'ckpt 7' --log-every 10"
+        == "exec overworld serve trainer --ray-address auto --resume 'ckpt 7' --log-every 10"
     )
 
 
@@ -94,7 +94,7 @@ def test_rayjob_is_valid_and_complete() -> None:
     assert job["metadata"]["labels"][RUN_LABEL] == RUN and job["metadata"]["labels"][ATTEMPT_LABEL] == "3"
     spec = job["spec"]
     assert (
-        spec["entrypoint"] == "overworld serve trainer --ray-address auto --resume ckpt-000042 --log-every 10"
+        spec["entrypoint"] == "exec overworld serve trainer --ray-address auto --resume ckpt-000042 --log-every 10"
     )
     assert spec["backoffLimit"] == 2 and spec["submissionMode"] == "K8sJobMode"
     cluster = spec["rayClusterSpec"]
@@ -323,7 +323,7 @@ async def drive_controller(url: str, trainer_address: str, tmp_path: Path) -> No
             return status
 
         first = (await eventually(rayjobs, "the first RayJob", log))[f"{RUN}-a1"]
-        assert first["spec"]["entrypoint"] == "overworld serve trainer --ray-address auto --resume latest"
+        assert first["spec"]["entrypoint"] == "exec overworld serve trainer --ray-address auto --resume latest"
         (owner,) = first["metadata"]["ownerReferences"]
         run_uid = json.loads(await run_kubectl(kubeconfig, "get", "trainingrun", RUN, "-o", "json"))[
             "metadata"
@@ -404,7 +404,7 @@ async def drive_controller(url: str, trainer_address: str, tmp_path: Path) -> No
         )
         second = jobs[f"{RUN}-a2"]
         assert (
-            second["spec"]["entrypoint"] == "overworld serve trainer --ray-address auto --resume ckpt-000042"
+            second["spec"]["entrypoint"] == "exec overworld serve trainer --ray-address auto --resume ckpt-000042"
         )
         assert second["spec"]["backoffLimit"] == 2
         assert second["metadata"]["labels"][ATTEMPT_LABEL] == "2"

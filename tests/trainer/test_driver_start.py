@@ -39,3 +39,55 @@ def test_ray_starts_before_the_rollout_manager_answers(tmp_path: Path) -> None:
         proc.wait()
         for pid, started in family:
             kill_if_same(pid, started)
+
+
+STOPPING_DRIVER = """
+import threading
+import time
+
+from overworld.core.service import run_until_signalled
+from overworld.trainer.service import start_ray
+
+
+class WaitsForTheCheckpoint:
+    def stop(self, grace: float) -> None:
+        time.sleep(4)  # the driver waits for rank 0 to checkpoint after its iteration
+        print("the checkpoint wait is over", flush=True)
+
+
+def start() -> WaitsForTheCheckpoint:
+    threading.Thread(target=start_ray, args=("",), daemon=True).start()  # as the driver does: another thread
+    return WaitsForTheCheckpoint()
+
+
+raise SystemExit(run_until_signalled("trainer", start, 0))
+"""
+
+
+@pytest.mark.slow
+def test_sigterm_after_ray_started_lets_the_driver_finish_its_stop(tmp_path: Path) -> None:
+    """Ray's failure-signal handler, installed in the driver by ray.init, turned SIGTERM into an abort
+    about two seconds later: a driver waiting for rank 0's checkpoint died without it (kubectl resume,
+    a drained head pod), and Ray then waited out RAY_JOB_STOP_WAIT_TIME_S for it."""
+    script, log = tmp_path / "driver.py", tmp_path / "driver.log"
+    script.write_text(STOPPING_DRIVER)
+    proc = subprocess.Popen([sys.executable, str(script)], stdout=log.open("wb"), stderr=subprocess.STDOUT,
+                            env={**os.environ, "OVERWORLD_LOG_FORMAT": "text", "PYTHONUNBUFFERED": "1"})
+    family: list[tuple[int, str]] = []
+    try:
+        deadline = time.monotonic() + 240
+        while "Ray started in" not in log.read_text(errors="replace"):
+            assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+            assert time.monotonic() < deadline, "Ray did not start within 240 s:\n" + log.read_text()[-3000:]
+            time.sleep(0.5)
+        family = descendants(proc.pid)
+        proc.terminate()
+        code = proc.wait(120)
+        out = log.read_text(errors="replace")
+        assert code == 0, out[-3000:]
+        assert "the checkpoint wait is over" in out and "trainer stopped cleanly" in out, out[-3000:]
+    finally:
+        proc.kill()
+        proc.wait()
+        for pid, started in family:
+            kill_if_same(pid, started)

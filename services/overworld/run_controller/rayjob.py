@@ -60,10 +60,16 @@ def trainer_entrypoint(resume_from: str = "", extra_args: Sequence[str] = ()) ->
 
     It always resumes: KubeRay runs the same entrypoint again on a new RayCluster for each retry
     (``backoffLimit``), and a retry must continue from the checkpoint the failed try wrote, not
-    start over. ``latest`` on a run without a checkpoint starts fresh."""
+    start over. ``latest`` on a run without a checkpoint starts fresh.
+
+    ``exec``: Ray's job supervisor runs the entrypoint with ``/bin/sh -c`` and, to stop the job, sends
+    SIGTERM to the shell and the trainer. The shell dies at once; its orphaned trainer then exits
+    as a child of the head's PID 1 (``ray start``), which never reaps it, and Ray waits for that
+    zombie until RAY_JOB_STOP_WAIT_TIME_S runs out. With ``exec`` the trainer is the supervisor's own
+    child: its exit ends the job."""
     argv = ["overworld", "serve", "trainer", "--ray-address", "auto", "--resume", resume_from or "latest"]
     argv += list(extra_args)
-    return shlex.join(argv)
+    return "exec " + shlex.join(argv)
 
 
 def entrypoint_resume(entrypoint: str) -> str:
@@ -76,7 +82,7 @@ def with_resume(entrypoint: str, resume_from: str) -> str:
     """The same entrypoint resuming from ``resume_from`` instead."""
     argv = shlex.split(entrypoint)
     argv[argv.index("--resume") + 1] = resume_from
-    return shlex.join(argv)
+    return "exec " + shlex.join(argv[1:]) if argv[0] == "exec" else shlex.join(argv)
 
 
 def _resources(resources: Mapping[str, Any] | None, gpus: int = 0) -> dict[str, Any]:

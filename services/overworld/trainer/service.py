@@ -111,7 +111,13 @@ def start_ray(address: str) -> None:
     # Ray nices its workers to 15 by default; the learner must not yield to every other process.
     os.environ.setdefault("RAY_worker_niceness", "0")
     import ray
+    from ray._private import ray_constants
 
+    # ray.init installs a C++ failure-signal handler in this process that turns SIGTERM into an abort
+    # two seconds later: the driver would die while it waits for rank 0's checkpoint (a kubectl resume,
+    # a drained head pod). Read when ray.init makes the driver's core worker; this process only (Ray's
+    # own processes keep their crash reports).
+    ray_constants.RAY_DISABLE_FAILURE_SIGNAL_HANDLER = True
     started = time.monotonic()
     for attempt in range(1, RAY_START_ATTEMPTS + 1):
         try:
