@@ -219,14 +219,16 @@ class Launcher:
             return None
 
     def stop(self) -> None:
-        """Workers first (they flush), then the trainer, then the rest; SIGKILL whatever lingers,
-        descendants included (Ray's raylet and workers, env processes). A second Ctrl-C skips the
-        graceful part but still leaves no process behind."""
+        """The trainer first (it checkpoints after its current iteration, which needs the workers'
+        fragments: stopped after them, it waited out its stop timeout for a batch that never came),
+        then the workers (they flush), then the rest; SIGKILL whatever lingers, descendants included
+        (Ray's raylet and workers, env processes). A second Ctrl-C skips the graceful part but still
+        leaves no process behind."""
         self.remember_families()
         family = {c.proc.pid: self.family.get(c.proc.pid, []) for c in self.children}
         try:
             workers = [c for c in self.children if c.name.startswith("rollout-worker")]
-            for group in (workers, [c for c in self.children if c.name == "trainer"], self.children):
+            for group in ([c for c in self.children if c.name == "trainer"], workers, self.children):
                 for c in group:
                     if c.proc.poll() is None:
                         c.proc.send_signal(signal.SIGTERM)

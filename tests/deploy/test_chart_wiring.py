@@ -220,8 +220,8 @@ def test_rendered_services_find_each_other_and_train(tmp_path: Path, s3_server: 
         (training_run,) = by_kind(objects, "TrainingRun").values()
         rayjob = build_rayjob(training_run, attempt=1, resume_from=training_run["spec"]["resumeFrom"])
         head = rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"]["containers"][0]
-        argv = shlex.split(rayjob["spec"]["entrypoint"])
-        assert argv[:5] == ["overworld", "serve", "trainer", "--ray-address", "auto"]
+        exec_word, *argv = shlex.split(rayjob["spec"]["entrypoint"])  # Ray's /bin/sh -c execs the trainer
+        assert exec_word == "exec" and argv[:5] == ["overworld", "serve", "trainer", "--ray-address", "auto"]
         argv[4] = ""  # the RayJob's cluster, played by a local Ray
         trainer_port = next(p["containerPort"] for p in head["ports"] if p["name"] == "trainer")
         head_mounts = cluster.volume_dirs("trainer", rayjob["spec"]["rayClusterSpec"]["headGroupSpec"]["template"]["spec"],

@@ -8,7 +8,9 @@ import pytest
 from tests.security.fleet import Fleet, start_fleet
 
 
-@pytest.fixture(scope="session")
+@pytest.fixture(scope="module")
 def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
-    """One fleet process (every service, mutual TLS) for all the fuzzing: its RSS is measured."""
+    """One fleet process (every service, mutual TLS) per fuzz module: its RSS is measured. Not one per
+    session: its rollout worker steps on a core of its own until the fleet stops, and with session
+    scope it did so through every test after the fuzzing."""
     yield from start_fleet(Path(tmp_path_factory.mktemp("fuzz-fleet")))

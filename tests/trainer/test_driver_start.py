@@ -15,6 +15,15 @@ from overworld.launcher import descendants, kill_if_same
 from tests.support import free_port
 
 
+def wait_for_ray(proc: subprocess.Popen, log: Path, timeout: float = 240) -> None:
+    """Until the driver logs that Ray started; fails if it exits or takes longer."""
+    deadline = time.monotonic() + timeout
+    while "Ray started in" not in log.read_text(errors="replace"):
+        assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
+        assert time.monotonic() < deadline, f"Ray did not start within {timeout:.0f} s:\n" + log.read_text()[-3000:]
+        time.sleep(0.5)
+
+
 @pytest.mark.slow
 def test_ray_starts_before_the_rollout_manager_answers(tmp_path: Path) -> None:
     nobody = free_port()  # no rollout-manager listens here: the driver keeps asking for the run config
@@ -26,15 +35,11 @@ def test_ray_starts_before_the_rollout_manager_answers(tmp_path: Path) -> None:
         env={**os.environ, "OVERWORLD_LOG_FORMAT": "text", "PYTHONUNBUFFERED": "1"})
     family: list[tuple[int, str]] = []
     try:
-        deadline = time.monotonic() + 240
-        while "Ray started in" not in log.read_text(errors="replace"):
-            assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
-            assert time.monotonic() < deadline, "Ray did not start within 240 s:\n" + log.read_text()[-3000:]
-            family = descendants(proc.pid) or family
-            time.sleep(0.5)
+        wait_for_ray(proc, log)
         assert proc.poll() is None  # still waiting for the rollout-manager
         family = descendants(proc.pid)
     finally:
+        family = family or descendants(proc.pid)
         proc.kill()
         proc.wait()
         for pid, started in family:
@@ -75,11 +80,7 @@ def test_sigterm_after_ray_started_lets_the_driver_finish_its_stop(tmp_path: Pat
                             env={**os.environ, "OVERWORLD_LOG_FORMAT": "text", "PYTHONUNBUFFERED": "1"})
     family: list[tuple[int, str]] = []
     try:
-        deadline = time.monotonic() + 240
-        while "Ray started in" not in log.read_text(errors="replace"):
-            assert proc.poll() is None, log.read_text(errors="replace")[-3000:]
-            assert time.monotonic() < deadline, "Ray did not start within 240 s:\n" + log.read_text()[-3000:]
-            time.sleep(0.5)
+        wait_for_ray(proc, log)
         family = descendants(proc.pid)
         proc.terminate()
         code = proc.wait(120)
@@ -87,6 +88,7 @@ def test_sigterm_after_ray_started_lets_the_driver_finish_its_stop(tmp_path: Pat
         assert code == 0, out[-3000:]
         assert "the checkpoint wait is over" in out and "trainer stopped cleanly" in out, out[-3000:]
     finally:
+        family = family or descendants(proc.pid)
         proc.kill()
         proc.wait()
         for pid, started in family:
