@@ -41,11 +41,10 @@ def rollout_key(config: RunConfig) -> dict[str, Any]:
 def process_start_time(pid: int) -> str | None:
     """When the process `pid` started (clock ticks since boot); None if there is none, or only its
     exit status is left (a zombie: a process that exited and its parent has not reaped yet)."""
-    try:
-        fields = (Path("/proc") / str(pid) / "stat").read_text().rsplit(")", 1)[1].split()
-    except OSError:
-        return None
-    return None if len(fields) < 20 or fields[0] in ("Z", "X") else fields[19]
+    from overworld.launcher import _stat  # the launcher's /proc reader: one place parses /proc/<pid>/stat
+
+    fields = _stat(pid)
+    return None if fields is None or len(fields) < 20 or fields[0] in ("Z", "X") else fields[19]
 
 
 def alive(record: dict[str, Any] | None) -> bool:
