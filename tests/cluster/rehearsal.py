@@ -47,7 +47,8 @@ def rehearsal_values() -> dict[str, Any]:
     values = values_from_files([CHART / "ci" / "cpu-values.yaml"])
     config = yaml.safe_load((REPO / "examples" / "cartpole.yaml").read_text())
     # save_path: the chart's (--save-path / OVERWORLD_SAVE_PATH, the object store) replaces the config's.
-    config["train_config"].update(save_interval=5, keep_interval=0, num_iterations=100000)
+    config["train_config"].update(num_workers=1,  # on the cluster's worker group, not the head (local mode)
+                                  save_interval=5, keep_interval=0, num_iterations=100000)
     config["logger_config"]["tensorboard"] = True  # files for the trainer to sync to the object store
     values["run"] = {"config": config}
     values["rolloutWorker"]["replicaCount"] = 1

@@ -77,6 +77,10 @@ def test_set_overrides_and_rejects_unknown_keys() -> None:
     ({"rollout_config": {"replay_buffer_config": {"samples_per_insert": 3.0, "samples_per_insert_error": 4.0,
                                                   "max_reuse": 2}}}, "samples_per_insert"),
     ({"env_generator": "no_colon"}, "env_generator"),
+    ({"train_config": {"num_workers": -1}}, "train_config.num_workers"),
+    # local mode (num_workers 0) trains one learner: its batch still has to fit in the buffer
+    ({"train_config": {"num_workers": 0, "batch_size_per_gpu": 4, "batches_per_iteration": 2},
+      "rollout_config": {"replay_buffer_config": {"max_chunks": 7}}}, "max_chunks"),
 ])
 def test_cross_key_checks(patch: dict, key: str) -> None:
     base = {"train_config": {"batches_per_iteration": 2, "gradient_accumulation": 1}}

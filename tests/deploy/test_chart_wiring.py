@@ -42,7 +42,9 @@ TRAINING_TIMEOUT = 420.0
 
 def chart_values() -> dict[str, Any]:
     values = values_from_files([CHART / "ci" / "cpu-values.yaml"])
-    values["run"] = {"config": yaml.safe_load((REPO / "examples" / "cartpole.yaml").read_text())}
+    config = yaml.safe_load((REPO / "examples" / "cartpole.yaml").read_text())
+    config["train_config"]["num_workers"] = 1  # a Ray Train worker of the cluster, as on KubeRay
+    values["run"] = {"config": config}
     values["rolloutWorker"]["replicaCount"] = 1
     return values
 

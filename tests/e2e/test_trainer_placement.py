@@ -1,6 +1,7 @@
 """The trainer through `overworld run` on this CPU machine: asking for a GPU stops the run with an
-error that says so (never a silent CPU run, never a restart loop), and a recurrent policy on two
-trainer workers (DDP, gloo) with a value warm-up trains to the end."""
+error that says so (never a silent CPU run, never a restart loop), on Ray Train workers and in Ray
+Train's local mode, and a recurrent policy on two trainer workers (DDP, gloo) with a value warm-up
+trains to the end."""
 
 from __future__ import annotations
 
@@ -30,11 +31,20 @@ def overworld_run(tmp_path: Path, *overrides: str, timeout: float = 600) -> tupl
 
 
 def test_asking_for_a_gpu_on_a_cpu_machine_stops_the_run_with_a_clear_error(tmp_path: Path) -> None:
-    summary, result = overworld_run(tmp_path, "train_config.num_gpus_per_worker=1", timeout=300)
+    summary, result = overworld_run(tmp_path, "train_config.num_workers=1", "train_config.num_gpus_per_worker=1",
+                                    timeout=300)
     assert result.returncode != 0 and summary["status"] == "failed"
     assert "asks for 1 CPU, 1 GPU; the Ray cluster has" in summary["error"] and " 0 GPU (0 free)" in summary["error"]
     assert summary["restarts"] == {}  # a restart would fail the same way
     assert summary["updates"] == 0
+
+
+def test_asking_for_a_gpu_in_local_mode_on_a_cpu_machine_stops_the_run_with_a_clear_error(tmp_path: Path) -> None:
+    summary, result = overworld_run(tmp_path, "train_config.num_workers=0", "train_config.num_gpus_per_worker=1",
+                                    timeout=300)
+    assert result.returncode != 0 and summary["status"] == "failed"
+    assert "Ray Train's local mode" in summary["error"] and "CUDA is not usable here" in summary["error"]
+    assert summary["restarts"] == {} and summary["updates"] == 0
 
 
 def test_a_recurrent_policy_on_two_trainer_workers_with_vf_warmup_trains_to_the_end(tmp_path: Path) -> None:
@@ -47,3 +57,7 @@ def test_a_recurrent_policy_on_two_trainer_workers_with_vf_warmup_trains_to_the_
     assert summary["model_version"] == 1 + 2
     # the final checkpoint: written by rank 0 with both ranks' RNG states
     assert summary["latest_checkpoint"] == "iter-00000004" and summary["restarts"] == {}
+    # Ray Train's PlacementGroupCleaner asks the dashboard every second whether the controller lives; a
+    # Ray the driver started has no dashboard, and the cleaner warned every second of the run
+    trainer_log = (tmp_path / "run" / "logs" / "trainer.log").read_text()
+    assert "Ray started in" in trainer_log and "State API may be temporarily unavailable" not in trainer_log

@@ -1,5 +1,6 @@
-"""The trainer's start cost is paid early: `overworld serve trainer` starts Ray the moment it starts,
-while the rollout-manager it needs is not even up (under `overworld run` every service starts at once)."""
+"""The trainer's start cost is paid early: `overworld serve trainer` starts Ray the moment the run config
+says it needs one, while it still waits to publish its first version; in Ray Train's local mode it
+starts none. And a SIGTERM after Ray started lets the driver finish its stop."""
 
 from __future__ import annotations
 
@@ -14,6 +15,8 @@ import pytest
 from overworld.launcher import descendants, kill_if_same
 from tests.support import free_port
 
+ROOT = Path(__file__).resolve().parents[2]
+
 
 def wait_for_ray(proc: subprocess.Popen, log: Path, timeout: float = 240) -> None:
     """Until the driver logs that Ray started; fails if it exits or takes longer."""
@@ -24,26 +27,85 @@ def wait_for_ray(proc: subprocess.Popen, log: Path, timeout: float = 240) -> Non
         time.sleep(0.5)
 
 
-@pytest.mark.slow
-def test_ray_starts_before_the_rollout_manager_answers(tmp_path: Path) -> None:
-    nobody = free_port()  # no rollout-manager listens here: the driver keeps asking for the run config
+def start_driver(tmp_path: Path, num_workers: int, *extra: str) -> tuple[subprocess.Popen, subprocess.Popen, Path]:
+    """A rollout-manager serving examples/cartpole.yaml with `num_workers`, and a driver that asks it for
+    the config; no model registry listens, so the driver cannot publish its first version."""
+    config = tmp_path / "config.yaml"
+    config.write_text((ROOT / "examples" / "cartpole.yaml").read_text().replace(
+        "num_workers: 0", f"num_workers: {num_workers}"))
+    manager_port, nobody = free_port(), free_port()
+    env = {**os.environ, "OVERWORLD_LOG_FORMAT": "text", "PYTHONUNBUFFERED": "1"}
+    manager = subprocess.Popen(
+        [sys.executable, "-m", "overworld.cli", "serve", "rollout-manager", "--host", "127.0.0.1", "--port",
+         str(manager_port), "--metrics-port", "0", "--config", str(config), "--workdir", str(tmp_path / "manager"),
+         "--fresh-state"], stdout=(tmp_path / "manager.log").open("wb"), stderr=subprocess.STDOUT, env=env)
     log = tmp_path / "trainer.log"
-    proc = subprocess.Popen(
+    driver = subprocess.Popen(
         [sys.executable, "-m", "overworld.cli", "serve", "trainer", "--host", "127.0.0.1", "--port", str(free_port()),
-         "--metrics-port", "0", "--rollout-manager", f"127.0.0.1:{nobody}", "--workdir", str(tmp_path)],
-        stdout=log.open("wb"), stderr=subprocess.STDOUT,
-        env={**os.environ, "OVERWORLD_LOG_FORMAT": "text", "PYTHONUNBUFFERED": "1"})
-    family: list[tuple[int, str]] = []
-    try:
-        wait_for_ray(proc, log)
-        assert proc.poll() is None  # still waiting for the rollout-manager
-        family = descendants(proc.pid)
-    finally:
-        family = family or descendants(proc.pid)
+         "--metrics-port", "0", "--rollout-manager", f"127.0.0.1:{manager_port}", "--model-registry",
+         f"127.0.0.1:{nobody}", "--workdir", str(tmp_path / "trainer"), *extra],
+        stdout=log.open("wb"), stderr=subprocess.STDOUT, env=env)
+    return manager, driver, log
+
+
+def stop_all(*procs: subprocess.Popen, family: list[tuple[int, str]]) -> None:
+    for proc in procs:
         proc.kill()
         proc.wait()
-        for pid, started in family:
-            kill_if_same(pid, started)
+    for pid, started in family:
+        kill_if_same(pid, started)
+
+
+@pytest.mark.slow
+def test_ray_starts_as_soon_as_the_config_asks_for_it_while_the_first_version_waits(tmp_path: Path) -> None:
+    """The start cost is paid early: Ray starts in the background the moment the run config says it
+    is needed (num_workers >= 1), while the driver still waits to publish its first version (here no
+    model registry is up at all)."""
+    manager, driver, log = start_driver(tmp_path, num_workers=1)
+    family: list[tuple[int, str]] = []
+    try:
+        wait_for_ray(driver, log)
+        assert driver.poll() is None
+        assert "published the starting weights" not in log.read_text(errors="replace")
+        family = descendants(driver.pid)
+    finally:
+        stop_all(driver, manager, family=family or descendants(driver.pid))
+
+
+@pytest.mark.slow
+def test_local_mode_starts_no_ray(tmp_path: Path) -> None:
+    """num_workers: 0 is Ray Train's local mode: the learner trains in the driver's process, and no
+    Ray process is started at all (the ~20 s and half-dozen processes a laptop's 2 cores pay for)."""
+    manager, driver, log = start_driver(tmp_path, num_workers=0)
+    family: list[tuple[int, str]] = []
+    try:
+        deadline = time.monotonic() + 120
+        while "Ray Train's local mode" not in log.read_text(errors="replace"):
+            assert driver.poll() is None and time.monotonic() < deadline, log.read_text(errors="replace")[-3000:]
+            time.sleep(0.5)
+        time.sleep(5)  # a Ray start would have spawned its gcs_server and raylet by now
+        family = descendants(driver.pid)
+        assert driver.poll() is None
+        commands = [Path(f"/proc/{pid}/cmdline").read_bytes().replace(b"\0", b" ").decode(errors="replace")
+                    for pid, _ in family if Path(f"/proc/{pid}/cmdline").exists()]
+        assert not [c for c in commands if "ray" in c.lower()], commands
+        assert "Ray started in" not in log.read_text(errors="replace")
+    finally:
+        stop_all(driver, manager, family=family or descendants(driver.pid))
+
+
+@pytest.mark.slow
+def test_local_mode_on_a_ray_cluster_is_refused(tmp_path: Path) -> None:
+    """With --ray-address (the RayJob on KubeRay) num_workers: 0 would train on the head pod: refused, with
+    the exit code that tells `overworld run` and the RayJob not to try again."""
+    from overworld.core.service import EXIT_CONFIG
+
+    manager, driver, log = start_driver(tmp_path, 0, "--ray-address", f"127.0.0.1:{free_port()}")
+    try:
+        assert driver.wait(120) == EXIT_CONFIG, log.read_text(errors="replace")[-3000:]
+        assert "give num_workers >= 1 there" in log.read_text(errors="replace")
+    finally:
+        stop_all(driver, manager, family=[])
 
 
 STOPPING_DRIVER = """

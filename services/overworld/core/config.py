@@ -320,6 +320,11 @@ def load_config(source: str | Path | Mapping[str, Any], overrides: list[str] | N
     return config
 
 
+def learner_ranks(train: TrainConfig) -> int:
+    """How many learners train: `num_workers` Ray Train workers, or one in Ray Train's local mode (0)."""
+    return max(1, train.num_workers)
+
+
 def validate(config: RunConfig) -> None:
     """Checks across keys that a type system cannot express."""
     rollout, train = config.rollout_config, config.train_config
@@ -331,7 +336,6 @@ def validate(config: RunConfig) -> None:
         "rollout_config.replay_buffer_config.max_chunks": rb.max_chunks,
         "rollout_config.replay_buffer_config.max_reuse": rb.max_reuse,
         "rollout_config.replay_buffer_config.fragments_per_chunk": rb.fragments_per_chunk,
-        "train_config.num_workers": train.num_workers,
         "train_config.batch_size_per_gpu": train.batch_size_per_gpu,
         "train_config.batches_per_iteration": train.batches_per_iteration,
         "train_config.gradient_accumulation": train.gradient_accumulation,
@@ -350,6 +354,9 @@ def validate(config: RunConfig) -> None:
     if rollout.worker_config.env_backend not in ("subprocess", "inprocess"):
         raise ConfigError("config key rollout_config.worker_config.env_backend: must be 'subprocess' or "
                           f"'inprocess', got {rollout.worker_config.env_backend!r}")
+    if train.num_workers < 0:
+        raise ConfigError(f"config key train_config.num_workers: must be >= 0 (0: Ray Train's local mode, the "
+                          f"learner in the trainer's own process), got {train.num_workers}")
     if rollout.num_rollout_workers < 0:
         raise ConfigError("config key rollout_config.num_rollout_workers: must be >= 0")
     if not 0.0 < train.discount <= 1.0:
@@ -371,7 +378,7 @@ def validate(config: RunConfig) -> None:
             f"config key train_config.context_length: {train.context_length} must divide the chunk length "
             f"fragment_length x fragments_per_chunk = {chunk_steps}"
         )
-    per_iteration = train.num_workers * train.batch_size_per_gpu * train.batches_per_iteration
+    per_iteration = learner_ranks(train) * train.batch_size_per_gpu * train.batches_per_iteration
     if per_iteration > rb.max_chunks:
         raise ConfigError(
             f"config key rollout_config.replay_buffer_config.max_chunks: {rb.max_chunks} is smaller than one "

@@ -31,6 +31,7 @@ from overworld.core.config import (
     as_dict,
     config_hash,
     from_yaml,
+    learner_ranks,
     load_config,
     to_yaml,
 )
@@ -44,7 +45,13 @@ from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.trainer.checkpoint import checkpoint_id, checkpoint_store, tensors_from_bytes, tensors_to_bytes
 from overworld.trainer.data import Batch, chains_from_chunks, to_device
 from overworld.trainer.hooks import Hooks
-from overworld.trainer.placement import require_usable_cuda, reserve_workers, worker_resources
+from overworld.trainer.placement import (
+    local_mode_device,
+    require_usable_cuda,
+    reserve_workers,
+    torch_trainer_class,
+    worker_resources,
+)
 from overworld.trainer.prefetch import ChunkReader
 from overworld.v1 import (
     replay_buffer_pb2,
@@ -151,6 +158,7 @@ class BaseTrainer:
         # How long fit() waits for the cluster to offer the workers' resources (train_config.
         # placement_timeout); the driver sets 0 for a Ray it started itself: that cluster cannot grow.
         self.placement_timeout = config.train_config.placement_timeout
+        self.own_ray = False  # the driver started this Ray itself (see placement.torch_trainer_class)
         self.amp_dtype: torch.dtype | None = None
 
     @classmethod
@@ -189,7 +197,7 @@ class BaseTrainer:
     def fragments_per_iteration(self) -> int:
         """Chunks of one iteration, all ranks (MineStudio's num_workers x batch_size_per_gpu x batches_per_iteration)."""
         t = self.config.train_config
-        return t.num_workers * t.batch_size_per_gpu * t.batches_per_iteration
+        return learner_ranks(t) * t.batch_size_per_gpu * t.batches_per_iteration
 
     # -- collectives over this trainer's ranks (no-ops for one rank) ------------------------------
     @property
@@ -225,16 +233,20 @@ class BaseTrainer:
     def fit(self) -> None:
         """Place `num_workers` Ray Train workers and run `_train_func` on each (the caller has done
         ray.init). A worker gets a GPU exactly when `num_gpus_per_worker > 0`; a cluster without
-        them fails here, with how many were asked and how many the cluster has."""
+        them fails here, with how many were asked and how many the cluster has. `num_workers: 0` is
+        Ray Train's local mode: `_train_func` runs here, in this thread, and Ray is not needed."""
         from ray.train import RunConfig as RayRunConfig
         from ray.train import ScalingConfig
-        from ray.train.torch import TorchTrainer
 
         from overworld.online.generators import generator_ref
 
         t = self.config.train_config
         resources = worker_resources(t.num_gpus_per_worker)
-        reserve_workers(t.num_workers, resources, self.placement_timeout)
+        if t.num_workers:
+            reserve_workers(t.num_workers, resources, self.placement_timeout)
+        else:  # Ray Train's local mode, `_train_func` in this process: no Ray, nothing to place
+            local_mode_device(t.num_gpus_per_worker)  # a GPU asked for and not usable here ends it now
+            resources = {}
         loop_config = {
             "trainer_class": generator_ref(type(self), "trainer_name"),  # a class from a user's file: by its path
             "config_yaml": to_yaml(self.config),
@@ -243,10 +255,10 @@ class BaseTrainer:
                           "status_address": self.status_address, "workdir": self.workdir,
                           **({"continue_run": True} if self.extra.get("continue_run") else {})},
         }
-        trainer = TorchTrainer(
+        trainer = torch_trainer_class(self.own_ray)(
             train_loop_per_worker=_ray_train_loop, train_loop_config=loop_config,
             scaling_config=ScalingConfig(num_workers=t.num_workers, use_gpu="GPU" in resources,
-                                         resources_per_worker=resources),
+                                         resources_per_worker=resources or None),
             run_config=RayRunConfig(name=f"overworld-{self.config.run_id}",
                                     storage_path=str(Path(self.workdir, "ray").resolve())))
         trainer.fit()
@@ -577,8 +589,11 @@ class BaseTrainer:
 
         ctx = ray.train.get_context()
         self.rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
-        require_usable_cuda()  # Ray gave this worker a GPU: it is used, or training stops here
-        self.device = ray.train.torch.get_device()
+        if self.config.train_config.num_workers:
+            require_usable_cuda()  # Ray gave this worker a GPU: it is used, or training stops here
+            self.device = ray.train.torch.get_device()
+        else:  # local mode: the driver's GPU exactly when num_gpus_per_worker > 0
+            self.device = local_mode_device(self.config.train_config.num_gpus_per_worker)
         torch.set_num_threads(1)
         self._connect()
         self.model, self.optimizer = self.build_starting_model()

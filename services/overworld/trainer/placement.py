@@ -25,6 +25,45 @@ class PlacementError(RuntimeError):
     """The trainer's workers cannot be placed as configured; starting again would not help."""
 
 
+def local_mode_device(num_gpus_per_worker: float) -> Any:
+    """The learner's device in Ray Train's local mode (`train_config.num_workers: 0`, the learner in the
+    trainer's own process): this process's first GPU exactly when `num_gpus_per_worker > 0`, and an
+    error, never a CPU run, when CUDA is not usable here."""
+    import torch
+
+    if num_gpus_per_worker <= 0:
+        return torch.device("cpu")
+    if not torch.cuda.is_available():
+        build = f"torch {torch.__version__}" + ("" if torch.version.cuda else ", a CPU-only build")
+        raise PlacementError(
+            f"train_config.num_gpus_per_worker={num_gpus_per_worker:g} with num_workers=0 (Ray Train's local mode) "
+            f"trains on this process's GPU, but CUDA is not usable here ({build}; torch.cuda.is_available() is "
+            "False). Refusing to train on CPU: set train_config.num_gpus_per_worker=0 to train on CPU "
+            "deliberately, or num_workers >= 1 to train on a Ray cluster's GPUs")
+    return torch.device("cuda", 0)
+
+
+def torch_trainer_class(own_ray: bool) -> type:
+    """Ray Train's TorchTrainer; on a Ray this driver started itself, without the PlacementGroupCleaner.
+
+    That cleaner is a detached actor that asks the dashboard's State API every second whether the
+    Train controller still lives, so that a crashed controller's placement group is freed on a long-lived
+    cluster. A Ray this driver started has no dashboard (LOCAL_RAY_INIT) and dies with the driver: the
+    cleaner could only log "State API may be temporarily unavailable" every second for the whole run."""
+    from ray.train.torch import TorchTrainer
+
+    if not own_ray:
+        return TorchTrainer
+    from ray.train.v2._internal.callbacks.placement_group_callback import PlacementGroupCleanerCallback
+
+    class OwnRayTorchTrainer(TorchTrainer):
+        def _create_default_callbacks(self) -> list:
+            return [c for c in super()._create_default_callbacks()
+                    if not isinstance(c, PlacementGroupCleanerCallback)]
+
+    return OwnRayTorchTrainer
+
+
 def worker_resources(num_gpus_per_worker: float) -> dict[str, float]:
     return {"CPU": 1.0, **({"GPU": float(num_gpus_per_worker)} if num_gpus_per_worker > 0 else {})}
 

@@ -1,5 +1,6 @@
 """`overworld serve trainer`: the driver. Starts (or joins) Ray, runs the trainer's `fit()`, and
-serves the trainer status that rank 0 reports after every iteration."""
+serves the trainer status that rank 0 reports after every iteration. With `train_config.num_workers: 0`
+the learner runs in this process (Ray Train's local mode) and Ray is not started."""
 
 from __future__ import annotations
 
@@ -172,11 +173,12 @@ class TrainerDriver:
         self.done = done
         self.failed = False
         self._trainer: BaseTrainer | None = None
+        self._configured = threading.Event()  # the config is here (or failed): whether Ray is needed is known
         self._started = threading.Event()  # the config is here and the first version published (or failed)
         self._startup_error: Exception | None = None
-        # Ray starts at once in the thread that trains, while this one fetches the config and publishes
-        # the first version. That thread lives as long as training: Ray's processes are bound to the
-        # thread that started them (PR_SET_PDEATHSIG) and die with it.
+        # Ray starts in the thread that trains as soon as the config says it is needed (num_workers > 0),
+        # while this one publishes the first version. That thread lives as long as training: Ray's
+        # processes are bound to the thread that started them (PR_SET_PDEATHSIG) and die with it.
         self.config_error = False  # failed in a way a restart would repeat (EXIT_CONFIG)
         self._thread = threading.Thread(target=self._fit, name="trainer-fit", daemon=True)
         self._thread.start()
@@ -187,22 +189,35 @@ class TrainerDriver:
                 own.run_id = self.config.run_id
                 self.config = own
             self.config = apply_flags(self.config, resume, save_path)
+            self._configured.set()
             self._trainer = trainer_class(self.config.trainer_name).from_config(self.config, **self.addresses)
             self._trainer.publish_first_version()  # the workers start stepping while Ray starts
         except Exception as err:
             self._startup_error = err
         finally:
+            self._configured.set()
             self._started.set()
 
     def _fit(self) -> None:
         try:
-            start_ray(self.ray_address)
+            self._configured.wait()
+            local_mode = self._startup_error is None and self.config.train_config.num_workers == 0
+            if local_mode and self.ray_address:
+                raise PlacementError(
+                    "train_config.num_workers=0 (Ray Train's local mode) would train in this driver's process, "
+                    f"not on the Ray cluster at {self.ray_address}: give num_workers >= 1 there")
+            if local_mode:
+                log.info("train_config.num_workers=0: Ray Train's local mode, the learner trains in this process "
+                         "(Ray is not started)")
+            elif self._startup_error is None:
+                start_ray(self.ray_address)
             self._started.wait()
             if self._startup_error is not None:
                 raise self._startup_error
             assert self._trainer is not None
             if not self.ray_address:
                 self._trainer.placement_timeout = 0  # a Ray this driver started has what it has: no waiting
+                self._trainer.own_ray = not local_mode
             self.status.set_state("running")
             self._trainer.fit()
             self.status.set_state("finished")
