@@ -85,3 +85,19 @@ def test_sigterm_stops_the_run_and_leaves_no_process(tmp_path: Path) -> None:
     alive = [pid for pid, started in family if (fields := _stat(pid)) is not None and fields[19] == started
              and fields[0] != "Z"]
     assert alive == []
+
+
+@pytest.mark.slow
+def test_a_run_that_trains_all_its_iterations_completes_without_a_trainer_restart(tmp_path: Path) -> None:
+    """In local mode the trainer exits the moment it finishes; `overworld run` polls its status every
+    half second and took a trainer gone before it read "finished" for a crash: it restarted it, and the
+    new one resumed from the last checkpoint only to finish again."""
+    summary_path, workdir = tmp_path / "summary.json", tmp_path / "run"
+    result = subprocess.run(
+        [sys.executable, "-m", "overworld.cli", "run", str(ROOT / "examples/cartpole.yaml"), "--set",
+         "train_config.num_iterations=5", "--summary", str(summary_path), "--workdir", str(workdir)],
+        capture_output=True, text=True, timeout=600, env={**os.environ, "PYTHONUNBUFFERED": "1"})
+    summary = json.loads(summary_path.read_text())
+    assert summary["status"] == "completed" and summary["iterations"] == 5, (summary, result.stdout[-3000:])
+    assert summary["restarts"] == {}, summary["restarts"]
+    assert (workdir / "logs" / "trainer.log").read_text().count("trainer started (pid") == 1

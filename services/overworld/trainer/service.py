@@ -32,6 +32,10 @@ APPROX_KL = Gauge("overworld_trainer_approx_kl", "Approximate KL to the behaviou
 LAST_UPDATE = Gauge("overworld_trainer_last_update_timestamp_seconds", "Unix time of the last iteration")
 
 STOP_TIMEOUT_SECONDS = 120
+# A trainer that ended by itself keeps answering GetStatus this long, until its final state has been
+# read: `overworld run` and the run-controller poll it, and a trainer gone before they saw "finished"
+# looks like one that crashed (restarted, then resumed from its last checkpoint only to finish again).
+FINAL_STATE_SECONDS = 5.0
 TRAINERS = {"PPOTrainer": "overworld.trainer.ppo:PPOTrainer"}
 LOSS_TERMS = {"policy": "trainer/policy_loss", "value": "trainer/value_loss", "kl": "trainer/kl_divergence_loss",
               "entropy": "trainer/entropy_bonus", "total": "trainer/total_loss"}
@@ -58,13 +62,16 @@ class TrainerStatusService(trainer_pb2_grpc.TrainerServicer):
         self.status = pb.TrainerStatus(state="starting")
         self.stop_requested = threading.Event()
         self.training_loop_started = threading.Event()  # rank 0 has reported: stops go through it
+        self.final_state_read = threading.Event()  # someone has read "finished" or "failed"
         self._lock = threading.Lock()
 
     def GetStatus(self, request, context):  # type: ignore[no-untyped-def]
         with self._lock:
             out = pb.TrainerStatus()
             out.CopyFrom(self.status)
-            return out
+        if out.state in ("finished", "failed"):
+            self.final_state_read.set()
+        return out
 
     def ReportProgress(self, request, context):  # type: ignore[no-untyped-def]
         with self._lock:
@@ -237,6 +244,8 @@ class TrainerDriver:
         """Ask rank 0 to checkpoint after the current iteration and finish; then shut Ray down."""
         import ray
 
+        if self.status.status.state in ("finished", "failed"):  # ended by itself, not by a signal
+            self.status.final_state_read.wait(FINAL_STATE_SECONDS)
         self.status.stop_requested.set()
         if self.status.training_loop_started.is_set():
             self._thread.join(STOP_TIMEOUT_SECONDS)
