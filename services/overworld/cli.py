@@ -32,6 +32,8 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
     p.add_argument("--workdir", default=env_default("workdir", "."))
     p.add_argument("--retain", type=int, default=env_default("retain", 20))
     p.add_argument("--lease-seconds", type=float, default=env_default("lease-seconds", 15.0))
+    p.add_argument("--flush-timeout", type=float, default=env_default("flush-timeout", 30.0),
+                   help="rollout-worker: seconds its stop waits for the replay buffer to take what it holds")
     p.add_argument("--fresh-state", action="store_true", default=env_default("fresh-state", False),
                    help="rollout-manager: start a new fleet (counters from zero) instead of restoring the saved one")
     _tls_flags(p)

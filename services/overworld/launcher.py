@@ -28,6 +28,10 @@ from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.v1 import replay_buffer_pb2, replay_buffer_pb2_grpc, trainer_pb2, trainer_pb2_grpc
 
 ROLLOUT_SIDE = ("rollout-manager", "model-registry", "replay-buffer", "gae")
+# A local run stops its workers after the trainer: the replay buffer's rate limiter then admits only
+# what its error budget allows, and a worker waiting the service default (30 s) for acknowledgements
+# that cannot come made every `overworld run` end half a minute late.
+WORKER_FLUSH_SECONDS = 5.0
 
 
 @dataclass
@@ -191,7 +195,8 @@ class Launcher:
         a = self.addresses
         for i in range(self.config.rollout_config.num_rollout_workers):
             self.start(f"rollout-worker#{i}", "--rollout-manager", a["rollout-manager"],
-                       "--replay-buffer", a["replay-buffer"], "--model-registry", a["model-registry"])
+                       "--replay-buffer", a["replay-buffer"], "--model-registry", a["model-registry"],
+                       "--flush-timeout", str(WORKER_FLUSH_SECONDS))
 
     def wait(self, name: str, timeout: float) -> None:
         child = next(c for c in self.children if c.name == name)

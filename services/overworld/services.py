@@ -120,7 +120,7 @@ def rollout_worker(args: argparse.Namespace, done: threading.Event) -> Any:
     from overworld.rollout_worker.service import RolloutWorkerProcess
 
     return RolloutWorkerProcess(args.rollout_manager, args.replay_buffer, args.model_registry, args.host,
-                                args.port, done)
+                                args.port, done, flush_timeout=args.flush_timeout)
 
 
 BUILDERS = {"rollout-manager": rollout_manager, "replay-buffer": replay_buffer, "gae": gae,

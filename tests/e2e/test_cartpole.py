@@ -53,6 +53,11 @@ def test_cartpole_learns_through_all_services(tmp_path: Path) -> None:
     assert "Ray Train's local mode" in trainer_log and "Ray started in" not in trainer_log
     assert "not this learner's starting weights" not in trainer_log  # the learner adopted that version
     assert "MineStudio metrics skipped" not in trainer_log  # the trainer may read the buffer's statistics
+    # The workers stop after the trainer; their flush gives up after `overworld run`'s 5 s, not the
+    # service default of 30 s that every run's end used to wait out for acknowledgements that cannot come
+    stopped = re.search(r"rollout-worker stopped cleanly in ([0-9.]+)s",
+                        (workdir / "logs" / "rollout-worker#0.log").read_text())
+    assert stopped and float(stopped.group(1)) < 20, stopped
 
 
 @pytest.mark.slow

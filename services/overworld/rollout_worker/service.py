@@ -34,7 +34,8 @@ class RolloutWorkerProcess:
     """Runs the worker loop in a thread; stop() flushes and deregisters."""
 
     def __init__(self, rollout_manager: str, replay_buffer: str, model_registry: str, host: str, port: int,
-                 done: threading.Event) -> None:
+                 done: threading.Event, flush_timeout: float = 30.0) -> None:
+        self.flush_timeout = flush_timeout
         self.worker = RolloutWorker(rollout_manager, replay_buffer, model_registry, address=f"{host}:{port}")
         self.server: Server = serve([(rollout_worker_pb2_grpc.add_RolloutWorkerServicer_to_server,
                                       ControlService(self.worker, done), "overworld.v1.RolloutWorker")], host, port)
@@ -54,5 +55,5 @@ class RolloutWorkerProcess:
     def stop(self, grace: float = 5.0) -> None:
         self.worker.stop_event.set()
         self._thread.join(30)
-        self.worker.shutdown()
+        self.worker.shutdown(self.flush_timeout)
         self.server.stop(grace)
