@@ -32,7 +32,8 @@ def _args(workdir: Path, addresses: dict[str, str]) -> argparse.Namespace:
                               rollout_manager=addresses.get("rollout-manager", ""),
                               replay_buffer=addresses.get("replay-buffer", ""), gae=addresses.get("gae", ""),
                               model_registry=addresses.get("model-registry", ""), index="memory", blobs="",
-                              ray_address="", resume="", retain=20, lease_seconds=15.0, fresh_state=True)
+                              ray_address="", resume="", retain=20, lease_seconds=15.0, fresh_state=True,
+                              flush_timeout=30.0)
 
 
 def serve_fleet(tls_root: Path | None, workdir: Path) -> tuple[dict[str, str], list]:
