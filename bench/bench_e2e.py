@@ -5,7 +5,7 @@
    `overworld run examples/cartpole.yaml`. Env steps and wall time from process start, and the ratios.
 2. From the same Overworld runs' logs, the startup timeline (seconds from `overworld run` to each
    service started, the first version published, the first version swapped in at the workers, Ray
-   started, the first update) and the iteration timeline (sample -> values -> gae -> PPO epochs ->
+   started (none: examples/cartpole.yaml trains in Ray Train's local mode), the first update) and the iteration timeline (sample -> values -> gae -> PPO epochs ->
    publish, from the trainer's per-iteration timings; publish -> swapped in at the workers, from the
    registry's push latency).
 3. The Crafter cow task: env steps/s through the whole pipeline (learner included, once training
