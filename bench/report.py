@@ -30,6 +30,12 @@ def learning_rows(name: str, data: dict[str, Any]) -> list[str]:
             wall = run.get("wall_seconds_all_segments") or run.get("wall_seconds")
             rows.append(f"| {name} | {task} seed {seed}: return (last 100 episodes) after {run.get('env_steps')} "
                         f"env steps, {wall:.0f} s | {run.get('mean_return_last_100')} | baselines: {baselines} |")
+            score = ((run.get("tasks") or {}).get(task) or {}).get("crafter")
+            if score:  # the Crafter benchmark: the score over all the seed's episodes, as its paper reports it
+                random_score = (entry.get("random_policy") or {}).get("crafter", {}).get("score")
+                published = ", ".join(f"{k} {v}" for k, v in entry.get("published_scores_at_1m_steps", {}).items())
+                rows.append(f"| {name} | {task} seed {seed}: Crafter score after {run.get('env_steps')} env steps "
+                            f"| {score['score']:.2f} | random here {random_score:.2f}; published at 1M: {published} |")
     return rows
 
 
