@@ -58,6 +58,10 @@ from tests.cluster.netns import Host, Network, enter_netns, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
+# What a pod's image holds, taken from this machine: the code and its venv. A volume mounted over
+# them (the chart's emptyDir at /tmp, with a checkout under /tmp) must not hide them.
+_IMAGE = {REPO, VENV_BIN.parent}
+IMAGE_PATHS = sorted(p for p in _IMAGE if not any(p != q and p.is_relative_to(q) for q in _IMAGE))
 NAMESPACE = "rl"
 RELEASE = "overworld"
 DOMAIN = f"{NAMESPACE}.svc.cluster.local"
@@ -463,13 +467,19 @@ class Cluster:
                 target.mkdir(parents=True)
                 self.created_dirs.extend(reversed(missing))
             quoted = shlex.quote(str(target))
+            hidden = [p for p in IMAGE_PATHS if p.is_relative_to(target) and p != target]
+            stages = [shlex.quote(str(pod.root / f"image-{index}-{k}")) for k in range(len(hidden))]
+            for image, stage in zip(hidden, stages, strict=True):  # reachable while the volume covers it
+                mounts.append(f"mkdir -p {stage}; mount --bind {shlex.quote(str(image))} {stage}")
             if volume.kind == "memory":
                 mounts.append(f"mount -t tmpfs -o size={SHM_SIZE} tmpfs {quoted}")
-                continue
-            source = volume.source or pod.root / f"volume-{index}"
-            source.mkdir(parents=True, exist_ok=True)
-            mounts.append(f"mkdir -p {quoted}; mount --bind {shlex.quote(str(source))} {quoted}")
-            if volume.read_only:
+            else:
+                source = volume.source or pod.root / f"volume-{index}"
+                source.mkdir(parents=True, exist_ok=True)
+                mounts.append(f"mkdir -p {quoted}; mount --bind {shlex.quote(str(source))} {quoted}")
+            for image, stage in zip(hidden, stages, strict=True):  # back where the image has it
+                mounts.append(f"mkdir -p {shlex.quote(str(image))}; mount --bind {stage} {shlex.quote(str(image))}")
+            if volume.kind != "memory" and volume.read_only:
                 read_only.append(f"mount -o remount,bind,ro {quoted}")
         mounts += read_only
         script = "set -e; hostname \"$OWR_POD_NAME\"; " + "; ".join(mounts) + '; exec "$@"'
