@@ -54,7 +54,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.cluster.netns import Host, Network, enter_netns, wait_until
+from tests.cluster.netns import HomeThread, Host, Network, enter_netns, thread_namespaces, wait_until
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -180,6 +180,7 @@ class Cluster:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._servers: list[socketserver.BaseServer] = []
+        self._home: HomeThread | None = None  # gRPC calls of the namespaced threads (see HomeThread)
         self.control: Host | None = None
         self.socket_dir = Path(f"/tmp/{self.network.prefix}-sockets")
         self.api_port = 6443
@@ -197,6 +198,7 @@ class Cluster:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.socket_dir.mkdir(parents=True, exist_ok=True)
         self.network.create()
+        self._home = HomeThread("rehearsal-grpc")
         self.control = self.network.add_host("control")
         self._run_in_control(self._serve_api, "apiserver")
         self._run_in_control(self._serve_dns, "dns")
@@ -219,6 +221,8 @@ class Cluster:
                 self._kill(pod)
             for thread in self._threads:
                 thread.join(timeout=5)
+            if self._home is not None:
+                self._home.close()
         finally:
             self.network.destroy()
             for path in reversed(self.created_dirs):
@@ -228,6 +232,13 @@ class Cluster:
             sock.unlink()
         with contextlib.suppress(OSError):
             self.socket_dir.rmdir()
+        # Python's own threads (ours, the relays') end with their sockets; a native thread left in a
+        # namespace (gRPC's pool) would send this process's later connections into one that is gone.
+        python_threads = {thread.native_id for thread in threading.enumerate()}
+        home = thread_namespaces()[threading.get_native_id()]
+        strays = {tid: ns for tid, ns in thread_namespaces().items() if ns != home and tid not in python_threads}
+        if strays:
+            raise RuntimeError(f"native threads left in a rehearsal namespace (see netns.HomeThread): {strays}")
 
     def _run_in_control(self, target: Callable[[], None], name: str) -> None:
         assert self.control is not None
@@ -680,18 +691,22 @@ class Cluster:
                 self.event("pod-ready", pod.name)
 
     def _grpc_serving(self, pod: Pod, port: int, service: str) -> bool:
-        """The kubelet's gRPC probe: grpc.health.v1 Check, plaintext, no client certificate. (Through
-        a forward: gRPC's own threads live in this machine's network namespace.)"""
+        """The kubelet's gRPC probe: grpc.health.v1 Check, plaintext, no client certificate. Made on the
+        home thread (netns.HomeThread), through a forward into the cluster."""
         import grpc
         from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-        with grpc.insecure_channel(self.forward(pod.ip, port)) as channel:
-            try:
-                reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(service=service),
-                                                                  timeout=1)
-            except grpc.RpcError:
-                return False
-        return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+        def check() -> bool:
+            with grpc.insecure_channel(self.forward(pod.ip, port)) as channel:
+                try:
+                    reply = health_pb2_grpc.HealthStub(channel).Check(
+                        health_pb2.HealthCheckRequest(service=service), timeout=1)
+                except grpc.RpcError:
+                    return False
+            return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+        assert self._home is not None
+        return self._home.call(check, timeout=10)
 
     # --- from rendered manifests -------------------------------------------------------------------
 

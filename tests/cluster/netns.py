@@ -13,14 +13,18 @@ from __future__ import annotations
 import contextlib
 import ctypes
 import os
+import queue
 import re
 import shutil
 import signal
 import subprocess
 import threading
 import time
+from collections.abc import Callable
+from concurrent.futures import Future
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import Any, TypeVar
 
 SUBNET = "10.213"
 NAME_PREFIX = "owr"
@@ -87,6 +91,49 @@ def enter_netns(path: Path) -> None:
             raise OSError(ctypes.get_errno(), f"setns({path})")
     finally:
         os.close(fd)
+
+
+def thread_namespaces() -> dict[int, str]:
+    """Every thread of this process (native id) and the network namespace it is in."""
+    out = {}
+    for task in Path("/proc/self/task").iterdir():
+        with contextlib.suppress(OSError):
+            out[int(task.name)] = os.readlink(task / "ns" / "net")
+    return out
+
+
+T = TypeVar("T")
+
+
+class HomeThread:
+    """One thread in the network namespace of the thread that made it, running what other threads hand it.
+
+    A thread inside a pod's or the control namespace must not be the first to use gRPC: gRPC starts
+    its thread pool from the calling thread, the pool's threads inherit that namespace, and every TCP
+    connection the process opens later through the pool (tests long after the rehearsal included)
+    goes to that namespace's loopback: DEADLINE_EXCEEDED on 127.0.0.1. So gRPC calls go through here."""
+
+    def __init__(self, name: str) -> None:
+        self._work: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
+        self._thread = threading.Thread(target=self._serve, name=name, daemon=True)
+        self._thread.start()
+
+    def call(self, fn: Callable[[], T], timeout: float) -> T:
+        done: Future[T] = Future()
+        self._work.put((fn, done))
+        return done.result(timeout)
+
+    def close(self) -> None:
+        self._work.put(None)
+        self._thread.join(timeout=10)
+
+    def _serve(self) -> None:
+        while (item := self._work.get()) is not None:
+            fn, done = item
+            try:
+                done.set_result(fn())
+            except BaseException as err:  # handed to the caller
+                done.set_exception(err)
 
 
 @dataclass

@@ -1,0 +1,82 @@
+"""The rehearsal's namespaced threads and gRPC: a gRPC call made for a thread inside a namespace must
+leave no gRPC thread there. One that did sent every later TCP connection of the pytest process into
+that namespace's loopback; the next test on 127.0.0.1 got DEADLINE_EXCEEDED (a CI failure)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+import textwrap
+from pathlib import Path
+
+import pytest
+
+from tests.cluster.netns import NAME_PREFIX, delete_netns, ip
+
+pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
+
+REPO = Path(__file__).resolve().parents[2]
+
+# In a fresh interpreter, so that gRPC's thread pool does not exist yet: the namespaced thread's call
+# is the one that starts it, as the rehearsal's controllers could.
+SCRIPT = textwrap.dedent("""
+    import importlib.util, sys, threading
+    import grpc
+    spec = importlib.util.spec_from_file_location("rehearsal_netns", sys.argv[1])
+    netns = importlib.util.module_from_spec(spec)
+    sys.modules[spec.name] = netns
+    spec.loader.exec_module(netns)
+    sys.path.insert(0, sys.argv[3])
+    from overworld.core.grpc_util import serve
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    home = netns.HomeThread("home")
+    opened, release = threading.Event(), threading.Event()
+
+    def controllers():
+        netns.enter_netns(f"/var/run/netns/{sys.argv[2]}")
+        def check():  # a probe of something not up yet: nothing listens in the namespace
+            channel = grpc.insecure_channel("127.0.0.1:9")
+            try:
+                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=0.5)
+            except grpc.RpcError:
+                pass
+            return channel
+        channel = home.call(check, timeout=10)
+        opened.set()
+        release.wait()
+        channel.close()
+
+    thread = threading.Thread(target=controllers)
+    thread.start()
+    opened.wait()
+    kept = grpc.insecure_channel("127.0.0.1:9")  # the rest of the process keeps gRPC's pool alive
+    release.set()
+    thread.join()
+    own = netns.thread_namespaces()[threading.get_native_id()]
+    server = serve([], "127.0.0.1", 0)
+    with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
+        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5,
+                                                          wait_for_ready=True)
+    elsewhere = [tid for tid, ns in netns.thread_namespaces().items() if ns != own]
+    print(f"status={reply.status} threads-elsewhere={len(elsewhere)}")
+    kept.close()
+    server.stop(0)
+    home.close()
+""")
+
+
+def test_a_grpc_call_for_a_namespaced_thread_leaves_no_grpc_thread_in_its_namespace(tmp_path: Path) -> None:
+    name = f"{NAME_PREFIX}{os.getpid()}-homethread"
+    ip("netns", "add", name)
+    try:
+        ip("-n", name, "link", "set", "lo", "up")
+        script = tmp_path / "probe.py"
+        script.write_text(SCRIPT)
+        out = subprocess.run([sys.executable, str(script), str(REPO / "tests" / "cluster" / "netns.py"), name,
+                              str(REPO / "services")], capture_output=True, text=True, timeout=60)
+    finally:
+        delete_netns(name)
+    assert out.returncode == 0, out.stderr[-3000:]
+    assert "status=1 threads-elsewhere=0" in out.stdout, out.stdout + out.stderr[-3000:]
