@@ -196,6 +196,10 @@ class TrainerDriver:
                 own.run_id = self.config.run_id
                 self.config = own
             self.config = apply_flags(self.config, resume, save_path)
+            if self.config.train_config.num_workers == 0 and ray_address:  # before anything that waits
+                raise PlacementError(
+                    "train_config.num_workers=0 (Ray Train's local mode) would train in this driver's process, "
+                    f"not on the Ray cluster at {ray_address}: give num_workers >= 1 there")
             self._configured.set()
             self._trainer = trainer_class(self.config.trainer_name).from_config(self.config, **self.addresses)
             self._trainer.publish_first_version()  # the workers start stepping while Ray starts
@@ -209,10 +213,6 @@ class TrainerDriver:
         try:
             self._configured.wait()
             local_mode = self._startup_error is None and self.config.train_config.num_workers == 0
-            if local_mode and self.ray_address:
-                raise PlacementError(
-                    "train_config.num_workers=0 (Ray Train's local mode) would train in this driver's process, "
-                    f"not on the Ray cluster at {self.ray_address}: give num_workers >= 1 there")
             if local_mode:
                 log.info("train_config.num_workers=0: Ray Train's local mode, the learner trains in this process "
                          "(Ray is not started)")
