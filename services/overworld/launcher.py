@@ -492,7 +492,8 @@ def progress_line(fleet: Any, trainer: Any, elapsed: float, max_env_steps: int |
     steps = offset + fleet.env_steps
     of = f"/{max_env_steps:,}" if max_env_steps else ""
     versions = [w.model_version for w in fleet.workers]
-    lag = trainer.model_version - (sum(versions) / len(versions)) if versions else 0.0
+    # Workers can be ahead of the trainer's last status: they read a version from the registry first.
+    lag = max(0.0, trainer.model_version - sum(versions) / len(versions)) if versions else 0.0
     ret = f"{fleet.mean_return_last_100:8.2f}" if fleet.episodes else "     n/a"
     return (f"[{elapsed:6.0f}s] env steps {steps:>10,}{of}  {steps / max(elapsed, 1e-9):7.0f}/s  "
             f"episodes {fleet.episodes:>6}  return(100) {ret}  model v{trainer.model_version:<5} "
