@@ -24,20 +24,21 @@ class PolicyOutput:
 
 
 class ValueNormalizer(nn.Module):
-    """EWMA mean and variance of value targets (MineStudio's normalised value function)."""
+    """EWMA mean and variance of value targets (MineStudio's normalised value function): VPT's
+    NormalizeEwma, with moments that start at zero and a variance floor of 1e-2 (std >= 0.1)."""
 
     def __init__(self, beta: float = 0.99999, enabled: bool = False) -> None:
         super().__init__()
         self.beta = beta
         self.enabled = enabled
         self.register_buffer("mean", torch.zeros(()))
-        self.register_buffer("mean_sq", torch.ones(()))
+        self.register_buffer("mean_sq", torch.zeros(()))
         self.register_buffer("debias", torch.zeros(()))
 
     def _moments(self) -> tuple[torch.Tensor, torch.Tensor]:
         debias = self.debias.clamp(min=1e-8)
         mean = self.mean / debias
-        var = (self.mean_sq / debias - mean**2).clamp(min=1e-4)
+        var = (self.mean_sq / debias - mean**2).clamp(min=1e-2)
         return mean, var.sqrt()
 
     def normalize(self, x: torch.Tensor) -> torch.Tensor:
