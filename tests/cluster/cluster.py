@@ -235,8 +235,9 @@ class Cluster:
         # Python's own threads (ours, the relays') end with their sockets; a native thread left in a
         # namespace (gRPC's pool) would send this process's later connections into one that is gone.
         python_threads = {thread.native_id for thread in threading.enumerate()}
-        home = thread_namespaces()[threading.get_native_id()]
-        strays = {tid: ns for tid, ns in thread_namespaces().items() if ns != home and tid not in python_threads}
+        namespaces = thread_namespaces()
+        home = namespaces[threading.get_native_id()]
+        strays = {tid: ns for tid, ns in namespaces.items() if ns != home and tid not in python_threads}
         if strays:
             raise RuntimeError(f"native threads left in a rehearsal namespace (see netns.HomeThread): {strays}")
 

@@ -2,8 +2,8 @@
 
 MineStudio writes `checkpoints/<time>/<n>/` with `model.ckpt` (the MinePolicy's state_dict),
 `optimizer.ckpt` (AdamW over `model.parameters()`, indexed in that order), `scaler.ckpt` (AMP) and
-`whole_config.pkl`, and resumes with `load_state_dict(torch.load("model.ckpt"), strict=False)` and
-`optimizer.load_state_dict(torch.load("optimizer.ckpt"))`.
+`whole_config.pkl`. MineStudio resumes by reading model.ckpt (`strict=False`) and optimizer.ckpt with
+torch's full, pickle-based loader; Overworld never does (below), and never reads whole_config.pkl.
 
 - import: `train_config.resume: <such a directory>` loads model.ckpt, optimizer.ckpt and scaler.ckpt
   with `torch.load(weights_only=True)` (tensors and plain containers: nothing in them runs);
