@@ -180,7 +180,8 @@ class Cluster:
         self._stop = threading.Event()
         self._threads: list[threading.Thread] = []
         self._servers: list[socketserver.BaseServer] = []
-        self._home: HomeThread | None = None  # gRPC calls of the namespaced threads (see HomeThread)
+        self._home: HomeThread | None = None  # gRPC calls and forks of the namespaced threads (see HomeThread)
+        self._grpc_kept: Any = None
         self.control: Host | None = None
         self.socket_dir = Path(f"/tmp/{self.network.prefix}-sockets")
         self.api_port = 6443
@@ -198,7 +199,10 @@ class Cluster:
         self.workdir.mkdir(parents=True, exist_ok=True)
         self.socket_dir.mkdir(parents=True, exist_ok=True)
         self.network.create()
-        self._home = HomeThread("rehearsal-grpc")
+        self._home = HomeThread("rehearsal-home")
+        # gRPC's threads up for as long as the cluster, as when an earlier test left a channel open: a
+        # gRPC call or a fork from a namespaced thread then moves them every time, and stop() says so.
+        self._grpc_kept = self._home.call(_grpc_threads_started, timeout=30)
         self.control = self.network.add_host("control")
         self._run_in_control(self._serve_api, "apiserver")
         self._run_in_control(self._serve_dns, "dns")
@@ -238,6 +242,9 @@ class Cluster:
         namespaces = thread_namespaces()
         home = namespaces[threading.get_native_id()]
         strays = {tid: ns for tid, ns in namespaces.items() if ns != home and tid not in python_threads}
+        if self._grpc_kept is not None:
+            self._grpc_kept.close()
+            self._grpc_kept = None
         if strays:
             raise RuntimeError(f"native threads left in a rehearsal namespace (see netns.HomeThread): {strays}")
 
@@ -514,9 +521,11 @@ class Cluster:
             log.write(f"--- start {time.strftime('%H:%M:%S')}: {shlex.join(template.argv)}\n".encode())
             log.flush()
             # If this harness dies (even by SIGKILL), the pod dies with it: PR_SET_PDEATHSIG, kept by
-            # `ip netns exec` and `unshare`, which kills its PID namespace. Pods are only started
-            # from the controllers' thread, which lives as long as the cluster.
-            pod.proc = subprocess.Popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
+            # `ip netns exec` and `unshare`, which kills its PID namespace. Forked from the home
+            # thread, which lives as long as the cluster: a fork from the controllers' thread would
+            # restart gRPC's threads in the control namespace (netns.HomeThread).
+            assert self._home is not None
+            pod.proc = self._home.popen(argv, env=env, stdout=log, stderr=subprocess.STDOUT,
                                         stdin=subprocess.DEVNULL, cwd="/", start_new_session=True,
                                         preexec_fn=_die_with_parent)
         pod.phase = "Running"
@@ -818,6 +827,17 @@ class Cluster:
                 out.append(f"--- {pod.name} ({pod.ip}, {pod.phase}, exit {pod.exit_code}):\n"
                            f"{pod.log.read_text(errors='replace')[-tail:]}")
         return "\n".join(out)
+
+
+def _grpc_threads_started() -> Any:
+    """A channel that has made a call (to a closed port): gRPC's threads run while it is open."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    channel = grpc.insecure_channel("127.0.0.1:9")
+    with contextlib.suppress(grpc.RpcError):
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=0.5)
+    return channel
 
 
 def _die_with_parent() -> None:

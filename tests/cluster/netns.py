@@ -108,10 +108,12 @@ T = TypeVar("T")
 class HomeThread:
     """One thread in the network namespace of the thread that made it, running what other threads hand it.
 
-    A thread inside a pod's or the control namespace must not be the first to use gRPC: gRPC starts
-    its thread pool from the calling thread, the pool's threads inherit that namespace, and every TCP
-    connection the process opens later through the pool (tests long after the rehearsal included)
-    goes to that namespace's loopback: DEADLINE_EXCEEDED on 127.0.0.1. So gRPC calls go through here."""
+    A thread inside a pod's or the control namespace must not start gRPC's threads: they inherit its
+    namespace, and every TCP connection the process opens later through them (tests long after the
+    rehearsal included) goes to that namespace's loopback: DEADLINE_EXCEEDED on 127.0.0.1. gRPC
+    starts them from the thread of its first call, and starts them again from a thread that forks
+    (its fork handlers stop them before a fork() and restart them after; a Popen with a preexec_fn
+    forks, one without uses vfork and runs no handlers). So gRPC calls and forks go through here."""
 
     def __init__(self, name: str) -> None:
         self._work: queue.SimpleQueue[tuple[Callable[[], Any], Future[Any]] | None] = queue.SimpleQueue()
@@ -122,6 +124,11 @@ class HomeThread:
         done: Future[T] = Future()
         self._work.put((fn, done))
         return done.result(timeout)
+
+    def popen(self, argv: list[str], timeout: float = 30, **kwargs: Any) -> subprocess.Popen[bytes]:
+        """subprocess.Popen, forked from this thread. A preexec_fn's PR_SET_PDEATHSIG follows this
+        thread: the child is killed when it ends (close())."""
+        return self.call(lambda: subprocess.Popen(argv, **kwargs), timeout)
 
     def close(self) -> None:
         self._work.put(None)

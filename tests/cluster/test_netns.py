@@ -1,6 +1,7 @@
-"""The rehearsal's namespaced threads and gRPC: a gRPC call made for a thread inside a namespace must
-leave no gRPC thread there. One that did sent every later TCP connection of the pytest process into
-that namespace's loopback; the next test on 127.0.0.1 got DEADLINE_EXCEEDED (a CI failure)."""
+"""The rehearsal's namespaced threads and gRPC: a gRPC call, or a fork, made for a thread inside a
+namespace must leave no gRPC thread there. One that did sent every later TCP connection of the pytest
+process into that namespace's loopback; the next test on 127.0.0.1 got DEADLINE_EXCEEDED (two CI
+failures: the first from a probe, the second from a pod's start with a preexec_fn)."""
 
 from __future__ import annotations
 
@@ -34,19 +35,28 @@ SCRIPT = textwrap.dedent("""
     home = netns.HomeThread("home")
     opened, release = threading.Event(), threading.Event()
 
+    def check():  # a probe of something not up yet: nothing listens in the namespace
+        channel = grpc.insecure_channel("127.0.0.1:9")
+        try:
+            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=0.5)
+        except grpc.RpcError:
+            pass
+        return channel
+
+    # Fork: gRPC's threads are up, here, before the namespaced thread forks; a channel keeps them up.
+    before = check() if sys.argv[4] == "fork" else None
+
     def controllers():
         netns.enter_netns(f"/var/run/netns/{sys.argv[2]}")
-        def check():  # a probe of something not up yet: nothing listens in the namespace
-            channel = grpc.insecure_channel("127.0.0.1:9")
-            try:
-                health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=0.5)
-            except grpc.RpcError:
-                pass
-            return channel
-        channel = home.call(check, timeout=10)
+        if before is not None:  # a pod's start, as the rehearsal's controllers make it
+            home.popen(["true"], start_new_session=True, preexec_fn=lambda: None).wait(timeout=10)
+            channel = None
+        else:
+            channel = home.call(check, timeout=10)
         opened.set()
         release.wait()
-        channel.close()
+        if channel is not None:
+            channel.close()
 
     thread = threading.Thread(target=controllers)
     thread.start()
@@ -67,7 +77,9 @@ SCRIPT = textwrap.dedent("""
 """)
 
 
-def test_a_grpc_call_for_a_namespaced_thread_leaves_no_grpc_thread_in_its_namespace(tmp_path: Path) -> None:
+@pytest.mark.parametrize("made", ["call", "fork"])
+def test_a_grpc_call_or_a_fork_for_a_namespaced_thread_leaves_no_grpc_thread_in_its_namespace(
+        made: str, tmp_path: Path) -> None:
     name = f"{NAME_PREFIX}{os.getpid()}-homethread"
     ip("netns", "add", name)
     try:
@@ -75,7 +87,7 @@ def test_a_grpc_call_for_a_namespaced_thread_leaves_no_grpc_thread_in_its_namesp
         script = tmp_path / "probe.py"
         script.write_text(SCRIPT)
         out = subprocess.run([sys.executable, str(script), str(REPO / "tests" / "cluster" / "netns.py"), name,
-                              str(REPO / "services")], capture_output=True, text=True, timeout=60)
+                              str(REPO / "services"), made], capture_output=True, text=True, timeout=60)
     finally:
         delete_netns(name)
     assert out.returncode == 0, out.stderr[-3000:]
