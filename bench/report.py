@@ -36,6 +36,12 @@ def learning_rows(name: str, data: dict[str, Any]) -> list[str]:
                 published = ", ".join(f"{k} {v}" for k, v in entry.get("published_scores_at_1m_steps", {}).items())
                 rows.append(f"| {name} | {task} seed {seed}: Crafter score after {run.get('env_steps')} env steps "
                             f"| {score['score']:.2f} | random here {random_score:.2f}; published at 1M: {published} |")
+        if entry.get("crafter_score_mean") is not None:
+            best_ppo = entry.get("published_scores_at_1m_steps", {}).get("PPO (ResNet)")
+            met = "met" if best_ppo is not None and entry["crafter_score_mean"] > best_ppo else "missed"
+            rows.append(f"| {name} | {task}: mean Crafter score over {len(entry['seeds'])} seeds, ± std "
+                        f"| {entry['crafter_score_mean']:.2f} ± {entry['crafter_score_std']:.2f} "
+                        f"| goal > {best_ppo} (the published PPO with a ResNet): {met} |")
     return rows
 
 
