@@ -54,7 +54,15 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from tests.cluster.netns import HomeThread, Host, Network, enter_netns, thread_namespaces, wait_until
+from tests.cluster.netns import (
+    HomeThread,
+    Host,
+    Network,
+    enter_netns,
+    grpc_threads_started,
+    thread_namespaces,
+    wait_until,
+)
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
@@ -202,7 +210,7 @@ class Cluster:
         self._home = HomeThread("rehearsal-home")
         # gRPC's threads up for as long as the cluster, as when an earlier test left a channel open: a
         # gRPC call or a fork from a namespaced thread then moves them every time, and stop() says so.
-        self._grpc_kept = self._home.call(_grpc_threads_started, timeout=30)
+        self._grpc_kept = self._home.call(grpc_threads_started, timeout=30)
         self.control = self.network.add_host("control")
         self._run_in_control(self._serve_api, "apiserver")
         self._run_in_control(self._serve_dns, "dns")
@@ -827,17 +835,6 @@ class Cluster:
                 out.append(f"--- {pod.name} ({pod.ip}, {pod.phase}, exit {pod.exit_code}):\n"
                            f"{pod.log.read_text(errors='replace')[-tail:]}")
         return "\n".join(out)
-
-
-def _grpc_threads_started() -> Any:
-    """A channel that has made a call (to a closed port): gRPC's threads run while it is open."""
-    import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
-
-    channel = grpc.insecure_channel("127.0.0.1:9")
-    with contextlib.suppress(grpc.RpcError):
-        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=0.5)
-    return channel
 
 
 def _die_with_parent() -> None:

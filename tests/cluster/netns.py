@@ -102,6 +102,18 @@ def thread_namespaces() -> dict[int, str]:
     return out
 
 
+def grpc_threads_started() -> Any:
+    """A channel that has made a call (to a closed port): gRPC's threads run, started from the calling
+    thread, while it is open."""
+    import grpc
+    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    channel = grpc.insecure_channel("127.0.0.1:9")
+    with contextlib.suppress(grpc.RpcError):
+        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=0.5)
+    return channel
+
+
 T = TypeVar("T")
 
 

@@ -35,16 +35,8 @@ SCRIPT = textwrap.dedent("""
     home = netns.HomeThread("home")
     opened, release = threading.Event(), threading.Event()
 
-    def check():  # a probe of something not up yet: nothing listens in the namespace
-        channel = grpc.insecure_channel("127.0.0.1:9")
-        try:
-            health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=0.5)
-        except grpc.RpcError:
-            pass
-        return channel
-
     # Fork: gRPC's threads are up, here, before the namespaced thread forks; a channel keeps them up.
-    before = check() if sys.argv[4] == "fork" else None
+    before = netns.grpc_threads_started() if sys.argv[4] == "fork" else None
 
     def controllers():
         netns.enter_netns(f"/var/run/netns/{sys.argv[2]}")
@@ -52,7 +44,7 @@ SCRIPT = textwrap.dedent("""
             home.popen(["true"], start_new_session=True, preexec_fn=lambda: None).wait(timeout=10)
             channel = None
         else:
-            channel = home.call(check, timeout=10)
+            channel = home.call(netns.grpc_threads_started, timeout=10)  # a probe of something not up yet
         opened.set()
         release.wait()
         if channel is not None:
