@@ -288,7 +288,8 @@ def run(args: argparse.Namespace, sizes: list[int], secure: bool) -> dict[str, A
             port = _free_port()
             procs.append(subprocess.Popen([sys.executable, "-m", "overworld.model_registry", "--port", str(port),
                                            "--blobs", f"{tmp}/blobs", "--retain", "2",
-                                           "--cut-through", "1" if args.cut_through else "0"],
+                                           "--registry-cut-through", "1" if args.cut_through else "0",
+                                           "--registry-relay-fanout", "0"],
                                           env=as_identity("model-registry")))
             registry = f"127.0.0.1:{port}"
             port_file = Path(tmp, "raw-port")

@@ -11,7 +11,7 @@ from overworld.core.service import env_default
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
-    from overworld.services import BUILDERS
+    from overworld.services import BUILDERS, add_registry_flags
 
     p = sub.add_parser("serve", help="run one service (the container entry point)")
     p.add_argument("service", choices=[*BUILDERS, "run-controller"])
@@ -36,7 +36,16 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
                    help="rollout-worker: seconds its stop waits for the replay buffer to take what it holds")
     p.add_argument("--fresh-state", action="store_true", default=env_default("fresh-state", False),
                    help="rollout-manager: start a new fleet (counters from zero) instead of restoring the saved one")
+    add_registry_flags(p)
     _tls_flags(p)
+
+
+def serve_args(argv: list[str]) -> argparse.Namespace:
+    """`overworld serve SERVICE ...`'s flags as parsed (defaults from the environment), for code that
+    builds a service in its own process (services.BUILDERS)."""
+    parser = argparse.ArgumentParser(prog="overworld")
+    _serve_parser(parser.add_subparsers(dest="command", required=True))
+    return parser.parse_args(["serve", *argv])
 
 
 def _tls_flags(p: argparse.ArgumentParser) -> None:

@@ -103,9 +103,41 @@ def model_registry(args: argparse.Namespace, done: threading.Event) -> Any:
     from overworld.model_registry.server import ModelRegistryService, registration
 
     blobs_url = args.blobs or str(Path(args.workdir) / "registry")
-    service = ModelRegistryService(open_blob_store(blobs_url), retain=args.retain)
+    try:
+        service = ModelRegistryService(open_blob_store(blobs_url), retain=args.retain,
+                                       chunk_size=args.registry_chunk_bytes,
+                                       largest_message=args.registry_largest_message_bytes,
+                                       cut_through=bool(args.registry_cut_through),
+                                       relay_fanout=args.registry_relay_fanout)
+    except ValueError as err:
+        raise SystemExit(f"model-registry: {err}") from None
     # Every open watch stream and running fetch holds a thread: size the pool for a large fleet.
-    return Served(serve([registration(service)], args.host, args.port, max_workers=1024), service.stop)
+    return Served(serve([registration(service)], args.host, args.port, max_workers=args.registry_max_rpcs),
+                  service.stop)
+
+
+def add_registry_flags(p: argparse.ArgumentParser) -> None:
+    """The model-registry's own flags (`overworld serve model-registry`, `python -m overworld.model_registry`)."""
+    from overworld.core.service import env_default
+    from overworld.model_registry.payload import DEFAULT_CHUNK, LARGEST_MESSAGE
+    from overworld.model_registry.server import DEFAULT_RELAY_FANOUT
+
+    p.add_argument("--registry-chunk-bytes", type=int, default=env_default("registry-chunk-bytes", DEFAULT_CHUNK),
+                   help="model-registry: small tensors are grouped into messages of up to this size")
+    p.add_argument("--registry-largest-message-bytes", type=int,
+                   default=env_default("registry-largest-message-bytes", LARGEST_MESSAGE),
+                   help="model-registry: a tensor up to this size is sent in one message, where the worker views "
+                        "it without a copy")
+    p.add_argument("--registry-cut-through", type=int, default=env_default("registry-cut-through", 0),
+                   help="model-registry: 1: announce a version when its publish starts and stream it to the "
+                        "watchers as it arrives (the star only: needs --registry-relay-fanout 0)")
+    p.add_argument("--registry-relay-fanout", type=int,
+                   default=env_default("registry-relay-fanout", DEFAULT_RELAY_FANOUT),
+                   help="model-registry: workers relay each new version to one another in this many stripes, "
+                        "each forwarded to this many workers (the registry sends one copy in all); 0: every "
+                        "worker fetches the whole version from the registry (a star)")
+    p.add_argument("--registry-max-rpcs", type=int, default=env_default("registry-max-rpcs", 1024),
+                   help="model-registry: gRPC server threads: each open Watch and each running Fetch holds one")
 
 
 def trainer(args: argparse.Namespace, done: threading.Event) -> Any:

@@ -155,6 +155,24 @@ class HomeThread:
                 done.set_exception(err)
 
 
+_netem: list[bool] = []
+
+
+def netem_available() -> bool:
+    """Whether this kernel has netem (delay and loss on a link): tried once, on a veth in a namespace."""
+    if not _netem:
+        name = f"{NAME_PREFIX}{os.getpid()}-netem-probe"
+        ip("netns", "add", name)
+        try:
+            ip("-n", name, "link", "add", "name", "a", "type", "veth", "peer", "name", "b")
+            probe = subprocess.run(["tc", "-n", name, "qdisc", "add", "dev", "a", "root", "netem", "delay", "1ms"],
+                                   capture_output=True, timeout=30)
+            _netem.append(probe.returncode == 0)
+        finally:
+            delete_netns(name)
+    return _netem[0]
+
+
 @dataclass
 class Host:
     """One network namespace with one address on the bridge."""
@@ -209,6 +227,24 @@ class Network:
     def remove_host(self, host: Host) -> None:
         delete_netns(host.netns)
         self.hosts.pop(host.netns, None)
+
+    def shape(self, host: Host, rate_mbit: float, delay_ms: float = 0.0) -> None:
+        """Make a host's link a NIC's: `rate_mbit` each way (a token bucket on both ends of its veth: the
+        host's egress, and the bridge's egress towards it, queueing up to 50 ms as a switch port's
+        buffer would) and, where the kernel has netem, `delay_ms` one way. A delay asked for on a
+        kernel without netem is an error (netem_available() tells)."""
+        rate = rate_mbit * 1e6 / 8  # bytes/s
+        if delay_ms:
+            if not netem_available():
+                raise RuntimeError("this kernel has no netem (sch_netem): links can be rate-shaped, not delayed")
+            qdisc = ["netem", "rate", f"{rate_mbit}mbit", "delay", f"{delay_ms}ms", "limit", "100000"]
+        else:
+            # the bucket holds a veth's largest (GSO) packet; the queue 50 ms of the rate
+            burst = max(256 << 10, int(rate / 250))
+            qdisc = ["tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst), "limit", str(max(2 * burst, int(rate / 20)))]
+        for netns, dev in ((host.netns, "eth0"), (self.switch, host.veth)):
+            subprocess.run(["tc", "-n", netns, "qdisc", "replace", "dev", dev, "root", *qdisc],
+                           capture_output=True, text=True, check=True, timeout=30)
 
     def set_link(self, host: Host, up: bool) -> None:
         """Cut a host off the bridge (or reconnect it): its sockets stay open and hear nothing."""

@@ -101,10 +101,10 @@ def test_watch_pushes_every_new_version(registry) -> None:
     got_first, got_three = threading.Event(), threading.Event()
 
     def consume() -> None:
-        for info in stream:
-            seen.append(info.version)
+        for announcement in stream:
+            seen.append(announcement.info.version)
             got_first.set()
-            if info.version == 3:
+            if announcement.info.version == 3:
                 got_three.set()
                 return
 

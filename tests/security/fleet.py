@@ -27,13 +27,15 @@ CONFIG = ROOT / "examples" / "cartpole.yaml"
 SERVICES = ("rollout-manager", "model-registry", "gae", "replay-buffer", "trainer", "rollout-worker")
 
 
-def _args(workdir: Path, addresses: dict[str, str]) -> argparse.Namespace:
-    return argparse.Namespace(host="127.0.0.1", port=0, config=str(CONFIG), set=[], workdir=str(workdir),
-                              rollout_manager=addresses.get("rollout-manager", ""),
-                              replay_buffer=addresses.get("replay-buffer", ""), gae=addresses.get("gae", ""),
-                              model_registry=addresses.get("model-registry", ""), index="memory", blobs="",
-                              ray_address="", resume="", retain=20, lease_seconds=15.0, fresh_state=True,
-                              flush_timeout=30.0)
+def _args(service: str, workdir: Path, addresses: dict[str, str]) -> argparse.Namespace:
+    from overworld.cli import serve_args
+
+    args = serve_args([service, "--host", "127.0.0.1", "--config", str(CONFIG), "--workdir", str(workdir),
+                       "--index", "memory", "--fresh-state"])
+    args.port = 0
+    for name in ("rollout-manager", "replay-buffer", "gae", "model-registry"):
+        setattr(args, name.replace("-", "_"), addresses.get(name, ""))
+    return args
 
 
 def serve_fleet(tls_root: Path | None, workdir: Path) -> tuple[dict[str, str], list]:
@@ -55,7 +57,7 @@ def serve_fleet(tls_root: Path | None, workdir: Path) -> tuple[dict[str, str], l
             handles.append(server)
             addresses[service] = server.address
             continue
-        handle = BUILDERS[service](_args(workdir, addresses), done)
+        handle = BUILDERS[service](_args(service, workdir, addresses), done)
         handles.append(handle)
         server = getattr(handle, "server")  # noqa: B009 - Served and the worker keep their grpc_util.Server here
         addresses[service] = server.address

@@ -6,6 +6,7 @@ from __future__ import annotations
 import hashlib
 import threading
 from collections.abc import Callable, Iterator
+from typing import Any
 
 import grpc
 
@@ -113,6 +114,10 @@ class ModelRegistryClient:
             raise FetchBroken(f"fetched version {info.version} does not match its sha256")
         return info
 
+    def fetch_chunks(self, request: pb.FetchRequest, timeout: float) -> Any:
+        """One Fetch call, not retried: an iterator of `wire.Chunk` (cancel it with .cancel())."""
+        return self._fetch(request, timeout=timeout)
+
     def fetch_into(self, version: int = 0, tag: str = "", precision: str = "", verify: bool = True,
                    buffer: Callable[[int], bytearray] = bytearray, timeout: float = 300.0,
                    stop: Callable[[], bool] | None = None) -> tuple[pb.VersionInfo, bytearray]:
@@ -175,11 +180,14 @@ class ModelRegistryClient:
     def remove_tag(self, tag: str, timeout: float = 30.0) -> pb.VersionInfo:
         return Retry(timeout).unary(self.stub.SetTag, pb.SetTagRequest(tag=tag, remove=True), "registry.SetTag")
 
-    def watch(self, watcher_id: str, known_version: int = 0, timeout: float = WATCH_SECONDS) -> Iterator[pb.VersionInfo]:
-        """The Watch stream (cancel it with .cancel()). It ends with DEADLINE_EXCEEDED after `timeout`
-        seconds, like every call: open the next one with the version held (the registry announces its
-        latest version at once when it differs from `known_version`)."""
-        return self.stub.Watch(pb.WatchRequest(watcher_id=watcher_id, known_version=known_version), timeout=timeout)
+    def watch(self, watcher_id: str, known_version: int = 0, timeout: float = WATCH_SECONDS, relay_port: int = 0,
+              precision: str = "") -> Iterator[pb.Announcement]:
+        """The Watch stream of announcements (cancel it with .cancel()). It ends with DEADLINE_EXCEEDED
+        after `timeout` seconds, like every call: open the next one with the version held (the registry
+        announces its latest version at once when it differs from `known_version`). `relay_port`: this
+        watcher relays what it receives (the RolloutWorker service on that port), in `precision`."""
+        return self.stub.Watch(pb.WatchRequest(watcher_id=watcher_id, known_version=known_version,
+                                               relay_port=relay_port, precision=precision), timeout=timeout)
 
     def ack(self, watcher_id: str, version: int, timeout: float = 5.0) -> grpc.Future:
         """Acknowledge a swapped-in version without waiting for the reply."""

@@ -3,23 +3,25 @@ retention, and a watch stream that pushes every new version to subscribed rollou
 
 How a version travels (docs/model_registry.md has the whole story):
 
-1. Publish (client-streamed): the manifest first, then the bytes. As soon as the manifest is accepted
-   the version is *announced* on every Watch stream, and Fetch of it streams the bytes as they
-   arrive (cut-through), so the fan-out to the workers overlaps the upload instead of following it.
-2. Once every byte has arrived and its sha256 matches the manifest, the Fetch streams end with OK:
-   only then may a watcher swap the version in. A mismatch ends them with DATA_LOSS and stores
-   nothing; a publisher that goes away ends them with ABORTED.
+1. Publish (client-streamed): the manifest first, then the bytes, hashed as they arrive.
+2. Once every byte has arrived and its sha256 matches the one the publisher sent last, the version is
+   *announced* on every Watch stream (with `cut_through`, already when the manifest arrives, its bytes
+   streamed to the watchers as they arrive). Each announcement says where the watcher fetches it from:
+   by relay (the default), stripes from other workers as planned in `relay_plan.py`, the registry
+   itself sending each stripe once; else (`relay_fanout=0`, or a watcher that cannot relay and has no
+   relay to fetch from) the whole version from the registry. A watcher swaps in only bytes whose
+   sha256 matches the one the registry announced.
 3. The weights blob, then the manifest, are written to the blob store; the version is listed (and
    `latest`) once its manifest is written, and Publish returns. On restart the index is rebuilt from
    the manifests.
 
 Each chunk of a version is encoded once as a WeightsChunk message and the same bytes object is sent
-to every watcher (`wire.py`); the latest version stays in memory, so a fetch reads no blob.
+to every watcher (`payload.py`, `wire.py`); the latest version stays in memory, so a fetch reads no
+blob. `pushes.py` follows the acknowledgements.
 """
 
 from __future__ import annotations
 
-import bisect
 import hashlib
 import json
 import logging
@@ -27,7 +29,6 @@ import re
 import threading
 import time
 from collections.abc import Callable, Iterable, Iterator
-from dataclasses import dataclass, field
 from typing import Any
 
 import grpc
@@ -38,6 +39,19 @@ from overworld.core import weights
 from overworld.core.blobs import BlobStore
 from overworld.core.grpc_util import abort
 from overworld.model_registry import wire
+from overworld.model_registry.payload import (
+    ALIGN,
+    DEFAULT_CHUNK,
+    FAILED,
+    LARGEST_MESSAGE,
+    MAX_FETCH_MESSAGES,
+    VERIFIED,
+    Payload,
+    PayloadFailed,
+    message_bounds,
+)
+from overworld.model_registry.pushes import PushTracker
+from overworld.model_registry.relay_plan import Member, RelayPlan, relay_chunk_bytes
 from overworld.v1 import model_registry_pb2 as pb
 from overworld.v1 import model_registry_pb2_grpc
 
@@ -47,33 +61,19 @@ LATEST = Gauge("overworld_registry_latest_version", "Latest published model vers
 PUBLISH_SECONDS = Histogram("overworld_registry_publish_seconds",
                             "Publish: manifest received to version stored and listed",
                             buckets=(0.01, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
-PUSH_LATENCY = Histogram("overworld_registry_push_latency_seconds",
-                         "Publish (manifest received) to the last watcher connected at that time acknowledging",
-                         buckets=(0.01, 0.025, 0.05, 0.1, 0.25, 0.5, 1, 2.5, 5, 10, 30, 60, 120))
-LAST_PUSH_LATENCY = Gauge("overworld_registry_last_push_latency_seconds",
-                          "Push latency of the most recent completely pushed version")
 BYTES_PUSHED = Counter("overworld_registry_bytes_pushed_total", "Weight bytes sent by Fetch")
 BYTES_PUBLISHED = Counter("overworld_registry_bytes_published_total", "Weight bytes received by Publish")
 FETCHES = Counter("overworld_registry_fetches_total", "Fetch streams started", ["precision"])
 PUBLISH_FAILURES = Counter("overworld_registry_publish_failures_total", "Publishes refused or broken", ["reason"])
-WATCHERS = Gauge("overworld_registry_watchers", "Open watch streams (distinct watcher ids)")
-WORKERS_PER_VERSION = Gauge("overworld_registry_workers_per_version",
-                            "Connected watchers by the model version they last acknowledged (or resumed with)",
-                            ["version"])
 
-DEFAULT_CHUNK = 4 << 20  # messages group small tensors up to this size
-LARGEST_MESSAGE = 64 << 20  # a tensor up to this size travels in one message (viewed there, not copied)
-# A fetch with its own chunk size is cut into at most this many messages: chunk_size=1 would otherwise
-# turn one request into a message per byte (hours of a registry thread for a large model).
-MAX_FETCH_MESSAGES = 4096
-ALIGN = 16  # tensor data starts at this alignment inside a message
 RESERVED_TAGS = {"latest"}
 TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 SHA_RE = re.compile(r"^[0-9a-f]{64}$")
 TAGS_KEY = "models/tags.json"
-PUSH_HISTORY = 64  # push results kept for GetPushStatus
+DEFAULT_RELAY_FANOUT = 2
+RELAY_PLANS_KEPT = 4  # (version, precision) plans kept for watchers that connect during a push
 
-RECEIVING, VERIFIED, FAILED = "receiving", "verified", "failed"
+__all__ = ["DEFAULT_CHUNK", "LARGEST_MESSAGE", "ModelRegistryService", "Payload", "message_bounds", "registration"]
 
 
 def weights_key(version: int) -> str:
@@ -84,248 +84,26 @@ def manifest_key(version: int) -> str:
     return f"models/{version:010d}/manifest.json"
 
 
-class PayloadFailed(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
-
-
-def message_bounds(head: bytes | bytearray | memoryview, size: int, target: int, largest: int) -> list[int] | None:
-    """Where the messages of a payload end. For safetensors, at tensor boundaries: small tensors are
-    grouped up to `target` bytes, a larger one gets a message of its own (split only beyond
-    `largest`), so that a receiver can view every tensor inside the message it received instead of
-    copying it out. Otherwise every `target` bytes. None while `head` is too short to tell."""
-    fixed = [*range(target, size, target), size] if size else []
-    view = memoryview(head)
-    if len(view) < 8:
-        return None if len(view) < size else fixed
-    n = int.from_bytes(view[:8], "little")
-    if n > weights.MAX_HEADER_BYTES or 8 + n > size:
-        return fixed
-    if len(view) < 8 + n:
-        return None
-    try:
-        header, data_start = weights.read_header(view[:8 + n])
-        spans = sorted((data_start + int(m["data_offsets"][0]), data_start + int(m["data_offsets"][1]))
-                       for k, m in header.items() if k != "__metadata__")
-    except (ValueError, KeyError, TypeError, IndexError):
-        return fixed
-    bounds: list[int] = []
-    start = 0  # of the message being filled; the header goes with the first tensors
-    for begin, end in spans:
-        if begin < start or end > size or end < begin:
-            return fixed  # overlapping or out of range: not a layout to rely on
-        if end - start <= target:
-            continue
-        if begin > start:  # close the group before this tensor
-            bounds.append(begin)
-            start = begin
-            if end - start <= target:  # it opens the next group
-                continue
-        if end - start <= largest:  # the tensor alone
-            bounds.append(end)
-        else:  # larger than any message may be: pieces (the receiver copies this one)
-            bounds.extend(range(start + largest, end, largest))
-            bounds.append(end)
-        start = end
-    if size > start:
-        bounds.append(size)
-    return bounds
-
-
-class Payload:
-    """The bytes of one version as the encoded WeightsChunk messages every Fetch sends.
-
-    Filled message by message while a Publish streams in (`extend`), or at once from stored bytes
-    (`complete`). Readers wait on `cond` for messages that have not arrived yet.
-    """
-
-    _seq = 0
-    _seq_lock = threading.Lock()
-
-    def __init__(self, info: pb.VersionInfo, chunk_size: int = DEFAULT_CHUNK, largest: int = LARGEST_MESSAGE) -> None:
-        with Payload._seq_lock:
-            Payload._seq += 1
-            self.seq = Payload._seq  # tells a re-published version from the failed attempt before it
-        self.info = info
-        self.size = info.size_bytes
-        self.chunk_size = chunk_size
-        self.largest = max(largest, chunk_size)
-        self.bounds: list[int] | None = None if self.size else []  # message ends, once the header is in
-        self.starts: list[int] = []
-        self.messages: list[bytes] = []
-        self.header_lens: list[int] = []
-        self._pending: list[memoryview] = []  # received, not encoded yet
-        self._pending_len = 0
-        self.state = RECEIVING
-        self.error: PayloadFailed | None = None
-        self.cond = threading.Condition()
-        self.variants: dict[str, Payload] = {}
-        self._variant_lock = threading.Lock()
-
-    def feed(self, data: bytes | bytearray | memoryview) -> None:
-        """The next bytes of the payload, in order (any piece size). Encodes every message they
-        complete, each with one copy of the bytes (no assembly buffer), and wakes the readers.
-        Only the publishing thread calls this."""
-        if len(data):
-            self._pending.append(memoryview(data))
-            self._pending_len += len(data)
-        if self.bounds is None:
-            n = int.from_bytes(self._prefix(8), "little") if self._pending_len >= 8 else 0
-            head = self._prefix(8 + n if n <= weights.MAX_HEADER_BYTES else 8)
-            bounds = message_bounds(head, self.size, self.chunk_size, self.largest)
-            if bounds is None and self._pending_len < self.size:
-                return  # the header is not complete yet
-            with self.cond:
-                self.bounds = bounds or [*range(self.chunk_size, self.size, self.chunk_size), self.size]
-                self.cond.notify_all()
-        messages, header_lens, starts = [], [], []
-        index = len(self.messages)
-        start = self.bounds[index - 1] if index else 0
-        while index < len(self.bounds) and self.bounds[index] - start <= self._pending_len:
-            n = self.bounds[index] - start
-            pieces: list[bytes | memoryview] = [wire.chunk_header(start, n, ALIGN)]
-            need = n
-            while need:
-                head = self._pending[0]
-                if len(head) <= need:
-                    pieces.append(self._pending.pop(0))
-                    need -= len(head)
-                else:
-                    pieces.append(head[:need])
-                    self._pending[0] = head[need:]
-                    need = 0
-            self._pending_len -= n
-            messages.append(b"".join(pieces))
-            header_lens.append(len(pieces[0]))
-            starts.append(start)
-            start = self.bounds[index]
-            index += 1
-        if messages:
-            with self.cond:  # appended under the lock: a reader cannot miss the wake-up
-                self.header_lens.extend(header_lens)
-                self.starts.extend(starts)
-                self.messages.extend(messages)
-                self.cond.notify_all()
-
-    def _prefix(self, n: int) -> bytes:
-        """The first n bytes pending (fewer if fewer have arrived)."""
-        out, need = [], n
-        for view in self._pending:
-            if need <= 0:
-                break
-            out.append(view[:need])
-            need -= len(out[-1])
-        return b"".join(out)
-
-    def complete(self, data: bytes | bytearray | memoryview) -> Payload:
-        self.feed(data)
-        self.mark(VERIFIED)
-        return self
-
-    def data_views(self) -> list[memoryview]:
-        """The bytes of a complete payload as views into its messages (no copy)."""
-        return [memoryview(m)[h:] for m, h in zip(self.messages, self.header_lens, strict=True)]
-
-    def mark(self, state: str, error: PayloadFailed | None = None) -> None:
-        with self.cond:
-            self.state, self.error = state, error
-            self.cond.notify_all()
-
-    def _raise_if_failed_or_gone(self, is_active: Callable[[], bool]) -> None:
-        if self.state == FAILED:
-            assert self.error is not None
-            raise self.error
-        if not is_active():
-            raise PayloadFailed(grpc.StatusCode.CANCELLED, "the fetch was cancelled")
-
-    def wait_chunk(self, index: int, is_active: Callable[[], bool]) -> bytes | None:
-        """The encoded message `index`, waiting for it while the Publish is still streaming; None past
-        the last one."""
-        with self.cond:
-            while True:
-                if self.bounds is not None and index >= len(self.bounds):
-                    return None
-                if index < len(self.messages):
-                    return self.messages[index]
-                self._raise_if_failed_or_gone(is_active)
-                self.cond.wait(1.0)
-
-    def index_of(self, offset: int, is_active: Callable[[], bool]) -> int | None:
-        """The index of the message that starts at `offset` (None if none does)."""
-        if offset == 0:
-            return 0
-        with self.cond:
-            while self.bounds is None:
-                self._raise_if_failed_or_gone(is_active)
-                self.cond.wait(1.0)
-        i = bisect.bisect_left(self.bounds, offset)
-        return i + 1 if i < len(self.bounds) and self.bounds[i] == offset else None
-
-    def wait_verified(self, is_active: Callable[[], bool]) -> None:
-        with self.cond:
-            while self.state == RECEIVING:
-                self._raise_if_failed_or_gone(is_active)
-                self.cond.wait(1.0)
-            self._raise_if_failed_or_gone(lambda: True)
-
-    def raw(self, start: int, end: int) -> bytes:
-        """data[start:end] of a complete payload (for fetches at an odd offset or chunk size)."""
-        parts = []
-        i = max(0, bisect.bisect_right(self.starts, start) - 1)
-        while i < len(self.messages) and self.starts[i] < end:
-            base, head = self.starts[i], self.header_lens[i]
-            stop = self.bounds[i] if self.bounds else base
-            lo, hi = max(start, base) - base, min(end, stop) - base
-            if hi > lo:
-                parts.append(memoryview(self.messages[i])[head + lo:head + hi])
-            i += 1
-        return b"".join(parts)
-
-    def data(self) -> bytes:
-        return self.raw(0, self.size)
-
-    def variant(self, precision: str, is_active: Callable[[], bool]) -> Payload:
-        """This version with its floating tensors cast to `precision`: converted once, then cached."""
-        self.wait_verified(is_active)
-        with self._variant_lock:
-            found = self.variants.get(precision)
-            if found is None:
-                try:
-                    data = weights.convert(self.data(), precision)
-                except ValueError as err:
-                    raise PayloadFailed(grpc.StatusCode.FAILED_PRECONDITION,
-                                        f"cannot send version {self.info.version} as {precision}: {err}") from None
-                info = pb.VersionInfo()
-                info.CopyFrom(self.info)
-                info.sha256, info.size_bytes = hashlib.sha256(data).hexdigest(), len(data)
-                info.dtype = weights.payload_dtype(data)
-                found = self.variants[precision] = Payload(info, self.chunk_size, self.largest).complete(data)
-            return found
-
-
-@dataclass
-class _Push:
-    """Acknowledgements of one published version by the watchers connected when it was announced."""
-
-    started: float  # monotonic, manifest received
-    started_unix: float
-    waiting: set[str]
-    expected: int
-    acked: int = 0
-    finished: float = 0.0  # monotonic, last acknowledgement
-    observed: bool = False
-    watchers_left: set[str] = field(default_factory=set)
-
-    @property
-    def complete(self) -> bool:
-        return not self.waiting
+def peer_host(peer: str) -> str:
+    """The host of a gRPC peer string ("ipv4:10.0.0.5:41234" -> "10.0.0.5", "ipv6:[::1]:5" -> "[::1]");
+    "" for a peer that has no network address (a Unix socket)."""
+    kind, _, rest = peer.partition(":")
+    if kind not in ("ipv4", "ipv6"):
+        return ""
+    host, _, _ = rest.rpartition(":")
+    return host
 
 
 class ModelRegistryService(model_registry_pb2_grpc.ModelRegistryServicer):
     def __init__(self, blobs: BlobStore, retain: int = 20, max_model_bytes: int = 8 << 30,
                  chunk_size: int = DEFAULT_CHUNK, largest_message: int = LARGEST_MESSAGE, publish_wait: float = 120.0,
-                 keepalive: float = 15.0, cut_through: bool = False) -> None:
+                 keepalive: float = 15.0, cut_through: bool = False,
+                 relay_fanout: int = DEFAULT_RELAY_FANOUT) -> None:
+        if relay_fanout < 0:
+            raise ValueError(f"relay_fanout must be >= 0 (0: every watcher fetches from the registry), not {relay_fanout}")
+        if cut_through and relay_fanout:
+            raise ValueError("cut-through announces a version before its sha256 is known, and relays need it to "
+                             "check what they pass on: use it with relay_fanout 0 (the star)")
         self.blobs = blobs
         self.retain = max(1, retain)
         self.max_model_bytes = max_model_bytes
@@ -334,6 +112,7 @@ class ModelRegistryService(model_registry_pb2_grpc.ModelRegistryServicer):
         self.publish_wait = publish_wait
         self.keepalive = keepalive
         self.cut_through = cut_through
+        self.relay_fanout = relay_fanout
         self._lock = threading.Condition()
         self._publish_lock = threading.Lock()
         self._load_lock = threading.Lock()
@@ -342,9 +121,8 @@ class ModelRegistryService(model_registry_pb2_grpc.ModelRegistryServicer):
         self._head: Payload | None = None  # the newest version: being published, or the latest stored
         self._inflight: Payload | None = None
         self._cache: dict[int, Payload] = {}  # the latest stored version (and the one being published)
-        self._watchers: dict[str, int] = {}  # watcher id -> open Watch streams
-        self._running: dict[str, int] = {}  # watcher id -> version it acknowledged (or resumed with)
-        self._pushes: dict[int, _Push] = {}
+        self._pushes = PushTracker(self._lock)
+        self._plans: dict[tuple[int, str], RelayPlan] = {}  # (version, precision) -> its relay plan
         self._spare: bytearray | None = None
         self._stopping = False
         self._load()
@@ -528,10 +306,7 @@ class ModelRegistryService(model_registry_pb2_grpc.ModelRegistryServicer):
             previous_head = self._head
             self._inflight = payload
             self._cache[info.version] = payload
-            if self._watchers:
-                self._pushes[info.version] = _Push(started, time.time() - (time.monotonic() - started),
-                                                   set(self._watchers), len(self._watchers))
-                self._trim_pushes()
+            self._pushes.start(info.version, started, time.time() - (time.monotonic() - started))
             if self.cut_through:
                 self._head = payload
                 self._lock.notify_all()  # Watch streams announce it now; Fetch streams it as it arrives
@@ -575,7 +350,7 @@ class ModelRegistryService(model_registry_pb2_grpc.ModelRegistryServicer):
                     self._head = previous_head
                 self._inflight = None
                 self._cache.pop(info.version, None)
-                self._pushes.pop(info.version, None)
+                self._pushes.drop(info.version)
                 self._lock.notify_all()
             PUBLISH_FAILURES.labels(failure.code.name.lower()).inc()
             log.warning("publish of version %d failed: %s", info.version, failure)
@@ -641,13 +416,16 @@ class ModelRegistryService(model_registry_pb2_grpc.ModelRegistryServicer):
             abort(context, err.code, str(err))
         FETCHES.labels(precision or "stored").inc()
         offset, size, step = request.offset, payload.size, payload.chunk_size
-        if offset > size:
-            abort(context, grpc.StatusCode.OUT_OF_RANGE, f"offset {offset} is past the end ({size})")
-        if request.chunk_size and request.chunk_size != step:
-            least = -(-(size - offset) // MAX_FETCH_MESSAGES)
-            if request.chunk_size < least:
+        end = offset + request.limit if request.limit else size
+        if offset > size or end > size:
+            abort(context, grpc.StatusCode.OUT_OF_RANGE,
+                  f"bytes {offset}..{end} are past the end of version {version} ({size} bytes)")
+        chunk = request.chunk_size or step
+        if chunk != step:
+            least = -(-(end - offset) // MAX_FETCH_MESSAGES)
+            if chunk < least:
                 abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                      f"chunk_size {request.chunk_size} would cut the {size - offset} bytes into more than "
+                      f"chunk_size {chunk} would cut the {end - offset} bytes into more than "
                       f"{MAX_FETCH_MESSAGES} messages: use 0 (the registry's, {step}) or at least {least}")
         with self._lock:
             info = self._info(version) if version in self._versions else payload.info
@@ -656,19 +434,18 @@ class ModelRegistryService(model_registry_pb2_grpc.ModelRegistryServicer):
         sent_without_sha256 = not info.sha256
         yield wire.encode_info_chunk(info, offset)
         try:
-            index = payload.index_of(offset, context.is_active) if request.chunk_size in (0, step) else None
+            index = payload.index_of(offset, context.is_active) if chunk == step and end == size else None
             if index is not None:
                 while (message := payload.wait_chunk(index, context.is_active)) is not None:
                     BYTES_PUSHED.inc(len(message) - payload.header_lens[index])
                     yield message
                     index += 1
-            else:  # an offset inside a message, or another chunk size: from the complete payload
+            else:  # an offset inside a message, another chunk size, a limit: from the complete payload
                 payload.wait_verified(context.is_active)
-                chunk = request.chunk_size or step
-                for start in range(offset, size, chunk):
-                    data = payload.raw(start, min(start + chunk, size))
+                for start in range(offset, end, chunk):
+                    data = payload.raw(start, min(start + chunk, end))
                     BYTES_PUSHED.inc(len(data))
-                    yield wire.encode_chunk(start, data)
+                    yield wire.encode_chunk(start, data, ALIGN)
             # the stream ends OK only once the whole version is verified: a watcher swaps only then
             payload.wait_verified(context.is_active)
             if sent_without_sha256:  # the info went out before the publish ended (cut-through): all of it now
@@ -682,15 +459,21 @@ class ModelRegistryService(model_registry_pb2_grpc.ModelRegistryServicer):
         for message in self.fetch_messages(request, context):
             yield pb.WeightsChunk.FromString(message)
 
-    # -- watch and acknowledgements ------------------------------------------------------------------
-    def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.VersionInfo]:
+    # -- watch, relay plans and acknowledgements ------------------------------------------------------
+    def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.Announcement]:
         watcher = request.watcher_id or context.peer()
         known = request.known_version
+        try:
+            precision = request.precision.lower()
+            weights.half_dtype(precision)
+        except ValueError as err:
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"WatchRequest.precision: {err}")
+        if request.relay_port > 65535:
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"relay_port {request.relay_port} is not a TCP port")
+        host = peer_host(context.peer()) if request.relay_port else ""
+        member = Member(watcher, f"{host}:{request.relay_port}" if host else "", precision)
         with self._lock:
-            self._watchers[watcher] = self._watchers.get(watcher, 0) + 1
-            if known and self._running.get(watcher, 0) < known:
-                self._running[watcher] = known
-            self._update_watcher_gauges()
+            self._pushes.joined(member, known)
 
         def wake() -> None:
             with self._lock:
@@ -701,6 +484,7 @@ class ModelRegistryService(model_registry_pb2_grpc.ModelRegistryServicer):
         last_write = time.monotonic()
         try:
             while True:
+                head: Payload | None = None
                 with self._lock:
                     while True:
                         if self._stopping or not context.is_active():
@@ -711,106 +495,74 @@ class ModelRegistryService(model_registry_pb2_grpc.ModelRegistryServicer):
                             # the first message tells where the registry is; then a newer version, or the
                             # same version published again after a failed attempt
                             if (version != known) if sent_seq == -1 else (version >= sent_version):
-                                info = self._info(version) if version in self._versions else head.info
                                 sent_seq, sent_version = head.seq, version
                                 break
                             sent_seq = head.seq
+                        head = None
                         idle = time.monotonic() - last_write
                         if idle >= self.keepalive:
                             # gRPC servers refuse client keep-alive pings on a stream that sends nothing
                             # (GOAWAY "too_many_pings"): repeat the last announcement now and then
-                            info = pb.VersionInfo(version=max(sent_version, 0))
                             break
                         self._lock.wait(min(5.0, self.keepalive - idle))
-                last_write = time.monotonic()
-                yield info
+                if head is None:
+                    announcement: pb.Announcement | None = pb.Announcement(
+                        info=pb.VersionInfo(version=max(sent_version, 0)))
+                else:
+                    announcement = self._announcement(head, member, context)
+                if announcement is not None:
+                    last_write = time.monotonic()
+                    yield announcement
         finally:
             with self._lock:
-                self._watchers[watcher] -= 1
-                if not self._watchers[watcher]:
-                    del self._watchers[watcher]
-                    self._running.pop(watcher, None)
-                    for number, push in list(self._pushes.items()):
-                        if watcher in push.waiting:
-                            push.waiting.discard(watcher)
-                            push.watchers_left.add(watcher)
-                            self._maybe_finish(number, push)
-                self._update_watcher_gauges()
+                self._pushes.left(watcher)
+
+    def _announcement(self, head: Payload, member: Member, context: grpc.ServicerContext) -> pb.Announcement | None:
+        """The announcement of `head` to one watcher: the info of the bytes it will receive (in its
+        precision) and, by relay, where each stripe comes from. None if the version cannot be sent in
+        that precision (its publish failed meanwhile, or it does not convert): nothing to announce."""
+        version = head.info.version
+        with self._lock:
+            info = self._info(version) if version in self._versions else head.info
+        if member.precision:
+            try:
+                info = self._payload(version, context).variant(member.precision, context.is_active).info
+            except PayloadFailed as err:
+                log.warning("not announcing version %d to %s: %s", version, member.watcher, err)
+                return None
+        if not self.relay_fanout or not info.sha256:  # star; or cut-through, announced before its sha256
+            return pb.Announcement(info=info)
+        with self._lock:
+            key = (version, member.precision)
+            plan = self._plans.get(key)
+            if plan is None:
+                plan = self._plans[key] = RelayPlan(self._pushes.member_list(member.precision), self.relay_fanout)
+                for old in sorted(self._plans)[:-RELAY_PLANS_KEPT]:
+                    del self._plans[old]
+            sources = plan.place(member)
+        if not sources:
+            return pb.Announcement(info=info)
+        return pb.Announcement(info=info, sources=sources, chunk_bytes=relay_chunk_bytes(info.size_bytes))
 
     def AckVersion(self, request: pb.AckVersionRequest, context: grpc.ServicerContext) -> pb.AckVersionResponse:
         now = time.monotonic()
         with self._lock:
-            watcher, version = request.watcher_id, request.version
-            if watcher in self._watchers and self._running.get(watcher, 0) != version:
-                self._running[watcher] = version
-                self._update_watcher_gauges()
-            # acknowledging a version also acknowledges the older ones it skipped
-            for number, push in list(self._pushes.items()):
-                if number <= version and watcher in push.waiting:
-                    push.waiting.discard(watcher)
-                    push.acked += 1
-                    push.finished = now
-                    self._maybe_finish(number, push)
+            self._pushes.ack(request.watcher_id, request.version, now)
         return pb.AckVersionResponse()
-
-    def _maybe_finish(self, version: int, push: _Push) -> None:
-        """Observe the push latency once every watcher of the push acknowledged (or left)."""
-        if not push.complete or push.observed:
-            return
-        push.observed = True
-        self._lock.notify_all()
-        if push.acked:
-            latency = push.finished - push.started
-            PUSH_LATENCY.observe(latency)
-            LAST_PUSH_LATENCY.set(latency)
-            log.info("version %d reached %d/%d watchers in %.3fs (%d left)", version, push.acked, push.expected,
-                     latency, len(push.watchers_left))
-
-    def _trim_pushes(self) -> None:
-        for version in sorted(self._pushes)[:-PUSH_HISTORY]:
-            del self._pushes[version]
-
-    def _update_watcher_gauges(self) -> None:
-        WATCHERS.set(len(self._watchers))
-        counts: dict[int, int] = {}
-        for watcher in self._watchers:
-            version = self._running.get(watcher, 0)
-            counts[version] = counts.get(version, 0) + 1
-        WORKERS_PER_VERSION.clear()
-        for version, n in counts.items():
-            WORKERS_PER_VERSION.labels(str(version)).set(n)
-
-    def _workers_per_version(self) -> dict[int, int]:
-        counts: dict[int, int] = {}
-        for watcher in self._watchers:
-            version = self._running.get(watcher, 0)
-            counts[version] = counts.get(version, 0) + 1
-        return counts
 
     def GetPushStatus(self, request: pb.PushStatusRequest, context: grpc.ServicerContext) -> pb.PushStatus:
         deadline = time.monotonic() + max(0.0, request.wait_seconds)
         with self._lock:
             version = request.version or self.latest()
             while True:
-                push = self._pushes.get(version)
-                done = push is None or push.complete
-                if done or self._stopping or not context.is_active():
+                push = self._pushes.pushes.get(version)
+                if push is None or push.complete or self._stopping or not context.is_active():
                     break
                 left = deadline - time.monotonic()
                 if left <= 0:
                     break
                 self._lock.wait(min(left, 1.0))
-            out = pb.PushStatus(version=version, connected_watchers=len(self._watchers),
-                                workers_per_version=self._workers_per_version())
-            if push is None:
-                out.complete = version in self._versions or version == 0
-            else:
-                out.watchers, out.acked, out.complete = push.expected, push.acked, push.complete
-                out.published_unix = push.started_unix
-                if push.complete and push.acked:
-                    out.push_seconds = push.finished - push.started
-                    out.last_ack_unix = push.started_unix + out.push_seconds
-            return out
+            return self._pushes.status(version, version in self._versions)
 
     # -- listing and tags -----------------------------------------------------------------------------
     def ListVersions(self, request: pb.ListVersionsRequest, context: grpc.ServicerContext) -> pb.ListVersionsResponse:

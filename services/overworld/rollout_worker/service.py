@@ -1,33 +1,74 @@
-"""`overworld serve rollout-worker`: the worker loop plus its gRPC control surface."""
+"""`overworld serve rollout-worker`: the worker loop plus its gRPC service: the control surface
+(status, drain) and the weights relay (FetchWeights: the versions it receives, passed on to the
+workers the registry sends to it)."""
 
 from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Iterable
+from typing import Any
 
-from overworld.core.grpc_util import Server, serve
+import grpc
+
+from overworld.core.grpc_util import Server, abort, serve
+from overworld.rollout_worker.relay import RelayShelf, serve_relayed
 from overworld.rollout_worker.worker import RolloutWorker
+from overworld.v1 import model_registry_pb2, rollout_worker_pb2_grpc
 from overworld.v1 import rollout_worker_pb2 as pb
-from overworld.v1 import rollout_worker_pb2_grpc
 
 log = logging.getLogger("overworld.rollout_worker")
 
 
-class ControlService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
-    def __init__(self, worker: RolloutWorker, drain: threading.Event) -> None:
-        self.worker = worker
-        self.drain = drain
+class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
+    """Serves before the worker is built (the registry must know where it relays before the first
+    version arrives): status calls answer UNAVAILABLE until then."""
 
-    def GetStatus(self, request, context):  # type: ignore[no-untyped-def]
+    def __init__(self, shelf: RelayShelf, drain: threading.Event) -> None:
+        self.shelf = shelf
+        self.drain = drain
+        self.worker: RolloutWorker | None = None
+
+    def GetStatus(self, request: pb.GetWorkerStatusRequest, context: grpc.ServicerContext) -> pb.WorkerStatus:
         w = self.worker
+        if w is None:
+            abort(context, grpc.StatusCode.UNAVAILABLE, "the worker is still starting")
         return pb.WorkerStatus(worker_id=w.worker_id, num_envs=w.N, env_steps=w.env_steps,
                                fragments_sent=w.sender.sent, fragments_dropped=w.fragments_dropped,
                                model_version=w.model_version, send_queue_depth=w.sender.depth(),
                                env_steps_per_second=w.steps_per_second, env_restarts=w.pool.restarts_snapshot())
 
-    def Drain(self, request, context):  # type: ignore[no-untyped-def]
+    def Drain(self, request: pb.DrainRequest, context: grpc.ServicerContext) -> pb.DrainResponse:
         self.drain.set()
         return pb.DrainResponse()
+
+    def fetch_weights(self, request: model_registry_pb2.FetchRequest, context: grpc.ServicerContext
+                      ) -> Iterable[bytes]:
+        return serve_relayed(self.shelf, request, context)
+
+
+def _identity(message: bytes) -> bytes:
+    return message
+
+
+def add_to_server(service: WorkerService, server: Any) -> None:
+    """The generated registration, but FetchWeights sends the messages as received (no re-encoding)."""
+    captured: dict[str, Any] = {}
+
+    class _Capture:
+        def add_generic_rpc_handlers(self, handlers: Iterable[Any]) -> None:
+            pass
+
+        def add_registered_method_handlers(self, name: str, handlers: dict[str, Any]) -> None:
+            captured.update(handlers)
+
+    rollout_worker_pb2_grpc.add_RolloutWorkerServicer_to_server(service, _Capture())
+    captured["FetchWeights"] = grpc.unary_stream_rpc_method_handler(
+        service.fetch_weights, request_deserializer=model_registry_pb2.FetchRequest.FromString,
+        response_serializer=_identity)
+    name = "overworld.v1.RolloutWorker"
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, captured),))
+    server.add_registered_method_handlers(name, captured)
 
 
 class RolloutWorkerProcess:
@@ -36,9 +77,16 @@ class RolloutWorkerProcess:
     def __init__(self, rollout_manager: str, replay_buffer: str, model_registry: str, host: str, port: int,
                  done: threading.Event, flush_timeout: float = 30.0) -> None:
         self.flush_timeout = flush_timeout
-        self.worker = RolloutWorker(rollout_manager, replay_buffer, model_registry, address=f"{host}:{port}")
-        self.server: Server = serve([(rollout_worker_pb2_grpc.add_RolloutWorkerServicer_to_server,
-                                      ControlService(self.worker, done), "overworld.v1.RolloutWorker")], host, port)
+        shelf = RelayShelf()
+        self.service = WorkerService(shelf, done)
+        self.server: Server = serve([(add_to_server, self.service, "overworld.v1.RolloutWorker")], host, port)
+        try:
+            self.worker = RolloutWorker(rollout_manager, replay_buffer, model_registry,
+                                        address=f"{host}:{self.server.port}", relay_port=self.server.port, shelf=shelf)
+        except BaseException:
+            self.server.stop(0)
+            raise
+        self.service.worker = self.worker
         self.failed = False
         self._thread = threading.Thread(target=self._run, args=(done,), name="rollout-loop", daemon=True)
         self._thread.start()

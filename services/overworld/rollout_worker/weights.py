@@ -9,6 +9,11 @@ another is being fetched is fetched next; versions announced in between are skip
 always catches up to the newest). When the stream breaks (registry restart, network), the watcher
 reconnects with `known_version` and the registry announces its latest version at once.
 
+By relay (an announcement that names sources, `relay.py`), the stripes come from other workers and
+the registry, and the watcher keeps what it receives on its `shelf`, from where its worker's
+FetchWeights passes it on; it checks the sha256 the registry announced before the version is taken.
+With `relay_port` the watcher tells the registry it can relay (its worker serves the shelf there).
+
 Nothing is copied between the socket and the worker's load_state_dict: the registry cuts its
 messages at tensor boundaries, and each returned tensor is a view into the message it arrived in.
 Treat them as read-only; load_state_dict(state) copies them, load_state_dict(state, assign=True)
@@ -37,6 +42,7 @@ import torch
 from overworld.core import weights
 from overworld.core.grpc_util import Backoff
 from overworld.model_registry.client import FetchBroken, ModelRegistryClient
+from overworld.rollout_worker.relay import MAX_STRIPES, RELAY_REFETCHES, RelayShelf, fetch_relayed
 from overworld.v1 import model_registry_pb2 as pb
 
 log = logging.getLogger("overworld.rollout_worker.weights")
@@ -46,12 +52,15 @@ DROP = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.AB
 
 class WeightsWatcher:
     def __init__(self, address: str, watcher_id: str, like: dict[str, torch.Tensor],
-                 precision: str | None = None, verify: bool | None = None) -> None:
+                 precision: str | None = None, verify: bool | None = None, relay_port: int = 0,
+                 shelf: RelayShelf | None = None) -> None:
         self.client = ModelRegistryClient(address)
         self.watcher_id = watcher_id
         self.like = {k: torch.empty(0, dtype=v.dtype) for k, v in like.items()}  # only the dtypes matter
-        self.precision = os.environ.get("OVERWORLD_WEIGHTS_PRECISION", "") if precision is None else precision
+        self.precision = (os.environ.get("OVERWORLD_WEIGHTS_PRECISION", "") if precision is None else precision).lower()
         weights.half_dtype(self.precision)  # ValueError early for an unknown name
+        self.relay_port = relay_port
+        self.shelf = shelf or RelayShelf()
         if verify is None:
             verify = os.environ.get("OVERWORLD_WEIGHTS_VERIFY", "0").lower() in ("1", "true", "yes")
         self.verify = verify
@@ -59,7 +68,7 @@ class WeightsWatcher:
         self.announced = 0  # the newest version the registry announced
         self.fetch_seconds = 0.0  # duration of the last fetch
         self._pending: tuple[int, dict[str, torch.Tensor]] | None = None
-        self._announcement: pb.VersionInfo | None = None
+        self._announcement: pb.Announcement | None = None
         self._first_of_stream = False
         self._cond = threading.Condition()
         self._stop = threading.Event()
@@ -74,15 +83,17 @@ class WeightsWatcher:
         backoff = Backoff(0.1)
         while not self._stop.is_set():
             try:
-                stream = self.client.watch(self.watcher_id, known_version=self.version)
+                stream = self.client.watch(self.watcher_id, known_version=self.version, relay_port=self.relay_port,
+                                           precision=self.precision)
                 self._stream = stream
                 first = True
-                for info in stream:
+                for announcement in stream:
+                    info = announcement.info
                     with self._cond:
                         pending = self._announcement
                         # keep-alives repeat the last announcement: never let one replace a newer one
-                        if first or pending is None or info.version > pending.version:
-                            self._announcement, self._first_of_stream = info, first
+                        if first or pending is None or info.version > pending.info.version:
+                            self._announcement, self._first_of_stream = announcement, first
                             self._cond.notify_all()
                         if info.version:
                             self.announced = info.version if first else max(self.announced, info.version)
@@ -101,14 +112,15 @@ class WeightsWatcher:
                             err.code().name, self.version, backoff.delay)
             backoff.wait(self._stop)
 
-    def _wanted(self) -> pb.VersionInfo | None:
-        info = self._announcement
-        if info is None or info.version == 0:  # nothing published yet (a keep-alive)
+    def _wanted(self) -> pb.Announcement | None:
+        announcement = self._announcement
+        if announcement is None or announcement.info.version == 0:  # nothing published yet (a keep-alive)
             self._announcement = None
             return None
         # the first announcement of a stream is where the registry is (even if behind us: it was reset)
-        if info.version > self.version or (self._first_of_stream and info.version != self.version):
-            return info
+        version = announcement.info.version
+        if version > self.version or (self._first_of_stream and version != self.version):
+            return announcement
         self._announcement = None
         return None
 
@@ -119,13 +131,13 @@ class WeightsWatcher:
                     self._cond.wait(1.0)
                 if self._stop.is_set():
                     return
-                info = self._announcement
+                announcement = self._announcement
                 self._announcement = None
-            assert info is not None
+            assert announcement is not None
+            info = announcement.info
             started = time.monotonic()
             try:
-                fetched, state = self.client.fetch_state(info.version, like=self.like, precision=self.precision,
-                                                         verify=self.verify, timeout=120.0, stop=self._stop.is_set)
+                fetched, state = self._fetch(announcement)
             except (FetchBroken, grpc.RpcError, ValueError) as err:
                 if self._stop.is_set():
                     return
@@ -137,7 +149,7 @@ class WeightsWatcher:
                 log.warning("fetching model version %d failed (%s); trying again", info.version, err.code().name)
                 with self._cond:  # fetch it again if nothing newer is announced meanwhile
                     if self._announcement is None:
-                        self._announcement = info
+                        self._announcement = announcement
                 self._stop.wait(1.0)
                 continue
             self.fetch_seconds = time.monotonic() - started
@@ -147,6 +159,35 @@ class WeightsWatcher:
                 self._cond.notify_all()
             del state
             log.debug("model version %d fetched in %.2fs", fetched.version, self.fetch_seconds)
+
+    def _fetch(self, announcement: pb.Announcement) -> tuple[pb.VersionInfo, dict[str, torch.Tensor]]:
+        info = announcement.info
+        sources = list(announcement.sources)
+        relayed = (sources and announcement.chunk_bytes and info.sha256 and info.size_bytes
+                   and len(sources) <= MAX_STRIPES)
+        # a large version over slow links takes longer than the 120 s that is plenty for most
+        timeout = max(120.0, info.size_bytes / 2e6)
+        if not relayed:  # the whole version from the registry
+            return self.client.fetch_state(info.version, like=self.like, precision=self.precision, verify=self.verify,
+                                           timeout=timeout, stop=self._stop.is_set)
+        held = self.shelf.begin(info, announcement.chunk_bytes, self.precision)
+        try:
+            fetch_relayed(held, sources, self.client, self._stop.is_set, timeout)
+        except FetchBroken as err:
+            if self._stop.is_set():
+                raise
+            # bytes that do not match what the registry announced: some relay passed on bad ones. The
+            # whole version from the registry, checked here too.
+            log.warning("%s; fetching version %d from the registry", err, info.version)
+            RELAY_REFETCHES.inc()
+            return self.client.fetch_state(info.version, like=self.like, precision=self.precision, verify=True,
+                                           timeout=timeout, stop=self._stop.is_set)
+        finally:
+            self.shelf.settle(held)
+        try:
+            return info, weights.from_pieces(held.pieces(), self.like)
+        except ValueError as err:  # verified bytes the registry accepted, but not safetensors for this model
+            raise FetchBroken(f"version {info.version}: {err}") from None
 
     # -- the worker's side -------------------------------------------------------------------------------
     def take(self) -> tuple[int, dict[str, torch.Tensor]] | None:

@@ -35,6 +35,7 @@ from overworld.rollout_worker.metrics import (
     STEP_LATENCY,
 )
 from overworld.rollout_worker.pipeline_report import PipelineReport
+from overworld.rollout_worker.relay import RelayShelf
 from overworld.rollout_worker.sender import FragmentSender
 from overworld.rollout_worker.video import VideoRecorder, image_key
 from overworld.rollout_worker.weights import WeightsWatcher
@@ -87,7 +88,7 @@ def sample_with_log_prob(logits: dict[str, torch.Tensor]) -> tuple[dict[str, tor
 
 class RolloutWorker:
     def __init__(self, rollout_manager: str, replay_buffer: str, model_registry: str, address: str = "",
-                 env_backend: str | None = None) -> None:
+                 env_backend: str | None = None, relay_port: int = 0, shelf: RelayShelf | None = None) -> None:
         self.manager = RolloutManagerClient(rollout_manager)
         self.config = self.manager.run_config()
         rc = self.config.rollout_config
@@ -116,7 +117,8 @@ class RolloutWorker:
         self._unacked_report: mpb.ReportEpisodesRequest | None = None
         self._leftover: list[common_pb2.Fragment] = []
         self.sender = FragmentSender(replay_buffer, rc.to_send_queue_size)
-        self.watcher = WeightsWatcher(model_registry, self.worker_id, self.policy.state_dict())
+        self.watcher = WeightsWatcher(model_registry, self.worker_id, self.policy.state_dict(), relay_port=relay_port,
+                                      shelf=shelf)
         seed = self.config.seed * 1_000_003 + self.index * 10_007
         self.pool = make_pool(self.config, self.spaces, seed, env_backend)
         self.cutter = FragmentCutter(self.spaces, self.N, self.T)

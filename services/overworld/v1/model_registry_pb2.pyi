@@ -46,18 +46,20 @@ class PublishRequest(_message.Message):
     def __init__(self, manifest: _Optional[_Union[VersionInfo, _Mapping]] = ..., chunk: _Optional[bytes] = ..., sha256: _Optional[str] = ...) -> None: ...
 
 class FetchRequest(_message.Message):
-    __slots__ = ("version", "tag", "offset", "chunk_size", "precision")
+    __slots__ = ("version", "tag", "offset", "chunk_size", "precision", "limit")
     VERSION_FIELD_NUMBER: _ClassVar[int]
     TAG_FIELD_NUMBER: _ClassVar[int]
     OFFSET_FIELD_NUMBER: _ClassVar[int]
     CHUNK_SIZE_FIELD_NUMBER: _ClassVar[int]
     PRECISION_FIELD_NUMBER: _ClassVar[int]
+    LIMIT_FIELD_NUMBER: _ClassVar[int]
     version: int
     tag: str
     offset: int
     chunk_size: int
     precision: str
-    def __init__(self, version: _Optional[int] = ..., tag: _Optional[str] = ..., offset: _Optional[int] = ..., chunk_size: _Optional[int] = ..., precision: _Optional[str] = ...) -> None: ...
+    limit: int
+    def __init__(self, version: _Optional[int] = ..., tag: _Optional[str] = ..., offset: _Optional[int] = ..., chunk_size: _Optional[int] = ..., precision: _Optional[str] = ..., limit: _Optional[int] = ...) -> None: ...
 
 class WeightsChunk(_message.Message):
     __slots__ = ("info", "offset", "data")
@@ -70,12 +72,26 @@ class WeightsChunk(_message.Message):
     def __init__(self, info: _Optional[_Union[VersionInfo, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("watcher_id", "known_version")
+    __slots__ = ("watcher_id", "known_version", "relay_port", "precision")
     WATCHER_ID_FIELD_NUMBER: _ClassVar[int]
     KNOWN_VERSION_FIELD_NUMBER: _ClassVar[int]
+    RELAY_PORT_FIELD_NUMBER: _ClassVar[int]
+    PRECISION_FIELD_NUMBER: _ClassVar[int]
     watcher_id: str
     known_version: int
-    def __init__(self, watcher_id: _Optional[str] = ..., known_version: _Optional[int] = ...) -> None: ...
+    relay_port: int
+    precision: str
+    def __init__(self, watcher_id: _Optional[str] = ..., known_version: _Optional[int] = ..., relay_port: _Optional[int] = ..., precision: _Optional[str] = ...) -> None: ...
+
+class Announcement(_message.Message):
+    __slots__ = ("info", "sources", "chunk_bytes")
+    INFO_FIELD_NUMBER: _ClassVar[int]
+    SOURCES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    info: VersionInfo
+    sources: _containers.RepeatedScalarFieldContainer[str]
+    chunk_bytes: int
+    def __init__(self, info: _Optional[_Union[VersionInfo, _Mapping]] = ..., sources: _Optional[_Iterable[str]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
 
 class ListVersionsRequest(_message.Message):
     __slots__ = ()

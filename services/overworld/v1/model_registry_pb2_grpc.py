@@ -47,7 +47,7 @@ class ModelRegistryStub:
         self.Watch = channel.unary_stream(
                 '/overworld.v1.ModelRegistry/Watch',
                 request_serializer=overworld_dot_v1_dot_model__registry__pb2.WatchRequest.SerializeToString,
-                response_deserializer=overworld_dot_v1_dot_model__registry__pb2.VersionInfo.FromString,
+                response_deserializer=overworld_dot_v1_dot_model__registry__pb2.Announcement.FromString,
                 _registered_method=True)
         self.ListVersions = channel.unary_unary(
                 '/overworld.v1.ModelRegistry/ListVersions',
@@ -90,7 +90,8 @@ class ModelRegistryServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Watch(self, request, context):
-        """Announces the current latest version at once, then every new one.
+        """Announces the current latest version at once, then every new one, each with where this watcher
+        fetches it from (the registry, or the workers relaying it: docs/model_registry.md, "Relay").
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -140,7 +141,7 @@ def add_ModelRegistryServicer_to_server(servicer, server):
             'Watch': grpc.unary_stream_rpc_method_handler(
                     servicer.Watch,
                     request_deserializer=overworld_dot_v1_dot_model__registry__pb2.WatchRequest.FromString,
-                    response_serializer=overworld_dot_v1_dot_model__registry__pb2.VersionInfo.SerializeToString,
+                    response_serializer=overworld_dot_v1_dot_model__registry__pb2.Announcement.SerializeToString,
             ),
             'ListVersions': grpc.unary_unary_rpc_method_handler(
                     servicer.ListVersions,
@@ -243,7 +244,7 @@ class ModelRegistry:
             target,
             '/overworld.v1.ModelRegistry/Watch',
             overworld_dot_v1_dot_model__registry__pb2.WatchRequest.SerializeToString,
-            overworld_dot_v1_dot_model__registry__pb2.VersionInfo.FromString,
+            overworld_dot_v1_dot_model__registry__pb2.Announcement.FromString,
             options,
             channel_credentials,
             insecure,
