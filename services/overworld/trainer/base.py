@@ -1,4 +1,5 @@
-"""BaseTrainer with MineStudio's API, run by Ray Train's TorchTrainer (DDP: gloo on CPU, NCCL on GPU).
+"""BaseTrainer with MineStudio's API, run by Ray Train's TorchTrainer (DDP: gloo on CPU, NCCL on GPU), or
+with `train_config.num_workers: 0` as one learner in the driver's process, without Ray (local mode).
 
 `fit()` runs on the trainer driver: it places the workers (trainer/placement.py: GPUs follow
 `num_gpus_per_worker` and the cluster, never the driver's own hardware) and starts Ray Train.
@@ -234,19 +235,12 @@ class BaseTrainer:
         """Place `num_workers` Ray Train workers and run `_train_func` on each (the caller has done
         ray.init). A worker gets a GPU exactly when `num_gpus_per_worker > 0`; a cluster without
         them fails here, with how many were asked and how many the cluster has. `num_workers: 0` is
-        Ray Train's local mode: `_train_func` runs here, in this thread, and Ray is not needed."""
-        from ray.train import RunConfig as RayRunConfig
-        from ray.train import ScalingConfig
-
+        local mode (what Ray Train's local mode did, without Ray): the learner is built from the
+        config and `_train_func` runs here, in this thread, and Ray is never imported, so that a
+        machine without Ray trains (on this machine's GPU exactly when `num_gpus_per_worker > 0`)."""
         from overworld.online.generators import generator_ref
 
         t = self.config.train_config
-        resources = worker_resources(t.num_gpus_per_worker)
-        if t.num_workers:
-            reserve_workers(t.num_workers, resources, self.placement_timeout)
-        else:  # Ray Train's local mode, `_train_func` in this process: no Ray, nothing to place
-            local_mode_device(t.num_gpus_per_worker)  # a GPU asked for and not usable here ends it now
-            resources = {}
         loop_config = {
             "trainer_class": generator_ref(type(self), "trainer_name"),  # a class from a user's file: by its path
             "config_yaml": to_yaml(self.config),
@@ -255,10 +249,19 @@ class BaseTrainer:
                           "status_address": self.status_address, "workdir": self.workdir,
                           **({"continue_run": True} if self.extra.get("continue_run") else {})},
         }
+        if not t.num_workers:  # local mode: the learner in this process; no Ray, nothing to place
+            local_mode_device(t.num_gpus_per_worker)  # a GPU asked for and not usable here ends it now
+            _train_loop(loop_config)
+            return
+        from ray.train import RunConfig as RayRunConfig
+        from ray.train import ScalingConfig
+
+        resources = worker_resources(t.num_gpus_per_worker)
+        reserve_workers(t.num_workers, resources, self.placement_timeout)
         trainer = torch_trainer_class(self.own_ray)(
-            train_loop_per_worker=_ray_train_loop, train_loop_config=loop_config,
+            train_loop_per_worker=_train_loop, train_loop_config=loop_config,
             scaling_config=ScalingConfig(num_workers=t.num_workers, use_gpu="GPU" in resources,
-                                         resources_per_worker=resources or None),
+                                         resources_per_worker=resources),
             run_config=RayRunConfig(name=f"overworld-{self.config.run_id}",
                                     storage_path=str(Path(self.workdir, "ray").resolve())))
         trainer.fit()
@@ -584,15 +587,16 @@ class BaseTrainer:
             return False
 
     def _train_func(self) -> None:
-        import ray.train
-        import ray.train.torch
-
-        ctx = ray.train.get_context()
-        self.rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
         if self.config.train_config.num_workers:
+            import ray.train
+            import ray.train.torch
+
+            ctx = ray.train.get_context()
+            self.rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
             require_usable_cuda()  # Ray gave this worker a GPU: it is used, or training stops here
             self.device = ray.train.torch.get_device()
-        else:  # local mode: the driver's GPU exactly when num_gpus_per_worker > 0
+        else:  # local mode, no Ray: one rank, the driver's GPU exactly when num_gpus_per_worker > 0
+            self.rank, self.world_size = 0, 1
             self.device = local_mode_device(self.config.train_config.num_gpus_per_worker)
         torch.set_num_threads(1)
         self._connect()
@@ -605,7 +609,8 @@ class BaseTrainer:
             self.reader.close()
 
 
-def _ray_train_loop(loop_config: dict[str, Any]) -> None:
+def _train_loop(loop_config: dict[str, Any]) -> None:
+    """One learner rank: on a Ray Train worker, or in the driver's own thread in local mode."""
     from overworld.core.imports import import_object
 
     logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")

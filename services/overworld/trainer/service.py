@@ -1,12 +1,14 @@
 """`overworld serve trainer`: the driver. Starts (or joins) Ray, runs the trainer's `fit()`, and
 serves the trainer status that rank 0 reports after every iteration. With `train_config.num_workers: 0`
-the learner runs in this process (Ray Train's local mode) and Ray is not started."""
+the learner runs in this process (as in Ray Train's local mode) and Ray is neither started nor imported:
+a machine without Ray trains (tests/trainer/test_local_mode_without_ray.py)."""
 
 from __future__ import annotations
 
 import logging
 import os
 import socket
+import sys
 import threading
 import time
 
@@ -214,8 +216,8 @@ class TrainerDriver:
             self._configured.wait()
             local_mode = self._startup_error is None and self.config.train_config.num_workers == 0
             if local_mode:
-                log.info("train_config.num_workers=0: Ray Train's local mode, the learner trains in this process "
-                         "(Ray is not started)")
+                log.info("train_config.num_workers=0: local mode (Ray Train's local mode without Ray), the learner "
+                         "trains in this process (Ray is neither started nor imported)")
             elif self._startup_error is None:
                 start_ray(self.ray_address)
             self._started.wait()
@@ -241,9 +243,9 @@ class TrainerDriver:
             self.done.set()
 
     def stop(self, grace: float = 5.0) -> None:
-        """Ask rank 0 to checkpoint after the current iteration and finish; then shut Ray down."""
-        import ray
-
+        """Ask rank 0 to checkpoint after the current iteration and finish; then shut Ray down (if this
+        process ever imported it: local mode never does)."""
+        ray = sys.modules.get("ray")
         if self.status.status.state in ("finished", "failed"):  # ended by itself, not by a signal
             self.status.final_state_read.wait(FINAL_STATE_SECONDS)
         self.status.stop_requested.set()
@@ -254,6 +256,6 @@ class TrainerDriver:
                             STOP_TIMEOUT_SECONDS)
         else:  # Ray Train is still placing or starting its workers (minutes on a cluster): nothing to save
             log.info("stop requested before the training loop started: nothing to checkpoint; shutting Ray down")
-        if ray.is_initialized():
+        if ray is not None and ray.is_initialized():
             ray.shutdown()
         self.server.stop(grace)
