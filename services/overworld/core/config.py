@@ -137,7 +137,12 @@ class TrainConfig:
     resume: str | None = None
     resume_optimizer: bool = True
     save_path: str | None = "output"  # null: the default location, "output" under the workdir
+    # MineStudio's head after 1.1.6: mixed precision for the learner's forward passes (autocast), with a
+    # GradScaler whose state goes in every checkpoint; off by default. `amp_dtype` (Overworld's) picks the
+    # autocast type: "auto" bf16 where the device has it (no scaler needed), else fp16; "float16" is
+    # MineStudio's own choice (torch.cuda.amp.autocast: fp16 with a GradScaler); "bfloat16".
     use_amp: bool = False
+    amp_dtype: str = "auto"
     optim_steps_per_batch: int = 1
     log_interval: int = 1
     sample_timeout: float = 120.0
@@ -320,6 +325,9 @@ def load_config(source: str | Path | Mapping[str, Any], overrides: list[str] | N
     return config
 
 
+AMP_DTYPES = ("auto", "bfloat16", "float16")
+
+
 def learner_ranks(train: TrainConfig) -> int:
     """How many learners train: `num_workers` Ray Train workers, or one in Ray Train's local mode (0)."""
     return max(1, train.num_workers)
@@ -354,6 +362,8 @@ def validate(config: RunConfig) -> None:
     if rollout.worker_config.env_backend not in ("subprocess", "inprocess"):
         raise ConfigError("config key rollout_config.worker_config.env_backend: must be 'subprocess' or "
                           f"'inprocess', got {rollout.worker_config.env_backend!r}")
+    if train.amp_dtype not in AMP_DTYPES:
+        raise ConfigError(f"config key train_config.amp_dtype: one of {', '.join(AMP_DTYPES)}, got {train.amp_dtype!r}")
     if train.num_workers < 0:
         raise ConfigError(f"config key train_config.num_workers: must be >= 0 (0: Ray Train's local mode, the "
                           f"learner in the trainer's own process), got {train.num_workers}")

@@ -103,15 +103,16 @@ class BaseTrainer:
                  num_cpus_per_reader: float | None = None, num_gpus_per_worker: float | None = None,
                  prefetch_batches: int | None = None, discount: float | None = None, gae_lambda: float | None = None,
                  context_length: int | None = None, use_normalized_vf: bool | None = None,
-                 inference_batch_size_per_gpu: int | None = None, resume: str | None = None,
-                 resume_optimizer: bool | None = None, *, config: RunConfig | None = None, replay_buffer: str = "",
+                 inference_batch_size_per_gpu: int | None = None, use_amp: bool | None = None,
+                 resume: str | None = None, resume_optimizer: bool | None = None, *, config: RunConfig | None = None,
+                 replay_buffer: str = "",
                  gae: str = "", model_registry: str = "", status_address: str = "", workdir: str = ".",
                  whole_config: str | None = None, **kwargs: Any) -> None:
         given = {"num_workers": num_workers, "num_readers": num_readers, "num_cpus_per_reader": num_cpus_per_reader,
                  "num_gpus_per_worker": num_gpus_per_worker, "prefetch_batches": prefetch_batches,
                  "discount": discount, "gae_lambda": gae_lambda, "context_length": context_length,
                  "use_normalized_vf": use_normalized_vf, "inference_batch_size_per_gpu": inference_batch_size_per_gpu,
-                 "resume": resume, "resume_optimizer": resume_optimizer}
+                 "use_amp": use_amp, "resume": resume, "resume_optimizer": resume_optimizer}
         train_keys = {f.name for f in dataclasses.fields(TrainConfig)}
         given = {k: v for k, v in given.items() if v is not None or (k == "resume" and config is None)}
         given.update({k: kwargs.pop(k) for k in list(kwargs) if k in train_keys})
@@ -131,6 +132,7 @@ class BaseTrainer:
         self.context_length = t.context_length
         self.use_normalized_vf = t.use_normalized_vf
         self.inference_batch_size_per_gpu = t.inference_batch_size_per_gpu or t.batch_size_per_gpu
+        self.use_amp = t.use_amp
         self.resume = t.resume
         self.resume_optimizer = t.resume_optimizer
         self.whole_config = whole_config
@@ -160,7 +162,8 @@ class BaseTrainer:
         # placement_timeout); the driver sets 0 for a Ray it started itself: that cluster cannot grow.
         self.placement_timeout = config.train_config.placement_timeout
         self.own_ray = False  # the driver started this Ray itself (see placement.torch_trainer_class)
-        self.amp_dtype: torch.dtype | None = None
+        self.amp_dtype: torch.dtype | None = None  # set with the optimizer (trainer/ppo.py amp_settings)
+        self.scaler: torch.amp.GradScaler | None = None  # fp16 only; saved in every checkpoint (scaler.pt)
 
     @classmethod
     def from_config(cls, config: RunConfig, **addresses: Any) -> BaseTrainer:
@@ -363,7 +366,8 @@ class BaseTrainer:
         return vpred, next_vpred, logp
 
     def autocast(self) -> contextlib.AbstractContextManager:
-        """`use_amp`: bf16 autocast (fp16 with a GradScaler on a GPU without bf16)."""
+        """`use_amp`: autocast to `amp_dtype` around the learner's forward passes (the update's, as MineStudio,
+        and the value recomputation before GAE, which MineStudio runs in fp32); a no-op without it."""
         if self.amp_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
@@ -387,9 +391,8 @@ class BaseTrainer:
         files = {"model.safetensors": to_bytes(self.unwrapped_model.state_dict()),
                  "optimizer.pt": tensors_to_bytes(self.optimizer.state_dict()),
                  "rng.pt": tensors_to_bytes(rng)}
-        scaler = getattr(self, "scaler", None)
-        if scaler is not None:
-            files["scaler.pt"] = tensors_to_bytes(scaler.state_dict())
+        if self.scaler is not None:  # MineStudio's scaler.ckpt (overworld export-minestudio writes it from this)
+            files["scaler.pt"] = tensors_to_bytes(self.scaler.state_dict())
         if getattr(self, "reference", None) is not None:
             files["reference.safetensors"] = to_bytes(self.reference.state_dict())  # type: ignore[union-attr]
         state = {"iteration": self.iteration, "updates": self.updates, "samples_trained": self.samples_trained,
@@ -428,7 +431,7 @@ class BaseTrainer:
             return
         if is_minestudio_checkpoint(which):
             import_checkpoint(which, self.unwrapped_model, self.optimizer if self.resume_optimizer else None,
-                              getattr(self, "scaler", None))
+                              self.scaler if self.resume_optimizer else None)
             self.resumed_from = which
             return
         ckpt_id = self.checkpoints.resolve("latest" if which == "auto" else which)
@@ -442,7 +445,7 @@ class BaseTrainer:
         model.load_state_dict(from_bytes(ckpt.files["model.safetensors"], model.state_dict()))
         if self.resume_optimizer and "optimizer.pt" in ckpt.files:
             self.optimizer.load_state_dict(tensors_from_bytes(ckpt.files["optimizer.pt"]))
-        if "scaler.pt" in ckpt.files and getattr(self, "scaler", None) is not None:
+        if self.resume_optimizer and "scaler.pt" in ckpt.files and self.scaler is not None:
             self.scaler.load_state_dict(tensors_from_bytes(ckpt.files["scaler.pt"]))
         if getattr(self, "reference", None) is not None and "reference.safetensors" in ckpt.files:
             self.reference.load_state_dict(from_bytes(ckpt.files["reference.safetensors"]))  # type: ignore[union-attr]

@@ -61,7 +61,7 @@ class PPOTrainer(BaseTrainer):
         model = wrap_ddp(policy) if self.world_size > 1 else policy
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay, eps=t.adam_eps)
-        self.amp_dtype, self.scaler = amp_settings(t.use_amp, self.device)
+        self.amp_dtype, self.scaler = amp_settings(t.use_amp, self.device, t.amp_dtype)
         self.loss_config = LossConfig(t.ppo_clip, t.clip_vloss, t.ppo_policy_coef, t.ppo_vf_coef,
                                       t.entropy_bonus_coef, t.log_ratio_range)
         return model, optimizer
@@ -322,12 +322,16 @@ def wrap_ddp(policy: Policy) -> torch.nn.Module:
         "find_unused_parameters": True, "broadcast_buffers": False})
 
 
-def amp_settings(use_amp: bool, device: torch.device) -> tuple[torch.dtype | None, torch.amp.GradScaler | None]:
-    """bf16 autocast (no loss scaling needed); fp16 with a GradScaler only on a GPU without bf16."""
+def amp_settings(use_amp: bool, device: torch.device,
+                 amp_dtype: str = "auto") -> tuple[torch.dtype | None, torch.amp.GradScaler | None]:
+    """`use_amp` (MineStudio's): the autocast type and the loss scaler. bf16 needs no loss scaling; fp16
+    (`amp_dtype: float16`, MineStudio's own choice, or "auto" on a GPU without bf16) gets a GradScaler
+    for the device (MineStudio: GradScaler("cuda"); on a CPU the "cpu" one, which the tests use)."""
     if not use_amp:
         return None, None
-    if device.type == "cuda" and not torch.cuda.is_bf16_supported():
-        return torch.float16, torch.amp.GradScaler("cuda")
+    fp16 = amp_dtype == "float16" or (amp_dtype == "auto" and device.type == "cuda" and not torch.cuda.is_bf16_supported())
+    if fp16:
+        return torch.float16, torch.amp.GradScaler(device.type)
     return torch.bfloat16, None
 
 
