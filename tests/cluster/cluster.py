@@ -174,9 +174,10 @@ class ServiceEntry:
 
 
 class Cluster:
-    def __init__(self, objects: list[dict[str, Any]], workdir: Path) -> None:
+    def __init__(self, objects: list[dict[str, Any]], workdir: Path, link: tuple[float, float] | None = None) -> None:
         self.objects = objects
         self.workdir = workdir
+        self.link = link  # (Mbit/s, ms): every pod's link shaped so (netns.Network.shape); None: veth speed
         self.network = Network()
         self.lock = threading.RLock()
         self.workloads: dict[str, Workload] = {}
@@ -468,6 +469,8 @@ class Cluster:
     def _start_pod(self, workload: Workload, ordinal: int | None = None) -> Pod:
         name = f"{workload.name}-{ordinal}" if ordinal is not None else f"{workload.name}-{random_suffix()}"
         host = self.network.add_host(name[:40])
+        if self.link is not None:
+            self.network.shape(host, *self.link)
         assert self.control is not None
         (host.hosts_file.parent / "resolv.conf").write_text(
             f"nameserver {self.control.address}\nsearch {DOMAIN} svc.cluster.local cluster.local\noptions ndots:5\n")

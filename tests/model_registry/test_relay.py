@@ -95,6 +95,7 @@ def publish_and_wait(registry: Registry, watchers: list[Watcher], version: int, 
     registry.client.publish(version, weights.to_bytes(model(value)))
     status = registry.client.push_status(version, wait=timeout)
     assert status.complete and status.acked == len(watchers), status
+    assert len(status.ack_seconds) == status.acked and max(status.ack_seconds) == pytest.approx(status.push_seconds)
     deadline = time.monotonic() + 10
     while any(w.version != version for w in watchers) and time.monotonic() < deadline:
         time.sleep(0.02)

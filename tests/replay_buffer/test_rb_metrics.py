@@ -48,3 +48,22 @@ def test_metrics_after_traffic(make_buffer):
     assert delta("overworld_replay_buffer_ingest_latency_seconds_count") == 5
     buf.stub.SetModelVersion(replay_buffer_pb2.SetModelVersionRequest(model_version=4))
     assert delta("overworld_replay_buffer_drops_total", reason="stale") == st.chunks
+
+
+def test_sampled_chunks_record_their_policy_lag(make_buffer):
+    """overworld_replay_buffer_sample_policy_lag: versions between the learner's (SetModelVersion) and
+    the one that acted, once per chunk sampled (bench/bench_scale.py reads its median and p95)."""
+    buf = make_buffer(max_chunks=8, max_reuse=1, max_staleness=10)
+    insert(buf.stub, [buf.fragment(seq=q, version=2) for q in range(3)])
+    buf.stub.SetModelVersion(replay_buffer_pb2.SetModelVersionRequest(model_version=5))
+    before = _scrape()
+    sample(buf.stub, 3)
+    after = _scrape()
+
+    def bucket(le: str) -> float:
+        key = ("overworld_replay_buffer_sample_policy_lag_bucket", (("le", le),))
+        return after.get(key, 0.0) - before.get(key, 0.0)
+
+    assert bucket("2.0") == 0 and bucket("3.0") == 3  # three chunks, each 3 versions behind
+    count = ("overworld_replay_buffer_sample_policy_lag_count", ())
+    assert after[count] - before.get(count, 0.0) == 3

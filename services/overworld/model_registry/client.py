@@ -30,9 +30,11 @@ class FetchBroken(Exception):
 
 
 class ModelRegistryClient:
-    def __init__(self, address: str) -> None:
+    def __init__(self, address: str, through: grpc.Channel | None = None) -> None:
+        """A client of the registry at `address`, over a channel of this process's credentials (or
+        over `through`, a channel made otherwise: e.g. a port-forward's)."""
         self.address = address
-        self._channel = channel(address)
+        self._channel = through or channel(address)
         self.stub = model_registry_pb2_grpc.ModelRegistryStub(self._channel)
         self._acks: set[grpc.Future] = set()
         self._acks_lock = threading.Lock()

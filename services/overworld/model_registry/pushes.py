@@ -40,6 +40,7 @@ class Push:
     finished: float = 0.0  # monotonic, last acknowledgement
     observed: bool = False
     watchers_left: set[str] = field(default_factory=set)
+    ack_seconds: list[float] = field(default_factory=list)  # publish -> each acknowledgement
 
     @property
     def complete(self) -> bool:
@@ -103,6 +104,7 @@ class PushTracker:
                 push.waiting.discard(watcher)
                 push.acked += 1
                 push.finished = now
+                push.ack_seconds.append(now - push.started)
                 self._maybe_finish(number, push)
 
     def status(self, version: int, stored: bool) -> pb.PushStatus:
@@ -114,6 +116,7 @@ class PushTracker:
         else:
             out.watchers, out.acked, out.complete = push.expected, push.acked, push.complete
             out.published_unix = push.started_unix
+            out.ack_seconds.extend(push.ack_seconds)
             if push.complete and push.acked:
                 out.push_seconds = push.finished - push.started
                 out.last_ack_unix = push.started_unix + out.push_seconds

@@ -77,6 +77,9 @@ INGEST_LATENCY = Histogram("overworld_replay_buffer_ingest_latency_seconds",
                            "Receipt to acknowledgement per fragment (validate + blob write + index add)",
                            buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0, 2.5))
 STALENESS = Gauge("overworld_replay_buffer_staleness", "Model versions behind, over held chunks", ["stat"])
+SAMPLE_LAG = Histogram("overworld_replay_buffer_sample_policy_lag",
+                       "Policy lag of sampled chunks: model versions between the learner's and the one that acted "
+                       "(at the chunk's first step)", buckets=(0, 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, 64))
 MEAN_REUSE = Gauge("overworld_replay_buffer_mean_reuse", "Mean times sampled of removed chunks")
 DUPLICATES = Counter("overworld_replay_buffer_duplicates_total",
                      "Fragments at or below their slot's last sequence number (resends), acknowledged, not re-added")
@@ -545,6 +548,10 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
                 started: float, deadline: float, timeout: float,
                 pending: deque[tuple[Claim, Future | None]]) -> Iterator[bytes]:
         sent = 0
+        try:
+            learner = self.index.model_version()
+        except IndexUnavailable:
+            learner = None  # the lag of this call goes unmeasured; the claims below answer UNAVAILABLE
         while sent < request.num_chunks:
             seen = self._generation
             room = request.num_chunks - sent - len(pending)
@@ -588,6 +595,8 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
                     self._delete_later(keys)
                 yield payload
                 SAMPLES.inc(len(keys))
+                if learner is not None:
+                    SAMPLE_LAG.observe(max(0, learner - claim.chunk.first_model_version))
                 if refs:
                     REF_SAMPLES.inc(len(keys))
                 sent += 1

@@ -134,7 +134,7 @@ class PushStatusRequest(_message.Message):
     def __init__(self, version: _Optional[int] = ..., wait_seconds: _Optional[float] = ...) -> None: ...
 
 class PushStatus(_message.Message):
-    __slots__ = ("version", "watchers", "acked", "complete", "push_seconds", "workers_per_version", "connected_watchers", "published_unix", "last_ack_unix")
+    __slots__ = ("version", "watchers", "acked", "complete", "push_seconds", "workers_per_version", "connected_watchers", "published_unix", "last_ack_unix", "ack_seconds")
     class WorkersPerVersionEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -151,6 +151,7 @@ class PushStatus(_message.Message):
     CONNECTED_WATCHERS_FIELD_NUMBER: _ClassVar[int]
     PUBLISHED_UNIX_FIELD_NUMBER: _ClassVar[int]
     LAST_ACK_UNIX_FIELD_NUMBER: _ClassVar[int]
+    ACK_SECONDS_FIELD_NUMBER: _ClassVar[int]
     version: int
     watchers: int
     acked: int
@@ -160,4 +161,5 @@ class PushStatus(_message.Message):
     connected_watchers: int
     published_unix: float
     last_ack_unix: float
-    def __init__(self, version: _Optional[int] = ..., watchers: _Optional[int] = ..., acked: _Optional[int] = ..., complete: _Optional[bool] = ..., push_seconds: _Optional[float] = ..., workers_per_version: _Optional[_Mapping[int, int]] = ..., connected_watchers: _Optional[int] = ..., published_unix: _Optional[float] = ..., last_ack_unix: _Optional[float] = ...) -> None: ...
+    ack_seconds: _containers.RepeatedScalarFieldContainer[float]
+    def __init__(self, version: _Optional[int] = ..., watchers: _Optional[int] = ..., acked: _Optional[int] = ..., complete: _Optional[bool] = ..., push_seconds: _Optional[float] = ..., workers_per_version: _Optional[_Mapping[int, int]] = ..., connected_watchers: _Optional[int] = ..., published_unix: _Optional[float] = ..., last_ack_unix: _Optional[float] = ..., ack_seconds: _Optional[_Iterable[float]] = ...) -> None: ...
