@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 
 SB3_STAMP := .venv-sb3/.installed-sb3-2.9.2
 
-.PHONY: run test test-fast test-minestudio minestudio-venv rehearsal bench sb3 lint protos install clean
+.PHONY: run test test-fast test-minestudio minestudio-venv rehearsal bench sb3 lint protos install clean gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -85,6 +85,19 @@ minestudio-venv:
 
 test-minestudio: minestudio-venv
 	.venv-minestudio/bin/python -m pytest -q -m minestudio tests/minestudio $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
+# The GPU check (bench/gpu/check.py, issue 24): every CUDA path and the published Crafter recipe on a GPU box
+# without network, in commands of at most 10 minutes: run it again until it says done (exit 75: not yet);
+# its state lives in runs/gpu-check. It uses the box's python3 (GPU_PYTHON) with the wheels of gpu-wheels/,
+# made beforehand where pip reaches an index by `make gpu-wheels`. `make gpu-check DRY=1`: every step on
+# the CPU with tiny sizes, the box's missing packages made unimportable (tests/bench/test_gpu_check.py).
+GPU_PYTHON ?= python3
+GPU_CHECK_ARGS ?=
+gpu-check: $(if $(DRY),$(STAMP))
+	$(if $(DRY),$(PY),$(GPU_PYTHON)) -m bench.gpu.check $(if $(DRY),--dry) $(GPU_CHECK_ARGS)
+
+gpu-wheels:
+	PYTHON=$(if $(wildcard $(PY)),$(PY),$(PYTHON)) bench/gpu/make_wheels.sh gpu-wheels
 
 clean:
 	rm -rf $(VENV) .venv-minestudio .venv-sb3 runs

@@ -106,8 +106,11 @@ def async_vector_env(n: int, seconds: float, kwargs: dict[str, Any]) -> dict[str
 
 # -- the rollout worker -------------------------------------------------------------------------------
 class WorkerBench:
-    def __init__(self, policy_kwargs: dict[str, Any], num_envs: int, workdir: Path, start: bool = True,
-                 batch_size: int | None = None) -> None:
+    def __init__(self, policy_kwargs: dict[str, Any] | None, num_envs: int, workdir: Path, start: bool = True,
+                 batch_size: int | None = None, config_path: str = "examples/crafter_cow.yaml",
+                 overrides: tuple[str, ...] = ()) -> None:
+        """`policy_kwargs` None: the config's policy; `overrides` (dotted.key=value) come last
+        (bench/gpu/check.py: crafter_resnet.yaml's ResNet on CUDA and on the CPU)."""
         from overworld.core.blobs import LocalBlobStore
         from overworld.core.config import load_config
         from overworld.core.grpc_util import channel, serve
@@ -125,13 +128,15 @@ class WorkerBench:
             rollout_manager_pb2_grpc,
         )
 
-        config = load_config(ROOT / "examples/crafter_cow.yaml", [
+        config = load_config(ROOT / config_path, [
             "run_id=bench", f"rollout_config.worker_config.num_envs={num_envs}",
             "rollout_config.worker_config.num_env_processes=2", "rollout_config.worker_config.device=cpu",
             f"rollout_config.worker_config.batch_size={batch_size or max(1, num_envs // 2)}",
             "rollout_config.replay_buffer_config.max_chunks=1000000",
-            "rollout_config.replay_buffer_config.samples_per_insert=null", "rollout_config.to_send_queue_size=64"])
-        config.policy_kwargs = policy_kwargs
+            "rollout_config.replay_buffer_config.samples_per_insert=null", "rollout_config.to_send_queue_size=64",
+            *overrides])
+        if policy_kwargs is not None:
+            config.policy_kwargs = policy_kwargs
         self.manager = RolloutManagerService(config, video_store=LocalBlobStore(workdir / "videos"))
         self.servers = [serve([(rollout_manager_pb2_grpc.add_RolloutManagerServicer_to_server, self.manager, "m")])]
         registry = ModelRegistryService(LocalBlobStore(workdir / "registry"))

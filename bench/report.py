@@ -51,7 +51,45 @@ def tls_rows(name: str, what: str, rows: dict[str, dict[str, Any]]) -> list[str]
             f"≤ 10%: {'met' if row['within_target'] else 'missed'} |" for key, row in rows.items()]
 
 
+def gpu_rows(data: dict[str, Any]) -> list[str]:
+    """bench/gpu/check.py (`make gpu-check`): each figure with the device, driver and torch it ran on."""
+    def on(section: dict[str, Any]) -> str:
+        o = section.get("on", {})
+        return f"{o.get('device')}, driver {o.get('driver')}, torch {o.get('torch')}"
+
+    rows = []
+    r = data.get("rollout", {})
+    if "rows" in r:
+        rows.append(f"| gpu | rollout worker, {r['num_envs']} Crafter envs in groups of {r['batch_size']}, the recipe's "
+                    f"ResNet: env steps/s with inference on CUDA vs on the CPU ({on(r)}) | "
+                    f"{r['rows']['cuda']['env_steps_per_second']:.0f} vs {r['rows']['cpu']['env_steps_per_second']:.0f} "
+                    f"({r['cuda_over_cpu']}×) | |")
+    v = data.get("vpt2x", {})
+    if "samples_per_second" in v:
+        memory = v.get("max_memory_allocated_gib", v.get("peak_rss_gib"))
+        rows.append(f"| gpu | one PPO iteration, VPT-2x stand-in ({v['parameters'] / 1e6:.1f} M), MineStudio's quick-start "
+                    f"batch ({v['settings']['chains']} chains x {v['settings']['steps_per_chain']} steps), "
+                    f"{v['settings']['autocast']}: samples/s, peak memory GiB ({on(v)}) | "
+                    f"{v['samples_per_second']}, {memory} | |")
+    a = data.get("amp_fp16", {})
+    if "scaler_restored" in a:
+        rows.append(f"| gpu | use_amp fp16 + GradScaler: steps taken, scaler restored from the checkpoint ({on(a)}) | "
+                    f"{a['optimizer_steps'] - a['skipped_steps']:.0f} of {a['optimizer_steps']}, {a['scaler_restored']} | |")
+    c = data.get("crafter", {})
+    for seed, rec in sorted(c.get("seeds", {}).items()):
+        score = (rec.get("crafter") or {}).get("score")
+        rows.append(f"| gpu | Crafter benchmark, {c['config']}, seed {seed}: score after {rec.get('env_steps'):,} env steps "
+                    f"({len(rec.get('segments', []))} segments{'' if rec.get('done') else ', not finished'}; {on(c)}) | "
+                    f"{'n/a' if score is None else f'{score:.2f}'} | published PPO (ResNet) {c.get('published_ppo_resnet')} |")
+    if c.get("score_mean") is not None:
+        rows.append(f"| gpu | Crafter benchmark, mean ± std over {len(c['score_per_finished_seed'])} finished seeds | "
+                    f"{c['score_mean']:.2f} ± {c['score_std']:.2f} | > {c.get('published_ppo_resnet')} |")
+    return rows
+
+
 def headline_rows(name: str, data: dict[str, Any]) -> list[str]:
+    if name == "gpu":
+        return gpu_rows(data)
     if "tasks" in data:
         return learning_rows(name, data)
     if name == "registry":

@@ -1,0 +1,1 @@
+"""`make gpu-check` (bench/gpu/check.py): every CUDA path and the published Crafter recipe on a GPU box."""
