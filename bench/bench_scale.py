@@ -161,11 +161,12 @@ def registry_egress(fleet: Fleet) -> float:
 def pushes(fleet: Fleet, count: int, weights_mb: float) -> dict[str, Any]:
     """`count` versions published one after another with nothing else publishing."""
     rows = []
+    before_use = usage(fleet)
     for _ in range(count):
         version = fleet.latest_version() + 1
         state = standin_state(weights_mb, seed=version)
         before = registry_egress(fleet)
-        fleet.publish(version, state)
+        fleet.publish(version, state)  # (settle_trainer waited for the trainer's last version to be listed)
         status = fleet.push_status(version, wait=600)
         assert status.complete, f"version {version}: push not complete after 600 s ({status})"
         after = registry_egress(fleet)
@@ -175,8 +176,20 @@ def pushes(fleet: Fleet, count: int, weights_mb: float) -> dict[str, Any]:
                      "watchers": status.watchers, "acked": status.acked,
                      "registry_egress_mb": round((after - before) / 1e6, 2)})
         log(f"  push of version {version}: {rows[-1]}")
+    after_use = usage(fleet)
     size_mb = len(weights.to_bytes(standin_state(weights_mb, 0))) / 1e6
+
+    def cpu(name: str) -> float:
+        earlier = {p["pod"]: p["cpu_seconds"] for p in before_use[name]}
+        return sum(p["cpu_seconds"] - earlier[p["pod"]] for p in after_use[name] if p["pod"] in earlier)
+
+    workers = max(1, len(after_use["rollout-worker"]))
+    gigabytes = count * size_mb / 1e3
     return {"versions": rows, "size_mb": round(size_mb, 2),
+            # what a version costs: each worker's CPU (receive, relay on, check the sha256, swap in; the
+            # env and inference go on meanwhile) and the registry's, per GB of weights
+            "worker_cpu_seconds_per_gb": round(cpu("rollout-worker") / workers / gigabytes, 3),
+            "registry_cpu_seconds_per_gb": round(cpu("model-registry") / gigabytes, 3),
             "push_seconds_median": round(statistics.median(r["push_seconds"] for r in rows), 3),
             "median_worker_seconds_median": round(statistics.median(r["median_worker_seconds"] for r in rows), 3),
             "registry_egress_copies": round(statistics.median(r["registry_egress_mb"] for r in rows) / size_mb, 2)}
@@ -188,8 +201,15 @@ def settle_trainer(fleet: Fleet, running: bool) -> None:
         fleet.wait_ready((TRAINER,), 300)
     else:
         fleet.stop_trainer()
-        # the pushes of its last versions end before ours begin
-        fleet.push_status(fleet.latest_version(), wait=600)
+        # its last version is stored and listed (the registry writes it after the trainer's publish
+        # stream ends), and its push has ended, before ours begin
+        last = fleet.latest_version()
+        while True:
+            time.sleep(5)
+            if fleet.latest_version() == last:
+                break
+            last = fleet.latest_version()
+        fleet.push_status(last, wait=600)
 
 
 def churn(fleet: Fleet, weights_mb: float) -> dict[str, Any]:

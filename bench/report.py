@@ -87,7 +87,47 @@ def gpu_rows(data: dict[str, Any]) -> list[str]:
     return rows
 
 
+def scale_rows(data: dict[str, Any]) -> list[str]:
+    """The scaling curve (bench/bench_scale.py): one row per weights push mode and fleet size, the
+    relay's flatness against the goal, churn and the soak."""
+    rows = []
+    link = f"{data['weights_mb']:.0f} MB at {data['link_mbit']:.0f} Mbit/s"
+    for mode, curve in data["curve"].items():
+        for r in curve:
+            p, w = r["push"], r["pipeline"]
+            lag = w["policy_lag"]
+            rows.append(f"| scale | {mode}, {r['workers']} pods ({link}): push s (last / median worker), registry "
+                        f"egress in copies; env steps/s, fragments/s to the trainer, policy lag median / p95 | "
+                        f"{p['push_seconds_median']} / {p['median_worker_seconds_median']}, {p['registry_egress_copies']}; "
+                        f"{w['env_steps_per_second']}, {w['fragments_per_second_to_trainer']}, "
+                        f"{lag['median']} / {lag['p95']} | |")
+        by_n = {r["workers"]: r["push"]["push_seconds_median"] for r in curve}
+        if 2 in by_n and max(by_n) > 2:
+            top = max(by_n)
+            ratio = by_n[top] / by_n[2]
+            goal = f"≤ 1.5×: {'met' if ratio <= 1.5 else 'missed'}" if mode == "relay" else "(the star: ~N/2×)"
+            rows.append(f"| scale | {mode}: push time at {top} pods over 2 pods | {ratio:.2f}× | {goal} |")
+    churn = data.get("churn")
+    if churn:
+        accounting = churn.get("accounting", {})
+        rows.append(f"| scale | churn: {churn['deleted']} of {churn['workers']} pods deleted during a push; survivors "
+                    f"acknowledged / every pod on the version after s / fragments acknowledged = inserted | "
+                    f"{churn['survivors_acked']} / {churn['every_worker_on_version_after_seconds']} / "
+                    f"{accounting.get('fragments_acknowledged_to_workers')} = {accounting.get('fragments_inserted')} "
+                    f"| {'exact' if accounting.get('exact') else 'not exact'} |")
+    soak = data.get("soak")
+    if soak:
+        worst = max(soak["after_warmup"].items(), key=lambda kv: kv[1]["spread"], default=("", {"spread": 0}))
+        stores = ", ".join(f"{k} {v['min']}–{v['max']}" for k, v in soak["stores"].items())
+        rows.append(f"| scale | soak {soak['minutes']:g} min: largest spread of a service's RSS or open files after "
+                    f"{soak['warmup_minutes']:g} min warm-up ({worst[0]}); stores | {worst[1]['spread']:.1%}; {stores} "
+                    f"| ≤ 10%: {'met' if soak['within_10_percent'] else 'missed'} |")
+    return rows
+
+
 def headline_rows(name: str, data: dict[str, Any]) -> list[str]:
+    if name == "scale":
+        return scale_rows(data)
     if name == "gpu":
         return gpu_rows(data)
     if "tasks" in data:
@@ -148,6 +188,8 @@ def main() -> None:
         except (KeyError, TypeError, ValueError) as err:  # an older result layout: its numbers are below
             lines.append(f"| {name} | (no headline: {type(err).__name__} {err}) | | |")
     lines.append("")
+    if (RESULTS / "scale.png").exists():
+        lines += ["![Push time and fleet throughput against the number of rollout pods](scale.png)", ""]
     for name, data in results.items():
         flat: dict[str, object] = {}
         flatten("", data, flat)

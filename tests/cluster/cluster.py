@@ -63,13 +63,26 @@ from tests.cluster.netns import (
     thread_namespaces,
     wait_until,
 )
+from tests.cluster.network_policy import NetworkPolicies, Peer
+from tests.cluster.rbac import ADMIN, Authorizer, serving_certificate
+from tests.cluster.rbac import Request as ApiRequest
+from tests.cluster.rbac import serve as serve_rbac
 
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
 # What a pod's image holds, taken from this machine: the code and its venv. A volume mounted over
 # them (the chart's emptyDir at /tmp, with a checkout under /tmp) must not hide them.
-_IMAGE = {REPO, VENV_BIN.parent}
+_IMAGE = {REPO, VENV_BIN.parent, Path(sys.base_prefix).resolve()}  # the venv's interpreter is in the image too
 IMAGE_PATHS = sorted(p for p in _IMAGE if not any(p != q and p.is_relative_to(q) for q in _IMAGE))
+
+
+def _closed_ancestor(path: Path) -> Path | None:
+    """The outermost directory above `path` that a user other than root cannot enter (pyenv's Python
+    under /root, say): a pod must see the image, so the pod gets an open directory there instead."""
+    for ancestor in reversed(path.parents):
+        if ancestor != Path("/") and not ancestor.stat().st_mode & 0o001:
+            return ancestor
+    return None
 NAMESPACE = "rl"
 RELEASE = "overworld"
 DOMAIN = f"{NAMESPACE}.svc.cluster.local"
@@ -94,6 +107,67 @@ def random_suffix(length: int = 5) -> str:
     return "".join(random.choices(string.ascii_lowercase + string.digits, k=length))
 
 
+@dataclass(frozen=True)
+class Security:
+    """What the kubelet and the runtime make of a container's securityContext, its pod's and its
+    image's USER: who the process is, and what it may do."""
+
+    uid: int = 0
+    gid: int = 0
+    groups: tuple[int, ...] = ()  # supplementalGroups and fsGroup
+    fs_group: int | None = None
+    run_as_non_root: bool = False
+    read_only_root: bool = False
+    drop_all_capabilities: bool = False
+    no_new_privileges: bool = False
+
+    def setpriv(self) -> list[str]:
+        """The argv prefix that starts a process as this container does (empty: as root, all caps)."""
+        if self.uid == 0 and self.gid == 0 and not self.drop_all_capabilities and not self.no_new_privileges:
+            return []
+        argv = ["setpriv", f"--reuid={self.uid}", f"--regid={self.gid}"]
+        argv.append(f"--groups={','.join(map(str, self.groups))}" if self.groups else "--clear-groups")
+        if self.drop_all_capabilities or self.uid != 0:
+            argv += ["--inh-caps=-all", "--bounding-set=-all"]
+        if self.no_new_privileges:
+            argv.append("--no-new-privs")
+        return [*argv, "--"]
+
+
+def image_user(image: str) -> tuple[int, int]:
+    """The USER (uid, gid) of one of this project's images, from its Dockerfile; (0, 0) otherwise."""
+    from dockerfile_parse import DockerfileParser
+
+    for repository, (dockerfile, target) in SERVICE_IMAGE_ENTRYPOINTS.items():
+        if f"/{repository}" not in image:
+            continue
+        user, stage = "0", None
+        for instruction in DockerfileParser(str(REPO / "docker" / dockerfile)).structure:
+            if instruction["instruction"] == "FROM":
+                stage = instruction["value"].split()[-1] if " AS " in instruction["value"].upper() else None
+            elif instruction["instruction"] == "USER" and (target is None or stage == target):
+                user = instruction["value"]
+        uid, _, gid = user.partition(":")
+        return int(uid), int(gid or uid)
+    return 0, 0
+
+
+def security_of(pod_spec: dict[str, Any], container: dict[str, Any]) -> Security:
+    pod = pod_spec.get("securityContext") or {}
+    own = container.get("securityContext") or {}
+    image_uid, image_gid = image_user(container.get("image", ""))
+    uid = int(own.get("runAsUser", pod.get("runAsUser", image_uid)))
+    gid = int(own.get("runAsGroup", pod.get("runAsGroup", image_gid if "runAsUser" not in own | pod else 0)))
+    fs_group = pod.get("fsGroup")
+    groups = tuple(dict.fromkeys([*(int(g) for g in pod.get("supplementalGroups") or []),
+                                  *([int(fs_group)] if fs_group is not None else [])]))
+    return Security(uid=uid, gid=gid, groups=groups, fs_group=None if fs_group is None else int(fs_group),
+                    run_as_non_root=bool(own.get("runAsNonRoot", pod.get("runAsNonRoot", False))),
+                    read_only_root=bool(own.get("readOnlyRootFilesystem", False)),
+                    drop_all_capabilities="ALL" in ((own.get("capabilities") or {}).get("drop") or []),
+                    no_new_privileges=own.get("allowPrivilegeEscalation") is False)
+
+
 @dataclass
 class Volume:
     mount_path: str
@@ -116,6 +190,8 @@ class PodTemplate:
     readiness: tuple[str, int, str] | None = None  # ("tcp"|"http"|"grpc", port, path or gRPC service)
     env_from_pod: Callable[[Pod], dict[str, str]] | None = None
     claims: dict[str, str] = field(default_factory=dict)  # volume name -> claim directory key
+    security: Security = field(default_factory=Security)
+    ports: dict[str, int] = field(default_factory=dict)  # container ports by name
 
 
 @dataclass
@@ -178,6 +254,10 @@ class Cluster:
         self.objects = objects
         self.workdir = workdir
         self.link = link  # (Mbit/s, ms): every pod's link shaped so (netns.Network.shape); None: veth speed
+        self.policies = NetworkPolicies(objects, NAMESPACE)
+        self._rulesets: dict[str, str] = {}  # pod netns -> the nftables rules applied there
+        self._outside_peers: dict[str, Peer] = {}  # run_outside's hosts that pose as pods
+        self._policy_lock = threading.Lock()
         self.network = Network()
         self.lock = threading.RLock()
         self.workloads: dict[str, Workload] = {}
@@ -192,8 +272,12 @@ class Cluster:
         self._home: HomeThread | None = None  # gRPC calls and forks of the namespaced threads (see HomeThread)
         self._grpc_kept: Any = None
         self.control: Host | None = None
+        self.api_certificate: tuple[bytes, bytes] = (b"", b"")  # the API server's, made with the control host
         self.socket_dir = Path(f"/tmp/{self.network.prefix}-sockets")
-        self.api_port = 6443
+        self.api_port = 6443  # the API server as the pods and kubectl see it: authentication and RBAC
+        self.store_port = 6442  # kmock itself, on the control host's loopback (KubeRay's stand-in calls it)
+        self.authorizer = Authorizer(objects)
+        self.api_requests: list[ApiRequest] = []  # every request the API server was asked, by whom
         self.kuberay: Any = None
         self.secrets = {
             o["metadata"]["name"]: {k: base64.b64decode(v).decode() for k, v in (o.get("data") or {}).items()}
@@ -213,6 +297,7 @@ class Cluster:
         # gRPC call or a fork from a namespaced thread then moves them every time, and stop() says so.
         self._grpc_kept = self._home.call(grpc_threads_started, timeout=30)
         self.control = self.network.add_host("control")
+        self.api_certificate = serving_certificate([self.control.address, "127.0.0.1"])
         self._run_in_control(self._serve_api, "apiserver")
         self._run_in_control(self._serve_dns, "dns")
         wait_until(lambda: self._api_up(), 30, "the API server")
@@ -281,9 +366,9 @@ class Cluster:
         from tests.deploy.kube_support import kubernetes_api
 
         async def serve() -> None:
-            async with kubernetes_api(NAMESPACE, host="0.0.0.0", port=self.api_port):
-                while not self._stop.is_set():
-                    await asyncio.sleep(0.2)
+            async with kubernetes_api(NAMESPACE, host="127.0.0.1", port=self.store_port) as (_, url):
+                await serve_rbac(self.authorizer, url.rstrip("/"), "0.0.0.0", self.api_port, self.api_requests,
+                                 self._stop, self.api_certificate)
 
         asyncio.run(serve())
 
@@ -297,17 +382,20 @@ class Cluster:
     def api(self, method: str, path: str, body: Any = None, content_type: str = "application/json") -> Any:
         """A request to the API server; only from the control namespace (the controllers' thread)."""
         data = json.dumps(body).encode() if body is not None else None
-        request = urllib.request.Request(f"http://127.0.0.1:{self.api_port}{path}", data=data, method=method,
+        request = urllib.request.Request(f"http://127.0.0.1:{self.store_port}{path}", data=data, method=method,
                                          headers={"Content-Type": content_type})
         with urllib.request.urlopen(request, timeout=10) as response:
             text = response.read()
         return json.loads(text) if text else {}
 
-    def kubeconfig(self, server_host: str) -> Path:
+    def kubeconfig(self, server_host: str, user: str = ADMIN) -> Path:
+        """A kubeconfig for `user` (a person: everything; a ServiceAccount,
+        `system:serviceaccount:<namespace>:<name>`: what its bindings grant) with a token of its own."""
         from tests.deploy.kube_support import write_kubeconfig
 
-        path = self.workdir / f"kubeconfig-{server_host}"
-        return write_kubeconfig(path, f"http://{server_host}:{self.api_port}", NAMESPACE)
+        path = self.workdir / f"kubeconfig-{server_host}-{user.replace(':', '-')}"
+        return write_kubeconfig(path, f"https://{server_host}:{self.api_port}", NAMESPACE,
+                                token=self.authorizer.token_for(user), ca_pem=self.api_certificate[0])
 
     def kubectl(self, *args: str, check: bool = True) -> str:
         from tests.deploy.deploy_support import kubectl
@@ -479,13 +567,30 @@ class Cluster:
         pod = Pod(name, workload.name, workload.template, host, root)
         with self.lock:
             self.pods.append(pod)
+        self._enforce_policies([pod])  # isolated before its first packet, as the CNI sets a pod up
         self._launch(pod)
         self.event("pod-start", name)
         return pod
 
     def _launch(self, pod: Pod) -> None:
         template = pod.template
-        mounts, read_only = [], []
+        security = template.security
+        if security.run_as_non_root and security.uid == 0:
+            # the kubelet's CreateContainerConfigError: the container never starts, the pod waits
+            self.event("CreateContainerConfigError",
+                       f"{pod.name}: container has runAsNonRoot and image will run as root")
+            pod.phase, pod.ready = "Pending", False
+            return
+        mounts, read_only, writable = [], [], []
+        if security.uid != 0:  # the image readable by the container's user: open what hides it
+            for ancestor in sorted({a for p in IMAGE_PATHS if (a := _closed_ancestor(p)) is not None}):
+                inside = [p for p in IMAGE_PATHS if p.is_relative_to(ancestor)]
+                stages = [shlex.quote(str(pod.root / f"image-open-{k}")) for k in range(len(inside))]
+                for image, stage in zip(inside, stages, strict=True):
+                    mounts.append(f"mkdir -p {stage}; mount --bind {shlex.quote(str(image))} {stage}")
+                mounts.append(f"mount -t tmpfs -o mode=755 tmpfs {shlex.quote(str(ancestor))}")
+                for image, stage in zip(inside, stages, strict=True):
+                    mounts.append(f"mkdir -p {shlex.quote(str(image))}; mount --bind {stage} {shlex.quote(str(image))}")
         # Parents before what is mounted inside them (/etc/overworld, then /etc/overworld/tls), as the
         # container runtime orders them, each mount point made inside what is mounted above it; /tmp
         # last; read-only once everything is mounted.
@@ -501,18 +606,36 @@ class Cluster:
             stages = [shlex.quote(str(pod.root / f"image-{index}-{k}")) for k in range(len(hidden))]
             for image, stage in zip(hidden, stages, strict=True):  # reachable while the volume covers it
                 mounts.append(f"mkdir -p {stage}; mount --bind {shlex.quote(str(image))} {stage}")
-            if volume.kind == "memory":
-                mounts.append(f"mount -t tmpfs -o size={SHM_SIZE} tmpfs {quoted}")
+            group = security.fs_group
+            if volume.kind == "memory":  # an emptyDir in memory: world-writable, the fsGroup's
+                mounts.append(f"mount -t tmpfs -o size={SHM_SIZE},mode={'2777' if group is not None else '1777'}"
+                              f"{f',gid={group}' if group is not None else ''} tmpfs {quoted}")
             else:
                 source = volume.source or pod.root / f"volume-{index}"
-                source.mkdir(parents=True, exist_ok=True)
+                if volume.source is None:  # an emptyDir: world-writable (the kubelet's 0777), the fsGroup's
+                    source.mkdir(parents=True, exist_ok=True)
+                    source.chmod(0o777)
+                    if group is not None:
+                        os.chown(source, 0, group)
+                        source.chmod(0o2777)
+                elif group is not None and volume.kind == "dir" and not volume.read_only:
+                    _own_for_group(source, group)  # a claim: the kubelet gives it to the fsGroup
                 mounts.append(f"mkdir -p {quoted}; mount --bind {shlex.quote(str(source))} {quoted}")
             for image, stage in zip(hidden, stages, strict=True):  # back where the image has it
                 mounts.append(f"mkdir -p {shlex.quote(str(image))}; mount --bind {stage} {shlex.quote(str(image))}")
             if volume.kind != "memory" and volume.read_only:
                 read_only.append(f"mount -o remount,bind,ro {quoted}")
+            else:
+                writable.append(quoted)
         mounts += read_only
-        script = "set -e; hostname \"$OWR_POD_NAME\"; " + "; ".join(mounts) + '; exec "$@"'
+        if security.read_only_root:
+            # every other mount read-only, as a container's root filesystem: what the pod may write is its
+            # volumes (and /dev, /proc, /sys stay as they are)
+            keep = "|".join(["/proc", "/proc/*", "/sys", "/sys/*", "/dev", "/dev/*", *writable])
+            mounts.append(f"for m in $(awk '{{print $2}}' /proc/self/mounts); do case \"$m\" in {keep}) ;; "
+                          f"*) mount -o remount,bind,ro \"$m\" 2>/dev/null || true;; esac; done")
+        run = " ".join(shlex.quote(a) for a in security.setpriv())
+        script = "set -e; hostname \"$OWR_POD_NAME\"; " + "; ".join(mounts) + f'; exec {run} "$@"'
         env = {
             "PATH": f"{VENV_BIN}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
             "PYTHONPATH": f"{REPO / 'services'}:{REPO}",
@@ -574,8 +697,8 @@ class Cluster:
             return
         if pod.template.pre_stop:
             with pod.log.open("ab") as log:
-                hook = subprocess.Popen(["nsenter", "-t", str(pid1), "-a", *pod.template.pre_stop], env=pod.env,
-                                        stdout=log, stderr=subprocess.STDOUT)
+                hook = subprocess.Popen(["nsenter", "-t", str(pid1), "-a", *pod.template.security.setpriv(),
+                                         *pod.template.pre_stop], env=pod.env, stdout=log, stderr=subprocess.STDOUT)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 hook.wait(timeout=max(1.0, deadline - time.monotonic()))
             if hook.poll() is None:
@@ -601,16 +724,23 @@ class Cluster:
         pid1 = pod.pid1()
         assert pid1 is not None, f"{pod.name} is not running"
         command = [sys.executable, *argv[1:]] if argv[0] in ("python", "python3") else list(argv)
-        result = subprocess.run(["nsenter", "-t", str(pid1), "-a", *command], env=pod.env, capture_output=True,
-                                text=True, timeout=timeout)
+        result = subprocess.run(["nsenter", "-t", str(pid1), "-a", *pod.template.security.setpriv(), *command],
+                                env=pod.env, capture_output=True, text=True, timeout=timeout)
         assert result.returncode == 0, f"exec in {pod.name}: {result.stderr[-2000:]}"
         return result.stdout
 
-    def run_outside(self, label: str, argv: list[str], timeout: float = 120) -> str:
+    def run_outside(self, label: str, argv: list[str], timeout: float = 120,
+                    labels: dict[str, str] | None = None) -> str:
         """Run a command on a host of its own on the pod network, with the cluster's DNS, that no
-        workload owns (someone else's pod); return its stdout. The host is removed afterwards."""
+        workload owns: someone else's pod, or, with `labels`, a pod of this namespace carrying them
+        (as the NetworkPolicies see it: e.g. a compromised pod of the release). Return its stdout. The
+        host is removed afterwards."""
         host = self.network.add_host(label)
         assert self.control is not None
+        if labels is not None:
+            with self.lock:
+                self._outside_peers[host.netns] = Peer(host.address, dict(labels), NAMESPACE, {})
+            self._enforce_policies()
         (host.hosts_file.parent / "resolv.conf").write_text(
             f"nameserver {self.control.address}\nsearch {DOMAIN} svc.cluster.local cluster.local\noptions ndots:5\n")
         env = {"PATH": f"{VENV_BIN}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
@@ -619,6 +749,8 @@ class Cluster:
             result = subprocess.run(["ip", "netns", "exec", host.netns, *argv], env=env, capture_output=True,
                                     text=True, timeout=timeout, cwd=REPO)
         finally:
+            with self.lock:
+                self._outside_peers.pop(host.netns, None)
             self.network.remove_host(host)
         assert result.returncode == 0, f"{shlex.join(argv)} on {label}: {result.stderr[-3000:]}"
         return result.stdout
@@ -637,6 +769,7 @@ class Cluster:
             try:
                 self._kubelet()
                 self._controllers()
+                self._enforce_policies()
                 self._probe_readiness()
                 if self.kuberay is not None:
                     self.kuberay.reconcile()
@@ -686,6 +819,30 @@ class Cluster:
             else:
                 for _ in range(workload.replicas - len(live)):
                     self._start_pod(workload)
+
+    def _enforce_policies(self, only: list[Pod] | None = None) -> None:
+        """Every pod's nftables rules as the NetworkPolicies say, given the pods there are now."""
+        assert self.control is not None
+        with self.lock:
+            pods = [p for p in self.pods if not p.deleting and p.phase != "Terminated"]
+            outside = list(self._outside_peers.values())
+        peers = [*(Peer(p.ip, p.template.labels, NAMESPACE, p.template.ports) for p in pods), *outside]
+        with self._policy_lock:
+            self._apply_policies(only or pods, peers)
+
+    def _apply_policies(self, pods: list[Pod], peers: list[Peer]) -> None:
+        assert self.control is not None
+        for pod in pods:
+            ruleset = self.policies.ruleset(Peer(pod.ip, pod.template.labels, NAMESPACE, pod.template.ports), peers,
+                                            self.control.address)
+            if self._rulesets.get(pod.host.netns) != ruleset:
+                try:
+                    NetworkPolicies.apply(pod.host.netns, ruleset)
+                except subprocess.CalledProcessError as err:  # a pod deleted meanwhile
+                    if not pod.deleting:
+                        raise RuntimeError(f"nft in {pod.name}: {err.stderr}\n{ruleset}") from err
+                    continue
+                self._rulesets[pod.host.netns] = ruleset
 
     def _probe_readiness(self) -> None:
         with self.lock:
@@ -738,7 +895,8 @@ class Cluster:
         image = container.get("image", "")
         argv = [*(container.get("command") or image_entrypoint(image)), *(container.get("args") or [])]
         env = self.container_env(container.get("env") or [])
-        volumes = self._volumes(pod_spec, container, claims or {})
+        security = security_of(pod_spec, container)
+        volumes = self._volumes(pod_spec, container, claims or {}, security.fs_group)
         if OBJECT_STORE_IMAGE in image:
             port = next(p["containerPort"] for p in container["ports"] if p["name"] == "s3")
             argv = [sys.executable, str(REPO / "tests" / "cluster" / "s3_pod.py"), "--port", str(port), "--data", "/data"]
@@ -760,7 +918,7 @@ class Cluster:
         return PodTemplate(labels=dict(labels), argv=argv, env=env, volumes=volumes,
                            grace=float(pod_spec.get("terminationGracePeriodSeconds", 30)),
                            restart=pod_spec.get("restartPolicy", "Always"), pre_stop=pre_stop,
-                           readiness=readiness)
+                           readiness=readiness, security=security, ports=ports)
 
     def container_env(self, items: list[dict[str, Any]]) -> dict[str, str]:
         env: dict[str, str] = {}
@@ -779,7 +937,7 @@ class Cluster:
         return env
 
     def _volumes(self, pod_spec: dict[str, Any], container: dict[str, Any],
-                 claims: dict[str, Path]) -> list[Volume]:
+                 claims: dict[str, Path], fs_group: int | None = None) -> list[Volume]:
         declared = {v["name"]: v for v in pod_spec.get("volumes") or []}
         volumes = []
         for mount in container.get("volumeMounts") or []:
@@ -794,7 +952,7 @@ class Cluster:
                     (source / key).write_text(text)
                 volumes.append(Volume(mount["mountPath"], "dir", source))
             elif volume is not None and "secret" in volume:
-                volumes.append(Volume(mount["mountPath"], "dir", self._secret_files(volume["secret"]),
+                volumes.append(Volume(mount["mountPath"], "dir", self._secret_files(volume["secret"], fs_group),
                                       read_only=bool(mount.get("readOnly"))))
             elif volume is not None and (volume.get("emptyDir") or {}).get("medium") == "Memory":
                 volumes.append(Volume(mount["mountPath"], "memory"))
@@ -804,14 +962,16 @@ class Cluster:
                 raise NotImplementedError(f"volume {name}: {volume}")
         return volumes
 
-    def _secret_files(self, source: dict[str, Any]) -> Path:
-        """A Secret volume: one file per key, with the volume's defaultMode (as the kubelet writes them)."""
+    def _secret_files(self, source: dict[str, Any], fs_group: int | None) -> Path:
+        """A Secret volume: one file per key with the volume's defaultMode, owned by root and, when the
+        pod has an fsGroup, by that group (as the kubelet writes them)."""
         name = source["secretName"]
-        directory = self.workdir / "secrets" / name
+        directory = self.workdir / "secrets" / f"{name}-{'root' if fs_group is None else fs_group}"
         directory.mkdir(parents=True, exist_ok=True)
         for key, text in self.secrets[name].items():
             path = directory / key
             path.write_text(text)
+            os.chown(path, 0, 0 if fs_group is None else fs_group)
             path.chmod(int(source.get("defaultMode", 0o644)))
         return directory
 
@@ -838,6 +998,18 @@ class Cluster:
                 out.append(f"--- {pod.name} ({pod.ip}, {pod.phase}, exit {pod.exit_code}):\n"
                            f"{pod.log.read_text(errors='replace')[-tail:]}")
         return "\n".join(out)
+
+
+def _own_for_group(root: Path, group: int) -> None:
+    """A volume handed to a pod's fsGroup, as the kubelet does: group-owned, group-writable, new files
+    inheriting the group (setgid directories)."""
+    root.mkdir(parents=True, exist_ok=True)
+    for path in [root, *root.rglob("*")]:
+        with contextlib.suppress(OSError):
+            os.lchown(path, -1, group)
+            if not path.is_symlink():
+                mode = path.stat().st_mode
+                path.chmod(mode | 0o060 | (0o2010 if path.is_dir() else 0))
 
 
 def _die_with_parent() -> None:

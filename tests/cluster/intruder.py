@@ -1,13 +1,15 @@
-"""A pod that is not the run's, trying its services over the pod network (issue 16's "Done when",
-in the rehearsal). Run inside a network namespace of its own on the rehearsal's bridge:
+"""A pod trying the run's services over the pod network (issue 16's and 23's "Done when", in the
+rehearsal). Run inside a network namespace of its own on the rehearsal's bridge:
 
     ip netns exec NS python tests/cluster/intruder.py SPEC.json
 
-SPEC: {"targets": {pod: [service kind, "ip:port"]}, "other_ca": dir, "stolen": {identity: dir},
-       "ray_dashboard": "ip:8265", "redis": "ip:6379"}. Prints JSON: per target the status code of a
-plaintext health check and of one with a certificate of another CA; per stolen identity and target
-the (code, details) of every method of that service the identity may not call; the Ray Jobs API's
-HTTP status without a token and with a wrong one; Redis' answer to a command without its password.
+SPEC: {"reach": {name: "ip:port"}, "targets": {pod: [service kind, "ip:port"]}, "other_ca": dir,
+       "stolen": {identity: dir}, "ray_dashboard": "ip:8265", "redis": "ip:6379"}, every key optional.
+Prints JSON: whether a TCP connection to each "reach" address gets through (open, refused, dropped:
+a NetworkPolicy); per target the status code of a plaintext health check and of one with a
+certificate of another CA; per stolen identity and target the (code, details) of every method of
+that service the identity may not call; the Ray Jobs API's HTTP status without a token and with a
+wrong one; Redis' answer to a command without its password.
 """
 
 from __future__ import annotations
@@ -61,10 +63,29 @@ def redis_without_password(address: str) -> str:
         return connection.recv(200).decode(errors="replace").split()[0]
 
 
+def reach(address: str) -> str:
+    """Whether a TCP connection gets through: "open", "refused" (nothing listens), or "dropped"
+    (no answer at all: a NetworkPolicy)."""
+    host, _, port = address.rpartition(":")
+    try:
+        with socket.create_connection((host, int(port)), timeout=3):
+            return "open"
+    except ConnectionRefusedError:
+        return "refused"
+    except OSError:
+        return "dropped"
+
+
 def main(spec_path: str) -> int:
     spec = json.loads(Path(spec_path).read_text())
+    out: dict[str, Any] = {"reach": {name: reach(address) for name, address in (spec.get("reach") or {}).items()}}
+    if "redis" in spec:
+        out["redis"] = redis_without_password(spec["redis"])
+    if "targets" not in spec:
+        print(json.dumps(out))
+        return 0
     rpcs = runpy.run_path(str(RPCS_MODULE))
-    out: dict[str, Any] = {"plaintext": {}, "other_ca": {}, "denied": {}}
+    out.update({"plaintext": {}, "other_ca": {}, "denied": {}})
     for pod, (_, address) in spec["targets"].items():
         with grpc.insecure_channel(address) as channel:
             out["plaintext"][pod] = health(channel)
@@ -81,7 +102,6 @@ def main(spec_path: str) -> int:
         out["denied"][identity] = answers
     out["ray_jobs_api"] = {"no token": jobs_api(spec["ray_dashboard"], None),
                            "wrong token": jobs_api(spec["ray_dashboard"], "0" * 44)}
-    out["redis"] = redis_without_password(spec["redis"])
     print(json.dumps(out))
     return 0
 

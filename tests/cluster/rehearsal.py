@@ -43,7 +43,8 @@ CONTROLLER = f"{RELEASE}-run-controller"
 
 def rehearsal_values() -> dict[str, Any]:
     """The CPU values of the chart, a CartPole run that checkpoints and logs to the object store, two
-    replay-buffer fronts, stores on volumes, a one-worker Ray cluster whose worker declares a GPU."""
+    replay-buffer fronts, stores on volumes, a one-worker Ray cluster whose worker declares a GPU, and
+    the chart's NetworkPolicies."""
     values = values_from_files([CHART / "ci" / "cpu-values.yaml"])
     config = yaml.safe_load((REPO / "examples" / "cartpole.yaml").read_text())
     # save_path: the chart's (--save-path / OVERWORLD_SAVE_PATH, the object store) replaces the config's.
@@ -58,6 +59,7 @@ def rehearsal_values() -> dict[str, Any]:
     values["trainer"]["workerGroup"].update(replicas=1, gpus=1)
     values["trainingRun"] = {"resumeFrom": ""}
     values["runController"] = {"progressIntervalSeconds": 2}
+    values["networkPolicy"] = {"enabled": True}  # enforced between the pods (tests/cluster/network_policy.py)
     return values
 
 
@@ -96,7 +98,10 @@ class Rehearsal:
             cluster.add_workload(cluster.workload_from_manifest(workloads[name]))
         controller = cluster.workload_from_manifest(workloads[CONTROLLER])
         assert cluster.control is not None
-        controller.template.env["KUBECONFIG"] = str(cluster.kubeconfig(cluster.control.address))
+        # the controller's ServiceAccount, with what the chart's Role grants it and nothing more
+        account = workloads[CONTROLLER]["spec"]["template"]["spec"]["serviceAccountName"]
+        controller.template.env["KUBECONFIG"] = str(cluster.kubeconfig(
+            cluster.control.address, user=f"system:serviceaccount:{NAMESPACE}:{account}"))
         cluster.add_workload(controller)
         self.wait_ready(SERVICES, 120)
         wait_until(lambda: any(p.phase == "Succeeded" for p in cluster.pods_of(job["metadata"]["name"], True)),

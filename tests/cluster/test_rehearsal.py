@@ -78,11 +78,14 @@ SERVICE_PORTS = {"rollout-manager": 50051, "replay-buffer": 50052, "gae": 50053,
 
 
 def test_only_the_runs_own_pods_get_in(rehearsal: Rehearsal, tmp_path: Path) -> None:
-    """From a pod namespace of its own: a plaintext client and a client with a certificate of another
-    CA are refused by every service pod (the trainer on the Ray head too); a client holding another
-    service's certificate (stolen from its Secret) gets PERMISSION_DENIED, naming it and the method,
-    on every method it may not call; Ray's Jobs API refuses callers without the cluster's token, and
-    Redis anyone without its password."""
+    """Someone else's pod (its own namespace on the bridge, no labels of the release): the
+    NetworkPolicies drop its packets to every service, Redis and the object store. A pod that carries
+    the release's worker labels (a compromised worker) gets through the network to the services, but
+    is refused by every service pod and the trainer in plaintext or with a certificate of another CA,
+    gets PERMISSION_DENIED, naming it and the method, on every method a stolen rollout-worker or gae
+    certificate may not call, 401/403 from Ray's Jobs API without the cluster's token; Redis and the
+    object store drop it. A pod with the replay-buffer's labels reaches Redis, which asks for its
+    password."""
     from overworld.core import tls
 
     cluster = rehearsal.cluster
@@ -90,25 +93,70 @@ def test_only_the_runs_own_pods_get_in(rehearsal: Rehearsal, tmp_path: Path) -> 
     targets = {p.name: [kind, f"{p.ip}:{port}"] for kind, port in SERVICE_PORTS.items()
                for p in cluster.pods_of(f"{RELEASE}-{kind}")}
     targets[head.name] = ["trainer", f"{head.ip}:50055"]
-    spec = {"targets": targets, "other_ca": str(tls.write_run_credentials(tmp_path / "other", RELEASE)["trainer"]),
+    stores = {"redis": f"{cluster.pod(f'{RELEASE}-redis').ip}:6379",
+              "object-store": f"{cluster.pod(f'{RELEASE}-seaweedfs').ip}:8333"}
+    intruder = [sys.executable, str(Path(__file__).parent / "intruder.py")]
+
+    def run(name: str, spec: dict[str, object], labels: dict[str, str] | None) -> dict[str, object]:
+        (tmp_path / f"{name}.json").write_text(json.dumps(spec))
+        found: dict[str, object] = json.loads(cluster.run_outside(name, [*intruder, str(tmp_path / f"{name}.json")],
+                                                                  labels=labels, timeout=300))
+        return found
+
+    outsider = run("outsider", {"reach": {**{k: a for k, (_, a) in targets.items()}, **stores}}, labels=None)
+    assert set(outsider["reach"].values()) == {"dropped"}, outsider  # type: ignore[union-attr]
+
+    worker_labels = cluster.pod(f"{RELEASE}-rollout-worker").template.labels
+    spec = {"targets": targets, "reach": stores,
+            "other_ca": str(tls.write_run_credentials(tmp_path / "other", RELEASE)["trainer"]),
             "stolen": {i: str(rehearsal.identity(i)) for i in ("rollout-worker", "gae")},
-            "ray_dashboard": f"{head.ip}:8265", "redis": f"{cluster.pod(f'{RELEASE}-redis').ip}:6379"}
-    (tmp_path / "spec.json").write_text(json.dumps(spec))
-    found = json.loads(cluster.run_outside("intruder", [sys.executable, str(Path(__file__).parent / "intruder.py"),
-                                                        str(tmp_path / "spec.json")]))
-    assert set(found["plaintext"]) == set(targets) and len(targets) >= 7
-    assert set(found["plaintext"].values()) == {"UNAVAILABLE"}, found["plaintext"]
-    assert set(found["other_ca"].values()) == {"UNAVAILABLE"}, found["other_ca"]
-    for identity, answers in found["denied"].items():
+            "ray_dashboard": f"{head.ip}:8265"}
+    found = run("compromised-worker", spec, labels=worker_labels)
+    assert found["reach"] == {"redis": "dropped", "object-store": "dropped"}, found["reach"]
+    plaintext, other_ca, denied = found["plaintext"], found["other_ca"], found["denied"]
+    assert isinstance(plaintext, dict) and isinstance(other_ca, dict) and isinstance(denied, dict)
+    assert set(plaintext) == set(targets) and len(targets) >= 7
+    assert set(plaintext.values()) == {"UNAVAILABLE"}, plaintext
+    assert set(other_ca.values()) == {"UNAVAILABLE"}, other_ca
+    for identity, answers in denied.items():
         assert answers, identity
         for call, (code, details) in answers.items():
             assert code == "PERMISSION_DENIED" and identity in details and call.split()[1] in details, (call, code, details)
     # a worker's certificate may not publish weights, tag versions or sample: every service was tried
-    worker_calls = {call.split()[1] for call in found["denied"]["rollout-worker"]}
+    worker_calls = {call.split()[1] for call in denied["rollout-worker"]}
     assert {"/overworld.v1.ModelRegistry/Publish", "/overworld.v1.ModelRegistry/SetTag",
             "/overworld.v1.ReplayBuffer/Sample", "/overworld.v1.Trainer/ReportProgress"} <= worker_calls
     assert found["ray_jobs_api"] == {"no token": 401, "wrong token": 403}
-    assert found["redis"] == "-NOAUTH", found["redis"]
+
+    # the allowed path: the replay-buffer's labels get through to Redis, which wants its password
+    buffer_like = run("buffer-like", {"redis": stores["redis"]},
+                      labels=cluster.pod(f"{RELEASE}-replay-buffer").template.labels)
+    assert buffer_like["redis"] == "-NOAUTH", buffer_like
+
+
+def test_pods_run_as_their_security_context_says(rehearsal: Rehearsal) -> None:
+    """The services run as the chart's user (10001) with its fsGroup, no capabilities and a read-only
+    root filesystem: they can read their certificates (0440, the fsGroup's) and write only their
+    volumes. Redis runs as its own user (999) and owns its data volume."""
+    cluster = rehearsal.cluster
+    probe = ("import os, pathlib\n"
+             "status = dict(l.split(':\\t', 1) for l in open('/proc/1/status').read().splitlines() if ':\\t' in l)\n"
+             "def writable(path):\n"
+             "    try:\n"
+             "        pathlib.Path(path, '.probe').write_text('x'); os.remove(os.path.join(path, '.probe')); return True\n"
+             "    except OSError:\n"
+             "        return False\n"
+             "print(os.getuid(), os.getgid(), ','.join(map(str, sorted(os.getgroups()))), status['CapEff'].strip(), status['NoNewPrivs'].strip(),"
+             " writable('/tmp'), writable('/etc'), writable(os.path.dirname(os.__file__)),"
+             " len(open('/etc/overworld/tls/tls.key').read()) > 0)")
+    for owner in (f"{RELEASE}-model-registry", f"{RELEASE}-rollout-worker"):
+        uid, gid, groups, caps, no_new, tmp, etc, image, key = rehearsal.exec(cluster.pod(owner), "python", "-c",
+                                                                              probe).split(maxsplit=8)
+        assert (uid, gid) == ("10001", "10001") and "10001" in groups.split(","), (owner, uid, gid, groups)
+        assert caps == "0000000000000000" and no_new == "1", (owner, caps, no_new)
+        assert (tmp, etc, image, key) == ("True", "False", "False", "True"), owner
+    redis = cluster.pod(f"{RELEASE}-redis")
+    assert rehearsal.exec(redis, "sh", "-c", "id -u; stat -c %g /data").split() == ["999", "999"]
 
 
 # --- two replay-buffer replicas behind one name ---------------------------------------------------

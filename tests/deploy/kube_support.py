@@ -77,14 +77,21 @@ async def kubernetes_api(
 
 
 
-def write_kubeconfig(path: Path, server: str, namespace: str) -> Path:
+def write_kubeconfig(path: Path, server: str, namespace: str, token: str = "kmock",
+                     ca_pem: bytes | None = None) -> Path:
+    """A kubeconfig for `server` with a bearer token (sent over https only: `ca_pem` is the server's CA)."""
+    import base64
+
+    cluster = {"server": server}
+    if ca_pem:
+        cluster["certificate-authority-data"] = base64.b64encode(ca_pem).decode()
     path.write_text(
         yaml.safe_dump(
             {
                 "apiVersion": "v1",
                 "kind": "Config",
-                "clusters": [{"name": "kmock", "cluster": {"server": server}}],
-                "users": [{"name": "tester", "user": {"token": "kmock"}}],
+                "clusters": [{"name": "kmock", "cluster": cluster}],
+                "users": [{"name": "tester", "user": {"token": token}}],
                 "contexts": [
                     {"name": "kmock", "context": {"cluster": "kmock", "user": "tester", "namespace": namespace}}
                 ],

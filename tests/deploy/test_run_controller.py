@@ -9,6 +9,7 @@ import json
 import os
 import signal
 import sys
+import threading
 import time
 from collections.abc import AsyncIterator
 from pathlib import Path
@@ -18,6 +19,7 @@ import grpc
 import pytest
 import yaml
 
+from overworld.core.net import free_port
 from overworld.run_controller.rayjob import (
     ATTEMPT_LABEL,
     RUN_LABEL,
@@ -27,7 +29,9 @@ from overworld.run_controller.rayjob import (
     trainer_entrypoint,
 )
 from overworld.v1 import trainer_pb2, trainer_pb2_grpc
-from tests.deploy.deploy_support import kubectl, pod_templates, validate_object
+from tests.cluster.rbac import ADMIN, Authorizer, serving_certificate
+from tests.cluster.rbac import serve as serve_rbac
+from tests.deploy.deploy_support import by_kind, kubectl, pod_templates, render, validate_object
 from tests.deploy.kube_support import FOREGROUND, kubernetes_api, write_kubeconfig
 
 NAMESPACE = "rl"
@@ -275,23 +279,45 @@ async def eventually(probe: Any, what: str, log: Path, timeout: float = 60.0) ->
 
 @pytest.mark.slow
 def test_create_and_resume_with_kubectl(tmp_path: Path) -> None:
-    """Create a TrainingRun, let KubeRay (played by kubectl) start it, resume it twice."""
+    """Create a TrainingRun, let KubeRay (played by kubectl) start it, resume it twice. The controller
+    calls the API as the chart's ServiceAccount, through RBAC with the chart's Role: every call it
+    makes must be one the Role grants (a verb removed from the Role fails this test)."""
     asyncio.run(asyncio.wait_for(create_and_resume(tmp_path), timeout=300))
 
 
 async def create_and_resume(tmp_path: Path) -> None:
+    objects = render({}, namespace=NAMESPACE)
+    account = by_kind(objects, "Deployment")["overworld-run-controller"]["spec"]["template"]["spec"]["serviceAccountName"]
+    user = f"system:serviceaccount:{NAMESPACE}:{account}"
+    authorizer, requests, stop = Authorizer(objects), [], threading.Event()
+    certificate = serving_certificate(["127.0.0.1"])
     async with kubernetes_api(NAMESPACE) as (_, url), fake_trainer() as trainer_address:
-        await drive_controller(url, trainer_address, tmp_path)
+        port = free_port()
+        front = asyncio.create_task(serve_rbac(authorizer, url.rstrip("/"), "127.0.0.1", port, requests, stop,
+                                               certificate))
+        try:
+            await drive_controller(f"https://127.0.0.1:{port}", trainer_address, tmp_path, certificate[0],
+                                   controller_token=authorizer.token_for(user), admin_token=authorizer.token_for(ADMIN))
+        finally:
+            stop.set()
+            await front
+    made = sorted({(r.verb, r.group, r.resource) for r in requests if r.user == user})
+    refused = sorted({(r.verb, r.group, r.resource) for r in requests if r.user == user and not authorizer.allowed(r)})
+    assert made and not refused, f"the controller was refused {refused}; it called {made}"
+    assert ("patch", "ray.io", "rayjobs") in made and ("create", "ray.io", "rayjobs") in made, made
 
 
-async def drive_controller(url: str, trainer_address: str, tmp_path: Path) -> None:
+async def drive_controller(url: str, trainer_address: str, tmp_path: Path, ca_pem: bytes, controller_token: str,
+                           admin_token: str) -> None:
     Trainer.status = {"state": "running", "model_version": 7, "samples_trained": 123456, "env_steps": 654321,
                       "latest_checkpoint": "ckpt-000007"}
-    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", url, NAMESPACE)
+    kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", url, NAMESPACE, token=admin_token, ca_pem=ca_pem)
+    controller_kubeconfig = write_kubeconfig(tmp_path / "controller-kubeconfig", url, NAMESPACE,
+                                             token=controller_token, ca_pem=ca_pem)
     log = tmp_path / "controller.log"
     env = {
         **os.environ,
-        "KUBECONFIG": str(kubeconfig),
+        "KUBECONFIG": str(controller_kubeconfig),
         "OVERWORLD_PROGRESS_INTERVAL": "1",
         "OVERWORLD_TRAINER_ADDRESS": trainer_address,
     }

@@ -6,6 +6,7 @@ import argparse
 import asyncio
 import logging
 import os
+import socket
 from collections.abc import Sequence
 
 import kopf
@@ -49,10 +50,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     handlers.NAMESPACE = args.namespace or None
     if args.metrics_port:
         start_http_server(args.metrics_port)
-    # One controller per namespace; no peering objects (they would need their own CRD).
+    # One controller per namespace; no peering objects (they would need their own CRD). The identity is
+    # given: kopf would otherwise look the process's user up in /etc/passwd, which fails under an
+    # arbitrary runAsUser (OpenShift's random UIDs, a chart value) and ended the controller at start.
     asyncio.run(
         kopf.operator(
             standalone=True,
+            identity=f"overworld-run-controller@{socket.gethostname()}/{os.getpid()}",
             namespaces=[args.namespace] if args.namespace else [],
             clusterwide=not args.namespace,
             liveness_endpoint=args.liveness or None,

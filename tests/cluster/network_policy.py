@@ -1,0 +1,126 @@
+"""NetworkPolicies enforced in the rehearsal as a CNI enforces them (ingress; the chart declares no
+egress policies): a pod that some policy selects accepts only what one of those policies' ingress
+rules allows, from the pods and namespaces they select, on the ports they name (a named port is the
+pod's container port of that name); a pod no policy selects accepts everything. Replies to a pod's
+own connections, loopback, and the node (the kubelet's probes, port-forwards: the control host here)
+are always accepted, as on a cluster.
+
+Each pod's rules are an nftables table in its own network namespace, rewritten when the pods a rule
+selects come or go. Services' `port` -> `targetPort` is honoured the same way, as kube-proxy does it:
+a connection to a ClusterIP Service's pod on the Service's port is rewritten to the target port.
+"""
+
+from __future__ import annotations
+
+import subprocess
+from dataclasses import dataclass
+from typing import Any
+
+NAMESPACE_LABEL = "kubernetes.io/metadata.name"
+
+
+def matches(selector: dict[str, Any] | None, labels: dict[str, str]) -> bool:
+    """A label selector (matchLabels and matchExpressions) against labels; {} selects everything."""
+    if selector is None:
+        return False
+    if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
+        return False
+    for expression in selector.get("matchExpressions") or []:
+        key, operator, values = expression["key"], expression["operator"], expression.get("values") or []
+        if operator == "In" and labels.get(key) not in values:
+            return False
+        if operator == "NotIn" and labels.get(key) in values:
+            return False
+        if operator == "Exists" and key not in labels:
+            return False
+        if operator == "DoesNotExist" and key in labels:
+            return False
+    return True
+
+
+@dataclass
+class Peer:
+    """A pod as the policies see it."""
+
+    ip: str
+    labels: dict[str, str]
+    namespace: str
+    ports: dict[str, int]  # container port name -> number
+
+
+class NetworkPolicies:
+    def __init__(self, objects: list[dict[str, Any]], namespace: str) -> None:
+        self.namespace = namespace
+        self.policies = [o for o in objects if o["kind"] == "NetworkPolicy"
+                         and "Ingress" in (o["spec"].get("policyTypes") or ["Ingress"])]
+        self.services = [o for o in objects if o["kind"] == "Service" and o["spec"].get("clusterIP") != "None"]
+
+    def _sources(self, rule: dict[str, Any], peers: list[Peer]) -> list[str] | None:
+        """The source addresses a rule admits (None: any)."""
+        sources = rule.get("from")
+        if not sources:
+            return None
+        out: list[str] = []
+        for source in sources:
+            if "ipBlock" in source:
+                out.append(source["ipBlock"]["cidr"])
+                continue
+            namespaces = source.get("namespaceSelector")
+            pods = source.get("podSelector")
+            for peer in peers:
+                in_namespace = (peer.namespace == self.namespace if namespaces is None
+                                else matches(namespaces, {NAMESPACE_LABEL: peer.namespace}))
+                if in_namespace and (pods is None or matches(pods, peer.labels)):
+                    out.append(peer.ip)
+        return sorted(set(out))
+
+    def ruleset(self, pod: Peer, peers: list[Peer], node: str) -> str:
+        """The nftables ruleset of one pod's namespace."""
+        lines = ["table inet k8s", "delete table inet k8s", "table inet k8s {"]
+        selecting = [p for p in self.policies if matches(p["spec"].get("podSelector") or {}, pod.labels)]
+        if selecting:
+            lines += ["  chain ingress {", "    type filter hook input priority 0; policy drop;",
+                      "    iif lo accept", "    ct state established,related accept", f"    ip saddr {node} accept"]
+            for policy in selecting:
+                for rule in policy["spec"].get("ingress") or []:
+                    sources = self._sources(rule, peers)
+                    if sources == []:
+                        continue  # it selects no pod now
+                    match = f"ip saddr {{ {', '.join(sources)} }} " if sources is not None else ""
+                    ports = rule.get("ports")
+                    if not ports:
+                        lines.append(f"    {match}accept")
+                    for port in ports or []:
+                        number = port.get("port")
+                        number = pod.ports.get(number) if isinstance(number, str) else number
+                        if number is not None:
+                            lines.append(f"    {match}{port.get('protocol', 'TCP').lower()} dport {number} accept")
+            lines.append("  }")
+        redirects = self._redirects(peers)
+        if redirects:
+            lines += ["  chain services {", "    type nat hook output priority -100; policy accept;",
+                      *(f"    ip daddr {{ {', '.join(ips)} }} tcp dport {port} dnat ip to :{target}"
+                        for ips, port, target in redirects), "  }"]
+        lines.append("}")
+        return "\n".join(lines) + "\n"
+
+    def _redirects(self, peers: list[Peer]) -> list[tuple[list[str], int, int]]:
+        """(Service's pods, port, targetPort) where they differ: kube-proxy's rewrite."""
+        out = []
+        for service in self.services:
+            selector = service["spec"].get("selector") or {}
+            backends = [p for p in peers if p.namespace == self.namespace and selector
+                        and all(p.labels.get(k) == v for k, v in selector.items())]
+            for port in service["spec"].get("ports") or []:
+                target = port.get("targetPort", port["port"])
+                for backend in backends:
+                    number = backend.ports.get(target) if isinstance(target, str) else int(target)
+                    if number is not None and number != port["port"]:
+                        out.append(([backend.ip], int(port["port"]), number))
+        return out
+
+    @staticmethod
+    def apply(netns: str, ruleset: str) -> None:
+        subprocess.run(["ip", "netns", "exec", netns, "nft", "-f", "-"], input=ruleset, text=True,
+                       capture_output=True, check=True, timeout=30)
+
