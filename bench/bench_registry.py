@@ -36,9 +36,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "services"))
+sys.path.insert(0, str(ROOT))  # bench.runs, when run as a script
 
 import grpc  # noqa: E402
 
+from bench.runs import provenance  # noqa: E402
 from overworld.core.grpc_util import CHANNEL_OPTIONS  # noqa: E402
 
 RAW_SERVICE = "bench.RawStream"
@@ -411,7 +413,7 @@ def report(args: argparse.Namespace, results: dict[str, Any]) -> int:
                           "load_average": os.getloadavg()}
     out = Path(args.out)
     out.parent.mkdir(parents=True, exist_ok=True)
-    out.write_text(json.dumps(results, indent=1))
+    out.write_text(json.dumps({**provenance(), **results}, indent=1))
     print()
     print(f"publish -> all {args.workers} workers swapped (median of {args.rounds} rounds), target <= 1.3x plain gRPC "
           f"(worker sha256 check {'on' if args.verify else 'off'}, swap by {args.swap})")

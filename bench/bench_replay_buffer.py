@@ -40,9 +40,11 @@ from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "services"))
+sys.path.insert(0, str(ROOT))  # bench.runs, when run as a script
 
 import numpy as np  # noqa: E402
 
+from bench.runs import provenance  # noqa: E402
 from overworld.core.fragment import Fragment, expected_tensors  # noqa: E402
 from overworld.core.net import free_port, wait_port  # noqa: E402
 from overworld.core.specs import Spaces, TensorSpec  # noqa: E402
@@ -639,6 +641,7 @@ def main(argv: list[str] | None = None) -> int:
     out = Path(args.output)
     out.parent.mkdir(parents=True, exist_ok=True)
     out.write_text(json.dumps({
+        **provenance(),
         "benchmark": "replay_buffer", "fragment_bytes": len(blob), "fragment_length": LENGTH,
         "fragments_per_round": count, "rounds": rounds, "streams_per_front": STREAMS_PER_FRONT,
         "readers_per_front": READERS_PER_FRONT, "chunks_per_sample": CHUNKS_PER_SAMPLE, "cpus": os.cpu_count(),

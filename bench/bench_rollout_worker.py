@@ -29,6 +29,9 @@ from typing import Any
 import numpy as np
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # bench.runs, when run as a script
+from bench.runs import provenance  # noqa: E402
+
 RESULTS = ROOT / "bench" / "results" / "rollout_worker.json"
 ENV_REF = "overworld.envs.crafter_cow:make_env"
 TARGET = 0.85
@@ -248,7 +251,7 @@ def main() -> int:
         "wall_seconds": round(time.monotonic() - started, 1),
     }
     RESULTS.parent.mkdir(parents=True, exist_ok=True)
-    RESULTS.write_text(json.dumps(result, indent=2))
+    RESULTS.write_text(json.dumps({**provenance(), **result}, indent=2))
     print(f"target_met {result['target_met']}  wall {result['wall_seconds']} s  load {result['machine']}")
     for key, r in result.items():
         if isinstance(r, dict) and "env_steps_per_second" in r:

@@ -27,7 +27,6 @@ import json
 import os
 import signal
 import statistics
-import subprocess
 import sys
 import threading
 import time
@@ -353,9 +352,8 @@ def main(argv: list[str] | None = None) -> int:
     # SIGTERM (a CI timeout, kill) unwinds like Ctrl-C: the fleet's pods and namespaces are removed
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     sizes = [int(n) for n in args.sizes.split(",")]
-    commit = subprocess.run(["git", "rev-parse", "HEAD"], capture_output=True, text=True, check=False).stdout.strip()
     result: dict[str, Any] = {"command": " ".join(["python -m bench.bench_scale", *(argv or sys.argv[1:])]),
-                              "commit": commit, "weights_mb": args.weights_mb, "sizes": sizes, "curve": {}}
+                              "weights_mb": args.weights_mb, "sizes": sizes, "curve": {}}
     for mode in args.modes.split(","):
         fanout = {"relay": 2, "star": 0}[mode]
         rows: list[dict[str, Any]] = []

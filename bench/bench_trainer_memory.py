@@ -32,6 +32,9 @@ from pathlib import Path
 from typing import Any
 
 ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT))  # bench.runs, when run as a script
+from bench.runs import provenance  # noqa: E402
+
 RESULT = ROOT / "bench" / "results" / "trainer_memory.json"
 MINESTUDIO_PYTHON = Path(os.environ.get("BENCH_MINESTUDIO_PYTHON", ROOT / ".venv-minestudio" / "bin" / "python"))
 
@@ -262,7 +265,7 @@ def main() -> int:
         "wall_seconds": round(time.monotonic() - started, 1),
     }
     RESULT.parent.mkdir(parents=True, exist_ok=True)
-    RESULT.write_text(json.dumps(result, indent=2) + "\n")
+    RESULT.write_text(json.dumps({**provenance(), **result}, indent=2) + "\n")
     print(json.dumps(result["peak_growth_mb_per_chain"]), f"-> {RESULT}")
     return 0
 

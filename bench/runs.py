@@ -61,10 +61,27 @@ def read_run(workdir: Path) -> dict[str, Any]:
     return summary
 
 
+def provenance() -> dict[str, Any]:
+    """What a result was measured on: the commit (and whether the tree had changes), the date, the
+    machine and the command, so that a figure can be traced to the code and hardware that made it."""
+    def git(*args: str) -> str:
+        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+        return out.stdout.strip()
+
+    cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                if line.startswith("model name")), "unknown") if Path("/proc/cpuinfo").exists() else "unknown"
+    memory = next((int(line.split()[1]) // 1024**2 for line in Path("/proc/meminfo").read_text().splitlines()
+                   if line.startswith("MemTotal")), 0) if Path("/proc/meminfo").exists() else 0
+    return {"commit": git("rev-parse", "HEAD"), "tree_modified": bool(git("status", "--porcelain", "--untracked-files=no")),
+            "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+            "machine": {"cpu": cpu, "cpus": os.cpu_count(), "memory_gib": memory, "kernel": os.uname().release},
+            "command": " ".join(["python", *sys.argv])}
+
+
 def write(name: str, result: dict[str, Any]) -> Path:
     RESULTS.mkdir(parents=True, exist_ok=True)
     path = RESULTS / f"{name}.json"
-    result = {"benchmark": name, "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "cpus": os.cpu_count(), **result}
+    result = {"benchmark": name, **provenance(), "cpus": os.cpu_count(), **result}
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")
     return path

@@ -1,0 +1,23 @@
+"""The committed benchmark results say where they come from: the commit they measured, the date, the
+machine and the command (bench/runs.py `provenance`), so that every figure in the README and the
+report can be traced to the code and the hardware that produced it."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+
+RESULTS = Path(__file__).resolve().parents[1] / "bench" / "results"
+
+
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("*.json")), ids=lambda p: p.stem)
+def test_each_result_records_its_provenance(path: Path) -> None:
+    data = json.loads(path.read_text())
+    assert re.fullmatch(r"[0-9a-f]{40}", data.get("commit", "")), f"{path.name}: no commit"
+    assert re.match(r"\d{4}-\d\d-\d\dT\d\d:\d\d", data.get("date", "")), f"{path.name}: no date"
+    machine = data.get("machine") or {}
+    assert machine.get("cpus") and machine.get("cpu"), f"{path.name}: no machine"
+    assert str(data.get("command", "")).startswith("python"), f"{path.name}: no command"
