@@ -11,7 +11,7 @@ PYTEST_ARGS ?=
 
 SB3_STAMP := .venv-sb3/.installed-sb3-2.9.2
 
-.PHONY: run test test-fast test-minestudio minestudio-venv rehearsal bench sb3 lint protos install clean gpu-check gpu-wheels
+.PHONY: run test test-fast test-minestudio minestudio-venv rehearsal bench scale sb3 lint protos install clean gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -44,6 +44,14 @@ bench: $(STAMP) $(SB3_STAMP)
 	mkdir -p bench/results
 	set -e; for script in bench/bench_*.py; do echo "== $$script"; $(PY) -m bench.$$(basename $$script .py); done
 	$(PY) bench/report.py
+
+# The scaling curve alone (also part of `make bench`): the scale rehearsal's fleet of 1 to 32 rollout pods
+# on 200 Mbit/s links, weights by relay and by star, churn, a 30-minute soak (about 2 h; root, ~16 GB).
+# SCALE_ARGS=--sizes 2,4 --soak-minutes 1 for a quick look.
+scale: $(STAMP)
+	$(PY) -m bench.bench_scale $(SCALE_ARGS)
+	$(PY) bench/report.py
+	$(PY) bench/scale_model.py
 
 # Stable-Baselines3 for bench/bench_e2e.py's side-by-side CartPole run: a venv of its own, everything pinned,
 # the CPU torch first (an unpinned torch would be a multi-GB CUDA build).

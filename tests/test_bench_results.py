@@ -21,3 +21,16 @@ def test_each_result_records_its_provenance(path: Path) -> None:
     machine = data.get("machine") or {}
     assert machine.get("cpus") and machine.get("cpu"), f"{path.name}: no machine"
     assert str(data.get("command", "")).startswith("python"), f"{path.name}: no command"
+
+
+def test_the_readme_figures_are_the_committed_results() -> None:
+    """README.md's table of measured figures is what bench/report.py makes of bench/results: a result
+    re-run and committed without `python bench/report.py`, or a figure edited by hand, fails here."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("bench_report", RESULTS.parent / "report.py")
+    assert spec and spec.loader
+    report = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(report)
+    readme = (RESULTS.parents[1] / "README.md").read_text()
+    assert report.readme_block(report.load()) in readme, "README.md's results differ: run python bench/report.py"

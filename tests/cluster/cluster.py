@@ -18,9 +18,14 @@ What Kubernetes would do, done here, and nothing more:
   a plaintext gRPC health check on the health-only port, as the kubelet's, the HTTP path for
   httpGet ones, a TCP connect for exec ones): a ClusterIP name with one ready
   pod, a headless one with all of them; /etc/hosts holds only the pod's own name.
-- **the API server** is kmock (:mod:`tests.deploy.kube_support`) in the control namespace, and
-  the run-controller pod (the rendered Deployment) talks to it through a kubeconfig instead of a
-  service-account token; kubectl runs in the control namespace.
+- **the API server** is kmock (:mod:`tests.deploy.kube_support`) in the control namespace behind
+  an HTTPS front that authenticates bearer tokens and authorizes each request with the chart's RBAC
+  (:mod:`tests.cluster.rbac`); the run-controller pod (the rendered Deployment) calls it with a token
+  of its ServiceAccount (in a kubeconfig); kubectl runs in the control namespace as an admin.
+- **security**: each container runs as its securityContext says (uid, gid, fsGroup, capabilities,
+  no new privileges, read-only root), its volumes owned as the kubelet owns them (`Security`);
+- **NetworkPolicies** are enforced in each pod's namespace, and Services' port -> targetPort
+  rewritten (:mod:`tests.cluster.network_policy`);
 - **KubeRay** (:mod:`tests.cluster.kuberay`) turns the controller's RayJobs into a RayCluster (head
   and worker pods started as KubeRay starts them) and a submitter pod running KubeRay's own
   `ray job submit` command, and follows the job as KubeRay does.
@@ -28,8 +33,7 @@ What Kubernetes would do, done here, and nothing more:
 Substituted, because the images are not on this machine: the Python services run from this
 checkout's virtual environment; the chart's SeaweedFS container is moto's S3 server with its
 requests recorded on the pod's volume (:mod:`tests.cluster.s3_pod`; it does not check the S3 keys
-it is given). Not enforced: NetworkPolicies (the bridge filters nothing; the chart's tests check
-the rendered policies), resource limits, user ids (processes run as root).
+it is given). Not enforced: resource limits, liveness probes.
 """
 
 from __future__ import annotations
@@ -105,6 +109,20 @@ def image_entrypoint(image: str) -> list[str]:
 
 def random_suffix(length: int = 5) -> str:
     return "".join(random.choices(string.ascii_lowercase + string.digits, k=length))
+
+
+@dataclass(frozen=True)
+class Timing:
+    """When the kubelet runs a probe and how many failures in a row it takes."""
+
+    period: float = 10.0
+    failures: int = 3
+    delay: float = 0.0
+
+    @classmethod
+    def of(cls, probe: dict[str, Any]) -> Timing:
+        return cls(float(probe.get("periodSeconds", 10)), int(probe.get("failureThreshold", 3)),
+                   float(probe.get("initialDelaySeconds", 0)))
 
 
 @dataclass(frozen=True)
@@ -192,6 +210,10 @@ class PodTemplate:
     claims: dict[str, str] = field(default_factory=dict)  # volume name -> claim directory key
     security: Security = field(default_factory=Security)
     ports: dict[str, int] = field(default_factory=dict)  # container ports by name
+    readiness_timing: Timing = field(default_factory=Timing)
+    liveness: tuple[str, int, str] | None = None  # as readiness: a container that fails it is restarted
+    liveness_timing: Timing = field(default_factory=Timing)
+    extended: dict[str, int] = field(default_factory=dict)  # extended resources it asks for (nvidia.com/gpu)
 
 
 @dataclass
@@ -211,6 +233,8 @@ class Pod:
     ended: float = 0.0
     next_restart: float = 0.0
     env: dict[str, str] = field(default_factory=dict)
+    probed: dict[str, float] = field(default_factory=dict)  # readiness | liveness -> when last run
+    failed: dict[str, int] = field(default_factory=dict)  # consecutive failures
 
     @property
     def ip(self) -> str:
@@ -254,6 +278,9 @@ class Cluster:
         self.objects = objects
         self.workdir = workdir
         self.link = link  # (Mbit/s, ms): every pod's link shaped so (netns.Network.shape); None: veth speed
+        # what the node declares of the extended resources pods ask for (a device plugin's nvidia.com/gpu):
+        # a pod that does not fit is not started ("FailedScheduling"); CPU and memory are this machine's
+        self.node_resources: dict[str, int] = {}
         self.policies = NetworkPolicies(objects, NAMESPACE)
         self._rulesets: dict[str, str] = {}  # pod netns -> the nftables rules applied there
         self._outside_peers: dict[str, Peer] = {}  # run_outside's hosts that pose as pods
@@ -554,7 +581,23 @@ class Cluster:
 
     # --- pods ----------------------------------------------------------------------------------
 
-    def _start_pod(self, workload: Workload, ordinal: int | None = None) -> Pod:
+    def unschedulable(self, template: PodTemplate) -> str:
+        """Why the scheduler would leave a pod of `template` Pending ("" if it fits the node)."""
+        with self.lock:
+            placed = [p for p in self.pods if not p.deleting and p.phase in ("Pending", "Running")]
+        short = [name for name, asked in template.extended.items()
+                 if asked + sum(p.template.extended.get(name, 0) for p in placed) > self.node_resources.get(name, 0)]
+        return f"0/1 nodes are available: 1 Insufficient {', '.join(short)}." if short else ""
+
+    def _start_pod(self, workload: Workload, ordinal: int | None = None) -> Pod | None:
+        why = self.unschedulable(workload.template)
+        if why:
+            with self.lock:
+                repeated = any(kind == "FailedScheduling" and what.startswith(workload.name)
+                               for _, kind, what in self.events[-50:])
+            if not repeated:
+                self.event("FailedScheduling", f"{workload.name}: {why}")
+            return None
         name = f"{workload.name}-{ordinal}" if ordinal is not None else f"{workload.name}-{random_suffix()}"
         host = self.network.add_host(name[:40])
         if self.link is not None:
@@ -845,28 +888,54 @@ class Cluster:
                 self._rulesets[pod.host.netns] = ruleset
 
     def _probe_readiness(self) -> None:
+        """The kubelet's probes. Readiness: a pod becomes ready at its first success (tried every 0.5 s
+        until then) and unready after `failureThreshold` failures in a row (tried every periodSeconds);
+        the DNS answers only with ready pods. Liveness (after initialDelaySeconds, every periodSeconds):
+        `failureThreshold` failures in a row kill the container, which the kubelet then restarts."""
+        now = time.monotonic()
         with self.lock:
-            pods = [p for p in self.pods if not p.ready and not p.deleting and p.phase == "Running"]
+            pods = [p for p in self.pods if not p.deleting and p.phase == "Running"
+                    and p.proc is not None and p.proc.poll() is None]
         for pod in pods:
-            probe = pod.template.readiness
-            if probe is None:
-                pod.ready = pod.proc is not None and pod.proc.poll() is None
-                continue
-            kind, port, path = probe
-            try:
-                if kind == "grpc":
-                    ok = self._grpc_serving(pod, port, path)
-                elif kind == "http":
-                    with urllib.request.urlopen(f"http://{pod.ip}:{port}{path}", timeout=1) as response:
-                        ok = response.status < 400
-                else:
-                    with socket.create_connection((pod.ip, port), timeout=1):
-                        ok = True
-            except OSError:
-                ok = False
-            if ok and not pod.ready:
+            template = pod.template
+            if template.readiness is None:
                 pod.ready = True
-                self.event("pod-ready", pod.name)
+            elif not pod.ready or now - pod.probed.get("readiness", 0.0) >= template.readiness_timing.period:
+                pod.probed["readiness"] = now
+                ok = self._probe(pod, template.readiness)
+                pod.failed["readiness"] = 0 if ok else pod.failed.get("readiness", 0) + 1
+                if ok and not pod.ready:
+                    pod.ready = True
+                    self.event("pod-ready", pod.name)
+                elif pod.ready and pod.failed["readiness"] >= template.readiness_timing.failures:
+                    pod.ready = False
+                    self.event("Unhealthy", f"{pod.name}: readiness probe failed {pod.failed['readiness']} times")
+            timing = template.liveness_timing
+            if (template.liveness is not None and now - pod.started >= timing.delay
+                    and now - pod.probed.get("liveness", pod.started) >= timing.period):
+                pod.probed["liveness"] = now
+                ok = self._probe(pod, template.liveness)
+                pod.failed["liveness"] = 0 if ok else pod.failed.get("liveness", 0) + 1
+                if pod.failed["liveness"] >= timing.failures:
+                    self.event("Killing", f"{pod.name}: liveness probe failed {pod.failed['liveness']} times, "
+                                          "restarting the container")
+                    pod.failed["liveness"] = 0
+                    pod.ready = False
+                    assert pod.proc is not None
+                    pod.proc.kill()  # the kubelet's restart follows (restartPolicy Always)
+
+    def _probe(self, pod: Pod, probe: tuple[str, int, str]) -> bool:
+        kind, port, path = probe
+        try:
+            if kind == "grpc":
+                return self._grpc_serving(pod, port, path)
+            if kind == "http":
+                with urllib.request.urlopen(f"http://{pod.ip}:{port}{path}", timeout=1) as response:
+                    return bool(response.status < 400)
+            with socket.create_connection((pod.ip, port), timeout=1):
+                return True
+        except OSError:
+            return False
 
     def _grpc_serving(self, pod: Pod, port: int, service: str) -> bool:
         """The kubelet's gRPC probe: grpc.health.v1 Check, plaintext, no client certificate. Made on the
@@ -902,23 +971,21 @@ class Cluster:
             argv = [sys.executable, str(REPO / "tests" / "cluster" / "s3_pod.py"), "--port", str(port), "--data", "/data"]
         if argv and argv[0] in ("python", "python3"):
             argv[0] = sys.executable
-        probe = container.get("readinessProbe") or {}
-        readiness: tuple[str, int, str] | None = None
         ports = {p.get("name"): p["containerPort"] for p in container.get("ports") or []}
-        if "grpc" in probe:
-            readiness = ("grpc", int(probe["grpc"]["port"]), probe["grpc"].get("service", ""))
-        elif "httpGet" in probe:
-            port = probe["httpGet"]["port"]
-            readiness = ("http", int(ports.get(port, port)), probe["httpGet"].get("path", "/"))
-        elif "exec" in probe and ports:
-            readiness = ("tcp", next(iter(ports.values())), "")
+        readiness = _probe_of(container.get("readinessProbe") or {}, ports)
+        liveness = _probe_of(container.get("livenessProbe") or {}, ports)
+        resources = container.get("resources") or {}
+        extended = {k: int(quantity(v)) for k, v in {**(resources.get("requests") or {}),
+                                                      **(resources.get("limits") or {})}.items() if "/" in k}
         pre_stop = (((container.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}).get("command")
         if pre_stop and pre_stop[0] in ("python", "python3"):
             pre_stop = [sys.executable, *pre_stop[1:]]
         return PodTemplate(labels=dict(labels), argv=argv, env=env, volumes=volumes,
                            grace=float(pod_spec.get("terminationGracePeriodSeconds", 30)),
                            restart=pod_spec.get("restartPolicy", "Always"), pre_stop=pre_stop,
-                           readiness=readiness, security=security, ports=ports)
+                           readiness=readiness, security=security, ports=ports,
+                           readiness_timing=Timing.of(container.get("readinessProbe") or {}), liveness=liveness,
+                           liveness_timing=Timing.of(container.get("livenessProbe") or {}), extended=extended)
 
     def container_env(self, items: list[dict[str, Any]]) -> dict[str, str]:
         env: dict[str, str] = {}
@@ -998,6 +1065,32 @@ class Cluster:
                 out.append(f"--- {pod.name} ({pod.ip}, {pod.phase}, exit {pod.exit_code}):\n"
                            f"{pod.log.read_text(errors='replace')[-tail:]}")
         return "\n".join(out)
+
+
+def quantity(value: Any) -> float:
+    """A Kubernetes quantity ("500m", "2Gi", 1) as a number."""
+    text = str(value)
+    suffixes = {"m": 1e-3, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9}
+    for suffix, factor in suffixes.items():
+        if text.endswith(suffix):
+            return float(text[: -len(suffix)]) * factor
+    return float(text)
+
+
+def _probe_of(probe: dict[str, Any], ports: dict[str, int]) -> tuple[str, int, str] | None:
+    """A rendered probe as (kind, port, path or gRPC service); an exec probe is approximated by a TCP
+    connect to the container's first port (its command would run inside the container)."""
+    if "grpc" in probe:
+        return ("grpc", int(probe["grpc"]["port"]), probe["grpc"].get("service", ""))
+    if "httpGet" in probe:
+        port = probe["httpGet"]["port"]
+        return ("http", int(ports.get(port, port)), probe["httpGet"].get("path", "/"))
+    if "tcpSocket" in probe:
+        port = probe["tcpSocket"]["port"]
+        return ("tcp", int(ports.get(port, port)), "")
+    if "exec" in probe and ports:
+        return ("tcp", next(iter(ports.values())), "")
+    return None
 
 
 def _own_for_group(root: Path, group: int) -> None:

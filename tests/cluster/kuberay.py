@@ -35,7 +35,7 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.cluster.cluster import DOMAIN, NAMESPACE, Cluster, Pod, Workload, random_suffix
+from tests.cluster.cluster import DOMAIN, NAMESPACE, Cluster, Pod, Workload, quantity, random_suffix
 from tests.deploy.kube_support import FOREGROUND
 
 FINALIZER = "ray.io/rayjob-finalizer"
@@ -43,15 +43,6 @@ RAYJOBS = f"/apis/ray.io/v1/namespaces/{NAMESPACE}/rayjobs"
 DASHBOARD_PORT = 8265
 GCS_PORT = 6379
 AUTH_TOKEN_KEY = "auth_token"
-
-
-def quantity(value: Any) -> float:
-    text = str(value)
-    suffixes = {"m": 1e-3, "Ki": 2**10, "Mi": 2**20, "Gi": 2**30, "Ti": 2**40, "k": 1e3, "M": 1e6, "G": 1e9}
-    for suffix, factor in suffixes.items():
-        if text.endswith(suffix):
-            return float(text[: -len(suffix)]) * factor
-    return float(text)
 
 
 def ray_start_command(params: dict[str, str], resources: dict[str, Any], head: bool, head_address: str) -> str:

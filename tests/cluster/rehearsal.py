@@ -67,6 +67,8 @@ class Rehearsal:
     def __init__(self, workdir: Path) -> None:
         self.objects = render(rehearsal_values(), release=RELEASE, namespace=NAMESPACE)
         self.cluster = Cluster(self.objects, workdir)
+        # the node's device plugin declares one GPU: the Ray worker group's pod asks for it
+        self.cluster.node_resources = {"nvidia.com/gpu": 1}
         self.kuberay = KubeRay(self.cluster)
         self.cluster.kuberay = self.kuberay
         self._ray_cluster = ""  # the RayCluster the trainer was last found on

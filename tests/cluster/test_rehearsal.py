@@ -193,6 +193,54 @@ def test_replay_buffer_replicas_both_serve_and_cover_for_each_other(rehearsal: R
                "the second replica back")
 
 
+# --- probes and resources ----------------------------------------------------------------------------
+
+
+def test_a_pod_that_stops_answering_goes_unready_then_is_restarted(rehearsal: Rehearsal) -> None:
+    """The gae pod frozen (SIGSTOP): its readiness probe fails 3 times (5 s apart) and the Service stops
+    naming it; its liveness probe fails 6 times (10 s apart) and the kubelet restarts the container,
+    which answers again; training goes on."""
+    cluster = rehearsal.cluster
+    (gae,) = cluster.pods_of(f"{RELEASE}-gae")
+    restarts, version, env_steps = gae.restarts, *progress(rehearsal)
+    cluster.freeze(gae, True)
+    try:
+        wait_until(lambda: not gae.ready and gae.ip not in cluster.addresses(f"{RELEASE}-gae"), 40,
+                   "the frozen gae pod unready and out of its Service")
+        wait_until(lambda: gae.restarts > restarts, 120, "the kubelet restarting gae after its liveness probe failed")
+    finally:
+        cluster.freeze(gae, False)
+    wait_until(lambda: gae.ready and cluster.addresses(f"{RELEASE}-gae") == [gae.ip], 120, "gae ready again")
+    kinds = [(kind, what) for _, kind, what in cluster.events if gae.name in what]
+    assert any(kind == "Unhealthy" for kind, _ in kinds) and any(kind == "Killing" for kind, _ in kinds), kinds
+    wait_progress_beyond(rehearsal, version, env_steps, 300, "after gae's restart")
+
+
+def test_a_pod_asking_for_a_gpu_the_node_lacks_stays_pending(rehearsal: Rehearsal) -> None:
+    """The node declares one GPU, which the Ray worker group's pod holds: the rollout-worker Deployment
+    rendered with `rolloutWorker.gpu.enabled` (a limit of one nvidia.com/gpu) gets no pod, and the
+    scheduler's event says why, as `kubectl describe` would show it."""
+    from tests.cluster.rehearsal import rehearsal_values
+    from tests.deploy.deploy_support import by_kind, render
+
+    cluster = rehearsal.cluster
+    values = rehearsal_values()
+    values["rolloutWorker"]["gpu"] = {"enabled": True}
+    manifest = by_kind(render(values, release=RELEASE, namespace="rl"), "Deployment")[WORKERS]
+    workload = cluster.workload_from_manifest(manifest)
+    assert workload.template.extended == {"nvidia.com/gpu": 1}
+    workload.name = f"{WORKERS}-gpu"
+    cluster.add_workload(workload)
+    try:
+        wait_until(lambda: any(kind == "FailedScheduling" and workload.name in what for _, kind, what in cluster.events),
+                   30, "the scheduler's event")
+        assert not cluster.pods_of(workload.name, include_ended=True)
+        (event,) = [what for _, kind, what in cluster.events if kind == "FailedScheduling" and workload.name in what]
+        assert "0/1 nodes are available: 1 Insufficient nvidia.com/gpu." in event, event
+    finally:
+        cluster.remove_workload(workload.name)
+
+
 # --- a worker cut off for 30 s --------------------------------------------------------------------
 
 
