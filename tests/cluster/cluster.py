@@ -549,6 +549,32 @@ class Cluster:
 
     # --- workloads -----------------------------------------------------------------------------
 
+    def wait_ready(self, owners: tuple[str, ...], timeout: float) -> None:
+        """Every pod of each owner ready (and at least one each), or an AssertionError with the logs."""
+        def ready() -> bool:
+            return all(self.pods_of(o) and all(p.ready for p in self.pods_of(o)) for o in owners)
+
+        try:
+            wait_until(ready, timeout, f"pods of {owners} ready")
+        except TimeoutError as err:
+            raise AssertionError(f"{err}\n{self.logs(tail=2000)}") from err
+
+    def start_release(self, stores: tuple[str, ...], services: tuple[str, ...], timeout: float = 180) -> dict[str, Any]:
+        """The rendered release in the order a cluster settles into anyway: the stores, then the bucket
+        Job (the post-install hook) and the services. Returns the Deployments and StatefulSets by name."""
+        workloads = {o["metadata"]["name"]: o for o in self.objects if o["kind"] in ("Deployment", "StatefulSet")}
+        for name in stores:
+            self.add_workload(self.workload_from_manifest(workloads[name]))
+        self.wait_ready(stores, timeout)
+        (job,) = [o for o in self.objects if o["kind"] == "Job"]
+        self.add_workload(self.workload_from_manifest(job))
+        for name in services:
+            self.add_workload(self.workload_from_manifest(workloads[name]))
+        self.wait_ready(services, timeout)
+        wait_until(lambda: any(p.phase == "Succeeded" for p in self.pods_of(job["metadata"]["name"], True)),
+                   timeout, "the bucket Job")
+        return workloads
+
     def add_workload(self, workload: Workload) -> None:
         with self.lock:
             self.workloads[workload.name] = workload

@@ -140,28 +140,12 @@ class Fleet:
     def start(self) -> None:
         cluster = self.cluster
         cluster.start()
-        workloads = {o["metadata"]["name"]: o for o in self.objects if o["kind"] in ("Deployment", "StatefulSet")}
-        for name in STORES:
-            cluster.add_workload(cluster.workload_from_manifest(workloads[name]))
-        self.wait_ready(STORES, 90)
-        (job,) = by_kind(self.objects, "Job").values()  # the bucket
-        cluster.add_workload(cluster.workload_from_manifest(job))
-        wait_until(lambda: any(p.phase == "Succeeded" for p in cluster.pods_of(job["metadata"]["name"], True)),
-                   90, "the bucket Job")
-        for name in SERVICES:
-            cluster.add_workload(cluster.workload_from_manifest(workloads[name]))
-        self.wait_ready(SERVICES, 180)
+        workloads = cluster.start_release(STORES, SERVICES)
         cluster.add_workload(trainer_workload(cluster, self.objects))
         cluster.add_workload(cluster.workload_from_manifest(workloads[WORKERS]))
 
     def wait_ready(self, owners: tuple[str, ...], timeout: float) -> None:
-        def ready() -> bool:
-            return all(self.cluster.pods_of(o) and all(p.ready for p in self.cluster.pods_of(o)) for o in owners)
-
-        try:
-            wait_until(ready, timeout, f"pods of {owners} ready")
-        except TimeoutError as err:
-            raise AssertionError(f"{err}\n{self.cluster.logs(tail=2000)}") from err
+        self.cluster.wait_ready(owners, timeout)
 
     # --- the fleet --------------------------------------------------------------------------------
 

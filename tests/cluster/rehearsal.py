@@ -90,14 +90,7 @@ class Rehearsal:
     def start(self) -> None:
         cluster = self.cluster
         cluster.start()
-        workloads = {o["metadata"]["name"]: o for o in self.objects if o["kind"] in ("Deployment", "StatefulSet")}
-        for name in STORES:
-            cluster.add_workload(cluster.workload_from_manifest(workloads[name]))
-        self.wait_ready(STORES, 60)
-        (job,) = by_kind(self.objects, "Job").values()  # the post-install hook: the bucket
-        cluster.add_workload(cluster.workload_from_manifest(job))
-        for name in SERVICES:
-            cluster.add_workload(cluster.workload_from_manifest(workloads[name]))
+        workloads = cluster.start_release(STORES, SERVICES, 120)
         controller = cluster.workload_from_manifest(workloads[CONTROLLER])
         assert cluster.control is not None
         # the controller's ServiceAccount, with what the chart's Role grants it and nothing more
@@ -105,22 +98,13 @@ class Rehearsal:
         controller.template.env["KUBECONFIG"] = str(cluster.kubeconfig(
             cluster.control.address, user=f"system:serviceaccount:{NAMESPACE}:{account}"))
         cluster.add_workload(controller)
-        self.wait_ready(SERVICES, 120)
-        wait_until(lambda: any(p.phase == "Succeeded" for p in cluster.pods_of(job["metadata"]["name"], True)),
-                   60, "the bucket Job")
         manifest = cluster.workdir / "trainingrun.yaml"
         (training_run,) = by_kind(self.objects, "TrainingRun").values()
         manifest.write_text(yaml.safe_dump(training_run))
         cluster.kubectl("create", "--validate=false", "-f", str(manifest))
 
     def wait_ready(self, owners: tuple[str, ...], timeout: float) -> None:
-        def ready() -> bool:
-            return all(self.cluster.pods_of(o) and all(p.ready for p in self.cluster.pods_of(o)) for o in owners)
-
-        try:
-            wait_until(ready, timeout, f"pods of {owners} ready")
-        except TimeoutError as err:
-            raise AssertionError(f"{err}\n{self.cluster.logs()}") from err
+        self.cluster.wait_ready(owners, timeout)
 
     # --- what kubectl and the dashboards would show --------------------------------------------
 

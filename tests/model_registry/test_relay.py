@@ -90,7 +90,19 @@ def registry(tmp_path: Path) -> Iterator[Registry]:
 
 def publish_and_wait(registry: Registry, watchers: list[Watcher], version: int, value: float,
                      timeout: float = 60) -> float:
-    """Publish, wait for every watcher to swap it in; the registry's egress for it in bytes."""
+    """Publish (once every watcher is connected), wait for every watcher to swap it in; the registry's
+    egress for it in bytes."""
+    deadline = time.monotonic() + timeout
+
+    def connected() -> int:
+        try:
+            return registry.client.push_status(0, timeout=5).connected_watchers
+        except grpc.RpcError:  # a registry still starting
+            return 0
+
+    while connected() < len(watchers):
+        assert time.monotonic() < deadline, "the watchers did not all connect"
+        time.sleep(0.05)
     before = counter("overworld_registry_bytes_pushed_total")
     registry.client.publish(version, weights.to_bytes(model(value)))
     status = registry.client.push_status(version, wait=timeout)

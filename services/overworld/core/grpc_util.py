@@ -182,6 +182,26 @@ def serve(
     return out
 
 
+def add_overriding(add_generated: Callable[[Any, Any], None], servicer: Any, server: Any, name: str,
+                   overrides: dict[str, Any]) -> None:
+    """Register `servicer` as the generated add_XServicer_to_server does, with some methods' handlers
+    replaced (`overrides`, method name -> grpc handler): e.g. handlers that send pre-encoded bytes
+    instead of messages the generated serializer would encode again for every caller."""
+    captured: dict[str, Any] = {}
+
+    class _Capture:
+        def add_generic_rpc_handlers(self, handlers: Iterable[Any]) -> None:
+            pass
+
+        def add_registered_method_handlers(self, _name: str, handlers: dict[str, Any]) -> None:
+            captured.update(handlers)
+
+    add_generated(servicer, _Capture())
+    captured.update(overrides)
+    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, captured),))
+    server.add_registered_method_handlers(name, captured)
+
+
 def channel(address: str) -> grpc.Channel:
     """A channel to `address` with this process's credentials (mutual TLS), or plaintext without."""
     files = tls.credentials()

@@ -28,7 +28,7 @@ import logging
 import re
 import threading
 import time
-from collections.abc import Callable, Iterable, Iterator
+from collections.abc import Callable, Iterator
 from typing import Any
 
 import grpc
@@ -37,7 +37,7 @@ from prometheus_client import Counter, Gauge, Histogram
 
 from overworld.core import weights
 from overworld.core.blobs import BlobStore
-from overworld.core.grpc_util import abort
+from overworld.core.grpc_util import abort, add_overriding
 from overworld.model_registry import wire
 from overworld.model_registry.payload import (
     ALIGN,
@@ -603,24 +603,14 @@ def _identity(message: bytes) -> bytes:
 def add_to_server(service: ModelRegistryService, server: Any) -> None:
     """Like the generated add_ModelRegistryServicer_to_server, but Publish reads chunks as views into
     the received messages and Fetch sends pre-encoded chunks: no per-watcher copy in Python."""
-    captured: dict[str, Any] = {}
-
-    class _Capture:
-        def add_generic_rpc_handlers(self, handlers: Iterable[Any]) -> None:
-            pass
-
-        def add_registered_method_handlers(self, name: str, handlers: dict[str, Any]) -> None:
-            captured.update(handlers)
-
-    model_registry_pb2_grpc.add_ModelRegistryServicer_to_server(service, _Capture())
-    captured["Publish"] = grpc.stream_unary_rpc_method_handler(
-        service.publish_parts, request_deserializer=wire.decode_publish,
-        response_serializer=pb.VersionInfo.SerializeToString)
-    captured["Fetch"] = grpc.unary_stream_rpc_method_handler(
-        service.fetch_messages, request_deserializer=pb.FetchRequest.FromString, response_serializer=_identity)
-    name = "overworld.v1.ModelRegistry"
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, captured),))
-    server.add_registered_method_handlers(name, captured)
+    add_overriding(model_registry_pb2_grpc.add_ModelRegistryServicer_to_server, service, server,
+                   "overworld.v1.ModelRegistry", {
+                       "Publish": grpc.stream_unary_rpc_method_handler(
+                           service.publish_parts, request_deserializer=wire.decode_publish,
+                           response_serializer=pb.VersionInfo.SerializeToString),
+                       "Fetch": grpc.unary_stream_rpc_method_handler(
+                           service.fetch_messages, request_deserializer=pb.FetchRequest.FromString,
+                           response_serializer=_identity)})
 
 
 def registration(service: ModelRegistryService) -> tuple[Callable[[Any, Any], None], ModelRegistryService, str]:

@@ -11,7 +11,7 @@ from typing import Any
 
 import grpc
 
-from overworld.core.grpc_util import Server, abort, serve
+from overworld.core.grpc_util import Server, abort, add_overriding, serve
 from overworld.rollout_worker.relay import RelayShelf, serve_relayed
 from overworld.rollout_worker.worker import RolloutWorker
 from overworld.v1 import model_registry_pb2, rollout_worker_pb2_grpc
@@ -53,22 +53,11 @@ def _identity(message: bytes) -> bytes:
 
 def add_to_server(service: WorkerService, server: Any) -> None:
     """The generated registration, but FetchWeights sends the messages as received (no re-encoding)."""
-    captured: dict[str, Any] = {}
-
-    class _Capture:
-        def add_generic_rpc_handlers(self, handlers: Iterable[Any]) -> None:
-            pass
-
-        def add_registered_method_handlers(self, name: str, handlers: dict[str, Any]) -> None:
-            captured.update(handlers)
-
-    rollout_worker_pb2_grpc.add_RolloutWorkerServicer_to_server(service, _Capture())
-    captured["FetchWeights"] = grpc.unary_stream_rpc_method_handler(
-        service.fetch_weights, request_deserializer=model_registry_pb2.FetchRequest.FromString,
-        response_serializer=_identity)
-    name = "overworld.v1.RolloutWorker"
-    server.add_generic_rpc_handlers((grpc.method_handlers_generic_handler(name, captured),))
-    server.add_registered_method_handlers(name, captured)
+    add_overriding(rollout_worker_pb2_grpc.add_RolloutWorkerServicer_to_server, service, server,
+                   "overworld.v1.RolloutWorker", {
+                       "FetchWeights": grpc.unary_stream_rpc_method_handler(
+                           service.fetch_weights, request_deserializer=model_registry_pb2.FetchRequest.FromString,
+                           response_serializer=_identity)})
 
 
 class RolloutWorkerProcess:
