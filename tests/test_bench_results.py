@@ -34,3 +34,16 @@ def test_the_readme_figures_are_the_committed_results() -> None:
     spec.loader.exec_module(report)
     readme = (RESULTS.parents[1] / "README.md").read_text()
     assert report.readme_block(report.load()) in readme, "README.md's results differ: run python bench/report.py"
+
+
+def test_the_scaling_model_in_the_docs_is_the_committed_curve() -> None:
+    """docs/operations.md's scaling model is bench/scale_model.py's reading of bench/results/scale.json."""
+    import importlib.util
+
+    spec = importlib.util.spec_from_file_location("scale_model", RESULTS.parent / "scale_model.py")
+    assert spec and spec.loader
+    scale_model = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(scale_model)
+    operations = (RESULTS.parents[1] / "docs" / "operations.md").read_text()
+    expected = scale_model.block(json.loads((RESULTS / "scale.json").read_text()))
+    assert expected in operations, "docs/operations.md's scaling model differs: run python bench/scale_model.py"

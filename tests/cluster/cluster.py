@@ -96,6 +96,7 @@ SERVICE_IMAGE_ENTRYPOINTS = {
     "overworld-rollout-worker": ("rollout-worker.Dockerfile", "runtime"),
 }
 OBJECT_STORE_IMAGE = "chrislusf/seaweedfs"
+POD_IP = "\x00status.podIP"  # a fieldRef to the pod's IP in a template's environment, filled in at its start
 
 
 def image_entrypoint(image: str) -> list[str]:
@@ -118,11 +119,12 @@ class Timing:
     period: float = 10.0
     failures: int = 3
     delay: float = 0.0
+    timeout: float = 1.0
 
     @classmethod
     def of(cls, probe: dict[str, Any]) -> Timing:
         return cls(float(probe.get("periodSeconds", 10)), int(probe.get("failureThreshold", 3)),
-                   float(probe.get("initialDelaySeconds", 0)))
+                   float(probe.get("initialDelaySeconds", 0)), float(probe.get("timeoutSeconds", 1)))
 
 
 @dataclass(frozen=True)
@@ -213,6 +215,8 @@ class PodTemplate:
     readiness_timing: Timing = field(default_factory=Timing)
     liveness: tuple[str, int, str] | None = None  # as readiness: a container that fails it is restarted
     liveness_timing: Timing = field(default_factory=Timing)
+    startup: tuple[str, int, str] | None = None  # until it succeeds, neither readiness nor liveness runs
+    startup_timing: Timing = field(default_factory=Timing)
     extended: dict[str, int] = field(default_factory=dict)  # extended resources it asks for (nvidia.com/gpu)
 
 
@@ -424,6 +428,20 @@ class Cluster:
         return write_kubeconfig(path, f"https://{server_host}:{self.api_port}", NAMESPACE,
                                 token=self.authorizer.token_for(user), ca_pem=self.api_certificate[0])
 
+    def service_account_kubeconfig(self, pod_spec: dict[str, Any]) -> Path | None:
+        """What the kubelet gives a pod to reach the API server: a token of its ServiceAccount (as a
+        kubeconfig here) when the ServiceAccount exists and its token is mounted (the pod's
+        `automountServiceAccountToken`, else the ServiceAccount's); None otherwise."""
+        name = pod_spec.get("serviceAccountName", "default")
+        accounts = {o["metadata"]["name"]: o for o in self.objects if o["kind"] == "ServiceAccount"}
+        if name not in accounts:
+            return None
+        mounted = pod_spec.get("automountServiceAccountToken", accounts[name].get("automountServiceAccountToken", True))
+        if not mounted:
+            return None
+        assert self.control is not None
+        return self.kubeconfig(self.control.address, user=f"system:serviceaccount:{NAMESPACE}:{name}")
+
     def kubectl(self, *args: str, check: bool = True) -> str:
         from tests.deploy.deploy_support import kubectl
 
@@ -610,7 +628,7 @@ class Cluster:
     def unschedulable(self, template: PodTemplate) -> str:
         """Why the scheduler would leave a pod of `template` Pending ("" if it fits the node)."""
         with self.lock:
-            placed = [p for p in self.pods if not p.deleting and p.phase in ("Pending", "Running")]
+            placed = [p for p in self.pods if p.phase in ("Pending", "Running")]  # terminating ones hold theirs
         short = [name for name, asked in template.extended.items()
                  if asked + sum(p.template.extended.get(name, 0) for p in placed) > self.node_resources.get(name, 0)]
         return f"0/1 nodes are available: 1 Insufficient {', '.join(short)}." if short else ""
@@ -619,7 +637,7 @@ class Cluster:
         why = self.unschedulable(workload.template)
         if why:
             with self.lock:
-                repeated = any(kind == "FailedScheduling" and what.startswith(workload.name)
+                repeated = any(kind == "FailedScheduling" and what.startswith(f"{workload.name}: ")
                                for _, kind, what in self.events[-50:])
             if not repeated:
                 self.event("FailedScheduling", f"{workload.name}: {why}")
@@ -703,6 +721,9 @@ class Cluster:
             keep = "|".join(["/proc", "/proc/*", "/sys", "/sys/*", "/dev", "/dev/*", *writable])
             mounts.append(f"for m in $(awk '{{print $2}}' /proc/self/mounts); do case \"$m\" in {keep}) ;; "
                           f"*) mount -o remount,bind,ro \"$m\" 2>/dev/null || true;; esac; done")
+            # a root that can still be written is this harness's failure, not the pod's: say so
+            mounts.append("if touch /.owr-read-only-probe 2>/dev/null; then rm -f /.owr-read-only-probe; "
+                          "echo 'rehearsal: the read-only root filesystem is not in force' >&2; exit 70; fi")
         run = " ".join(shlex.quote(a) for a in security.setpriv())
         script = "set -e; hostname \"$OWR_POD_NAME\"; " + "; ".join(mounts) + f'; exec {run} "$@"'
         env = {
@@ -713,7 +734,7 @@ class Cluster:
             "OVERWORLD_LOG_FORMAT": "text",
             "RAY_USAGE_STATS_ENABLED": "0",
             "OWR_POD_NAME": pod.name,
-            **template.env,
+            **{k: pod.ip if v == POD_IP else v for k, v in template.env.items()},
             **(template.env_from_pod(pod) if template.env_from_pod else {}),
         }
         pod.env = env
@@ -734,6 +755,8 @@ class Cluster:
         pod.phase = "Running"
         pod.ready = False
         pod.started = time.monotonic()
+        pod.probed.clear()
+        pod.failed.clear()
 
     def delete_pod(self, pod: Pod, graceful: bool = False, wait: bool = True) -> threading.Thread:
         """`kubectl delete pod` (graceful: preStop, SIGTERM, grace period) or a node loss (SIGKILL).
@@ -893,7 +916,8 @@ class Cluster:
         """Every pod's nftables rules as the NetworkPolicies say, given the pods there are now."""
         assert self.control is not None
         with self.lock:
-            pods = [p for p in self.pods if not p.deleting and p.phase != "Terminated"]
+            # a terminating pod still matches selectors until it is gone (its connections while it drains)
+            pods = [p for p in self.pods if p.phase != "Terminated"]
             outside = list(self._outside_peers.values())
         peers = [*(Peer(p.ip, p.template.labels, NAMESPACE, p.template.ports) for p in pods), *outside]
         with self._policy_lock:
@@ -914,21 +938,29 @@ class Cluster:
                 self._rulesets[pod.host.netns] = ruleset
 
     def _probe_readiness(self) -> None:
-        """The kubelet's probes. Readiness: a pod becomes ready at its first success (tried every 0.5 s
-        until then) and unready after `failureThreshold` failures in a row (tried every periodSeconds);
-        the DNS answers only with ready pods. Liveness (after initialDelaySeconds, every periodSeconds):
-        `failureThreshold` failures in a row kill the container, which the kubelet then restarts."""
+        """The kubelet's probes. Startup first: until it succeeds (tried every 0.5 s here, for a quick
+        rehearsal; `failureThreshold` x periodSeconds allowed, then the container is restarted) neither of
+        the others runs. Readiness: a pod becomes ready at its first success (tried every 0.5 s until then)
+        and unready after `failureThreshold` failures in a row (every periodSeconds); the DNS answers
+        only with ready pods. Liveness (after initialDelaySeconds, every periodSeconds): `failureThreshold`
+        failures in a row restart the container. Each probe waits its timeoutSeconds."""
         now = time.monotonic()
         with self.lock:
             pods = [p for p in self.pods if not p.deleting and p.phase == "Running"
                     and p.proc is not None and p.proc.poll() is None]
         for pod in pods:
             template = pod.template
+            if template.startup is not None and not pod.probed.get("started"):
+                if self._probe(pod, template.startup, template.startup_timing.timeout):
+                    pod.probed["started"] = now
+                elif now - pod.started > template.startup_timing.failures * template.startup_timing.period:
+                    self._restart(pod, "startup probe failed")
+                continue
             if template.readiness is None:
                 pod.ready = True
             elif not pod.ready or now - pod.probed.get("readiness", 0.0) >= template.readiness_timing.period:
                 pod.probed["readiness"] = now
-                ok = self._probe(pod, template.readiness)
+                ok = self._probe(pod, template.readiness, template.readiness_timing.timeout)
                 pod.failed["readiness"] = 0 if ok else pod.failed.get("readiness", 0) + 1
                 if ok and not pod.ready:
                     pod.ready = True
@@ -937,33 +969,41 @@ class Cluster:
                     pod.ready = False
                     self.event("Unhealthy", f"{pod.name}: readiness probe failed {pod.failed['readiness']} times")
             timing = template.liveness_timing
-            if (template.liveness is not None and now - pod.started >= timing.delay
-                    and now - pod.probed.get("liveness", pod.started) >= timing.period):
+            since = pod.probed.get("started", pod.started)
+            if (template.liveness is not None and now - since >= timing.delay
+                    and now - pod.probed.get("liveness", since) >= timing.period):
                 pod.probed["liveness"] = now
-                ok = self._probe(pod, template.liveness)
+                ok = self._probe(pod, template.liveness, timing.timeout)
                 pod.failed["liveness"] = 0 if ok else pod.failed.get("liveness", 0) + 1
                 if pod.failed["liveness"] >= timing.failures:
-                    self.event("Killing", f"{pod.name}: liveness probe failed {pod.failed['liveness']} times, "
-                                          "restarting the container")
-                    pod.failed["liveness"] = 0
-                    pod.ready = False
-                    assert pod.proc is not None
-                    pod.proc.kill()  # the kubelet's restart follows (restartPolicy Always)
+                    self._restart(pod, f"liveness probe failed {pod.failed['liveness']} times")
 
-    def _probe(self, pod: Pod, probe: tuple[str, int, str]) -> bool:
+    def _restart(self, pod: Pod, why: str) -> None:
+        """The kubelet killing a container for its probes: its preStop hook, SIGTERM, SIGKILL after the
+        grace period; then the restart (restartPolicy Always) as for any container that exits."""
+        self.event("Killing", f"{pod.name}: {why}, restarting the container")
+        pod.ready = False
+        def stop() -> None:
+            self._terminate(pod)
+            if pod.proc is not None and pod.proc.poll() is None:
+                pod.proc.kill()  # the grace period is over
+
+        threading.Thread(target=stop, name=f"restart-{pod.name}", daemon=True).start()
+
+    def _probe(self, pod: Pod, probe: tuple[str, int, str], timeout: float = 1.0) -> bool:
         kind, port, path = probe
         try:
             if kind == "grpc":
-                return self._grpc_serving(pod, port, path)
+                return self._grpc_serving(pod, port, path, timeout)
             if kind == "http":
-                with urllib.request.urlopen(f"http://{pod.ip}:{port}{path}", timeout=1) as response:
+                with urllib.request.urlopen(f"http://{pod.ip}:{port}{path}", timeout=timeout) as response:
                     return bool(response.status < 400)
-            with socket.create_connection((pod.ip, port), timeout=1):
+            with socket.create_connection((pod.ip, port), timeout=timeout):
                 return True
         except OSError:
             return False
 
-    def _grpc_serving(self, pod: Pod, port: int, service: str) -> bool:
+    def _grpc_serving(self, pod: Pod, port: int, service: str, timeout: float = 1.0) -> bool:
         """The kubelet's gRPC probe: grpc.health.v1 Check, plaintext, no client certificate. Made on the
         home thread (netns.HomeThread), through a forward into the cluster."""
         import grpc
@@ -973,13 +1013,13 @@ class Cluster:
             with grpc.insecure_channel(self.forward(pod.ip, port)) as channel:
                 try:
                     reply = health_pb2_grpc.HealthStub(channel).Check(
-                        health_pb2.HealthCheckRequest(service=service), timeout=1)
+                        health_pb2.HealthCheckRequest(service=service), timeout=timeout)
                 except grpc.RpcError:
                     return False
             return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
         assert self._home is not None
-        return self._home.call(check, timeout=10)
+        return self._home.call(check, timeout=timeout + 10)
 
     # --- from rendered manifests -------------------------------------------------------------------
 
@@ -1000,6 +1040,7 @@ class Cluster:
         ports = {p.get("name"): p["containerPort"] for p in container.get("ports") or []}
         readiness = _probe_of(container.get("readinessProbe") or {}, ports)
         liveness = _probe_of(container.get("livenessProbe") or {}, ports)
+        startup = _probe_of(container.get("startupProbe") or {}, ports)
         resources = container.get("resources") or {}
         extended = {k: int(quantity(v)) for k, v in {**(resources.get("requests") or {}),
                                                       **(resources.get("limits") or {})}.items() if "/" in k}
@@ -1011,7 +1052,8 @@ class Cluster:
                            restart=pod_spec.get("restartPolicy", "Always"), pre_stop=pre_stop,
                            readiness=readiness, security=security, ports=ports,
                            readiness_timing=Timing.of(container.get("readinessProbe") or {}), liveness=liveness,
-                           liveness_timing=Timing.of(container.get("livenessProbe") or {}), extended=extended)
+                           liveness_timing=Timing.of(container.get("livenessProbe") or {}), extended=extended,
+                           startup=startup, startup_timing=Timing.of(container.get("startupProbe") or {}))
 
     def container_env(self, items: list[dict[str, Any]]) -> dict[str, str]:
         env: dict[str, str] = {}
@@ -1023,6 +1065,8 @@ class Cluster:
                     env[item["name"]] = self.secrets[ref["name"]][ref["key"]]
                 elif source.get("fieldRef", {}).get("fieldPath") == "metadata.namespace":
                     env[item["name"]] = NAMESPACE
+                elif source.get("fieldRef", {}).get("fieldPath") == "status.podIP":
+                    env[item["name"]] = POD_IP  # the pod's address, known when it starts
                 else:
                     raise NotImplementedError(f"env {item['name']}: {source}")
             else:
@@ -1043,10 +1087,11 @@ class Cluster:
                 source.mkdir(parents=True, exist_ok=True)
                 for key, text in self.config_maps[volume["configMap"]["name"]].items():
                     (source / key).write_text(text)
-                volumes.append(Volume(mount["mountPath"], "dir", source))
+                volumes.append(Volume(mount["mountPath"], "dir", source, read_only=True))
             elif volume is not None and "secret" in volume:
+                # Secret and ConfigMap volumes are read-only whatever the mount says (the kubelet's)
                 volumes.append(Volume(mount["mountPath"], "dir", self._secret_files(volume["secret"], fs_group),
-                                      read_only=bool(mount.get("readOnly"))))
+                                      read_only=True))
             elif volume is not None and (volume.get("emptyDir") or {}).get("medium") == "Memory":
                 volumes.append(Volume(mount["mountPath"], "memory"))
             elif volume is not None and "emptyDir" in volume:
@@ -1065,7 +1110,8 @@ class Cluster:
             path = directory / key
             path.write_text(text)
             os.chown(path, 0, 0 if fs_group is None else fs_group)
-            path.chmod(int(source.get("defaultMode", 0o644)))
+            mode = int(source.get("defaultMode", 0o644))
+            path.chmod(mode | (0o440 if fs_group is not None else 0))  # the kubelet lets the fsGroup read it
         return directory
 
     def workload_from_manifest(self, obj: dict[str, Any], replicas: int | None = None) -> Workload:

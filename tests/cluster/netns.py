@@ -229,20 +229,19 @@ class Network:
         self.hosts.pop(host.netns, None)
 
     def shape(self, host: Host, rate_mbit: float, delay_ms: float = 0.0) -> None:
-        """Make a host's link a NIC's: `rate_mbit` each way (a token bucket on both ends of its veth: the
-        host's egress, and the bridge's egress towards it, queueing up to 50 ms as a switch port's
-        buffer would) and, where the kernel has netem, `delay_ms` one way. A delay asked for on a
-        kernel without netem is an error (netem_available() tells)."""
+        """Make a host's link a NIC's: `rate_mbit` each way (on both ends of its veth: the host's egress,
+        and the bridge's egress towards it, queueing up to 50 ms as a switch port's buffer would) and,
+        where the kernel has netem, `delay_ms` on what the host sends (so `delay_ms` one way between
+        two shaped hosts). A delay asked for on a kernel without netem is an error (netem_available())."""
         rate = rate_mbit * 1e6 / 8  # bytes/s
+        burst = max(256 << 10, int(rate / 250))  # a veth's largest (GSO) packet fits the bucket
+        bucket = ["tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst), "limit", str(max(2 * burst, int(rate / 20)))]
+        egress = bucket
         if delay_ms:
             if not netem_available():
                 raise RuntimeError("this kernel has no netem (sch_netem): links can be rate-shaped, not delayed")
-            qdisc = ["netem", "rate", f"{rate_mbit}mbit", "delay", f"{delay_ms}ms", "limit", "100000"]
-        else:
-            # the bucket holds a veth's largest (GSO) packet; the queue 50 ms of the rate
-            burst = max(256 << 10, int(rate / 250))
-            qdisc = ["tbf", "rate", f"{rate_mbit}mbit", "burst", str(burst), "limit", str(max(2 * burst, int(rate / 20)))]
-        for netns, dev in ((host.netns, "eth0"), (self.switch, host.veth)):
+            egress = ["netem", "rate", f"{rate_mbit}mbit", "delay", f"{delay_ms}ms", "limit", "100000"]
+        for netns, dev, qdisc in ((host.netns, "eth0", egress), (self.switch, host.veth, bucket)):
             subprocess.run(["tc", "-n", netns, "qdisc", "replace", "dev", dev, "root", *qdisc],
                            capture_output=True, text=True, check=True, timeout=30)
 

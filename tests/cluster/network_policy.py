@@ -52,18 +52,21 @@ class NetworkPolicies:
     def __init__(self, objects: list[dict[str, Any]], namespace: str) -> None:
         self.namespace = namespace
         self.policies = [o for o in objects if o["kind"] == "NetworkPolicy"
+                         and o["metadata"].get("namespace", namespace) == namespace
                          and "Ingress" in (o["spec"].get("policyTypes") or ["Ingress"])]
         self.services = [o for o in objects if o["kind"] == "Service" and o["spec"].get("clusterIP") != "None"]
 
-    def _sources(self, rule: dict[str, Any], peers: list[Peer]) -> list[str] | None:
-        """The source addresses a rule admits (None: any)."""
+    def _sources(self, rule: dict[str, Any], peers: list[Peer]) -> tuple[list[str], list[str]] | None:
+        """The source addresses a rule admits and the ranges it excepts (None: any source)."""
         sources = rule.get("from")
         if not sources:
             return None
         out: list[str] = []
+        excepted: list[str] = []
         for source in sources:
             if "ipBlock" in source:
                 out.append(source["ipBlock"]["cidr"])
+                excepted += source["ipBlock"].get("except") or []
                 continue
             namespaces = source.get("namespaceSelector")
             pods = source.get("podSelector")
@@ -72,7 +75,7 @@ class NetworkPolicies:
                                 else matches(namespaces, {NAMESPACE_LABEL: peer.namespace}))
                 if in_namespace and (pods is None or matches(pods, peer.labels)):
                     out.append(peer.ip)
-        return sorted(set(out))
+        return sorted(set(out)), sorted(set(excepted))
 
     def ruleset(self, pod: Peer, peers: list[Peer], node: str) -> str:
         """The nftables ruleset of one pod's namespace."""
@@ -84,17 +87,25 @@ class NetworkPolicies:
             for policy in selecting:
                 for rule in policy["spec"].get("ingress") or []:
                     sources = self._sources(rule, peers)
-                    if sources == []:
+                    if sources is not None and not sources[0]:
                         continue  # it selects no pod now
-                    match = f"ip saddr {{ {', '.join(sources)} }} " if sources is not None else ""
+                    match = ""
+                    if sources is not None:
+                        match = f"ip saddr {{ {', '.join(sources[0])} }} "
+                        if sources[1]:
+                            match += f"ip saddr != {{ {', '.join(sources[1])} }} "
                     ports = rule.get("ports")
                     if not ports:
                         lines.append(f"    {match}accept")
                     for port in ports or []:
+                        protocol = port.get("protocol", "TCP").lower()
                         number = port.get("port")
                         number = pod.ports.get(number) if isinstance(number, str) else number
-                        if number is not None:
-                            lines.append(f"    {match}{port.get('protocol', 'TCP').lower()} dport {number} accept")
+                        if "port" not in port:  # a protocol alone: every port of it
+                            lines.append(f"    {match}meta l4proto {protocol} accept")
+                        elif number is not None:
+                            span = f"{number}-{port['endPort']}" if port.get("endPort") else str(number)
+                            lines.append(f"    {match}{protocol} dport {span} accept")
             lines.append("  }")
         redirects = self._redirects(peers)
         if redirects:

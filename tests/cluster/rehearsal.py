@@ -92,11 +92,10 @@ class Rehearsal:
         cluster.start()
         workloads = cluster.start_release(STORES, SERVICES, 120)
         controller = cluster.workload_from_manifest(workloads[CONTROLLER])
-        assert cluster.control is not None
-        # the controller's ServiceAccount, with what the chart's Role grants it and nothing more
-        account = workloads[CONTROLLER]["spec"]["template"]["spec"]["serviceAccountName"]
-        controller.template.env["KUBECONFIG"] = str(cluster.kubeconfig(
-            cluster.control.address, user=f"system:serviceaccount:{NAMESPACE}:{account}"))
+        # the controller's ServiceAccount token, if the chart mounts one, with what the chart's Role grants
+        kubeconfig = cluster.service_account_kubeconfig(workloads[CONTROLLER]["spec"]["template"]["spec"])
+        if kubeconfig is not None:
+            controller.template.env["KUBECONFIG"] = str(kubeconfig)
         cluster.add_workload(controller)
         manifest = cluster.workdir / "trainingrun.yaml"
         (training_run,) = by_kind(self.objects, "TrainingRun").values()

@@ -101,10 +101,10 @@ def test_watch_pushes_every_new_version(registry) -> None:
     got_first, got_three = threading.Event(), threading.Event()
 
     def consume() -> None:
-        for announcement in stream:
-            seen.append(announcement.info.version)
+        for info in stream:  # the plain Watch: VersionInfo, as an older release's watchers read it
+            seen.append(info.version)
             got_first.set()
-            if announcement.info.version == 3:
+            if info.version == 3:
                 got_three.set()
                 return
 

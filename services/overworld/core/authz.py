@@ -31,7 +31,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "rollout-worker": (_RM + "GetRunConfig", _RM + "Register", _RM + "Heartbeat", _RM + "Deregister",
                        _RM + "ReportEpisodes", _RM + "UploadVideo",
                        _RB + "Insert",
-                       _MR + "Watch", _MR + "Fetch", _MR + "AckVersion",
+                       _MR + "Watch", _MR + "WatchAnnouncements", _MR + "Fetch", _MR + "AckVersion",
                        # the weights relay: one worker passes a version on to another
                        _RW + "FetchWeights"),
     "replay-buffer": (_RM + "GetRunConfig", _RM + "GetSpaces"),

@@ -35,6 +35,7 @@ class ModelRegistryClient:
         over `through`, a channel made otherwise: e.g. a port-forward's)."""
         self.address = address
         self._channel = through or channel(address)
+        self._owns_channel = through is None
         self.stub = model_registry_pb2_grpc.ModelRegistryStub(self._channel)
         self._acks: set[grpc.Future] = set()
         self._acks_lock = threading.Lock()
@@ -183,13 +184,15 @@ class ModelRegistryClient:
         return Retry(timeout).unary(self.stub.SetTag, pb.SetTagRequest(tag=tag, remove=True), "registry.SetTag")
 
     def watch(self, watcher_id: str, known_version: int = 0, timeout: float = WATCH_SECONDS, relay_port: int = 0,
-              precision: str = "") -> Iterator[pb.Announcement]:
+              precision: str = "", relay_host: str = "") -> Iterator[pb.Announcement]:
         """The Watch stream of announcements (cancel it with .cancel()). It ends with DEADLINE_EXCEEDED
         after `timeout` seconds, like every call: open the next one with the version held (the registry
         announces its latest version at once when it differs from `known_version`). `relay_port`: this
-        watcher relays what it receives (the RolloutWorker service on that port), in `precision`."""
-        return self.stub.Watch(pb.WatchRequest(watcher_id=watcher_id, known_version=known_version,
-                                               relay_port=relay_port, precision=precision), timeout=timeout)
+        watcher relays what it receives (the RolloutWorker service on that port, at `relay_host`, or the
+        address the registry sees it at), in `precision`."""
+        return self.stub.WatchAnnouncements(pb.WatchRequest(watcher_id=watcher_id, known_version=known_version,
+                                                            relay_port=relay_port, precision=precision,
+                                                            relay_host=relay_host), timeout=timeout)
 
     def ack(self, watcher_id: str, version: int, timeout: float = 5.0) -> grpc.Future:
         """Acknowledge a swapped-in version without waiting for the reply."""
@@ -210,4 +213,5 @@ class ModelRegistryClient:
                                        timeout=timeout if timeout is not None else wait + 30)
 
     def close(self) -> None:
-        self._channel.close()
+        if self._owns_channel:
+            self._channel.close()

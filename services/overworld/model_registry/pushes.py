@@ -82,7 +82,8 @@ class PushTracker:
         self._update_gauges()
 
     def member_list(self, precision: str) -> list[Member]:
-        return [m for m in self.members.values() if m.precision == precision]
+        """The watchers a relay plan is made of: those that take announcements with sources."""
+        return [m for m in self.members.values() if m.precision == precision and m.relayed]
 
     # -- pushes -----------------------------------------------------------------------------------
     def start(self, version: int, started: float, started_unix: float) -> None:

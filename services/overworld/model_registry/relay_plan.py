@@ -46,6 +46,7 @@ class Member:
     watcher: str
     address: str
     precision: str = ""
+    relayed: bool = True  # it asked for announcements with sources (WatchAnnouncements), not plain Watch
 
 
 class RelayPlan:
@@ -84,10 +85,12 @@ class RelayPlan:
             self._star_if_alone(member)
 
     def place(self, member: Member) -> list[str]:
-        """The sources of `member`, one per stripe: [] to fetch the whole version from the registry."""
+        """The sources of `member`, one per stripe: [] to fetch the whole version from the registry. A
+        watcher placed after the plan was made is a leaf; one with no relay slot left (many connecting at
+        once, after a registry restart) fetches as from the star, in the registry's own messages."""
         if member.watcher not in self.sources:
-            self.sources[member.watcher] = [slots.popleft() if slots else REGISTRY for slots in self._slots]
-            self._star_if_alone(member)
+            sources = [slots.popleft() if slots else REGISTRY for slots in self._slots]
+            self.sources[member.watcher] = [] if all(s == REGISTRY for s in sources) else sources
         return self.sources[member.watcher]
 
     def _star_if_alone(self, member: Member) -> None:

@@ -23,11 +23,13 @@ blob. `pushes.py` follows the acknowledgements.
 from __future__ import annotations
 
 import hashlib
+import ipaddress
 import json
 import logging
 import re
 import threading
 import time
+import urllib.parse
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -69,9 +71,12 @@ PUBLISH_FAILURES = Counter("overworld_registry_publish_failures_total", "Publish
 RESERVED_TAGS = {"latest"}
 TAG_RE = re.compile(r"^[A-Za-z0-9][A-Za-z0-9._-]{0,63}$")
 SHA_RE = re.compile(r"^[0-9a-f]{64}$")
+HOST_RE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,62}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}[A-Za-z0-9])?)*")
 TAGS_KEY = "models/tags.json"
 DEFAULT_RELAY_FANOUT = 2
+MAX_RELAY_FANOUT = 64  # the stripes a worker takes (rollout_worker.relay.MAX_STRIPES)
 RELAY_PLANS_KEPT = 4  # (version, precision) plans kept for watchers that connect during a push
+CACHED_VERSIONS = 2  # the latest version's messages and the one before stay in memory
 
 __all__ = ["DEFAULT_CHUNK", "LARGEST_MESSAGE", "ModelRegistryService", "Payload", "message_bounds", "registration"]
 
@@ -85,13 +90,24 @@ def manifest_key(version: int) -> str:
 
 
 def peer_host(peer: str) -> str:
-    """The host of a gRPC peer string ("ipv4:10.0.0.5:41234" -> "10.0.0.5", "ipv6:[::1]:5" -> "[::1]");
+    """The host of a gRPC peer string ("ipv4:10.0.0.5:41234" -> "10.0.0.5", "ipv6:%5B::1%5D:5" -> "[::1]");
     "" for a peer that has no network address (a Unix socket)."""
     kind, _, rest = peer.partition(":")
     if kind not in ("ipv4", "ipv6"):
         return ""
-    host, _, _ = rest.rpartition(":")
+    host, _, _ = urllib.parse.unquote(rest).rpartition(":")
     return host
+
+
+def relay_host(text: str) -> str:
+    """A watcher's own relay host, checked: an IP address ("[...]" around IPv6) or a DNS name."""
+    try:
+        address = ipaddress.ip_address(text.strip("[]"))
+    except ValueError:
+        if not HOST_RE.fullmatch(text):
+            raise ValueError(f"relay_host {text[:80]!r} is neither an IP address nor a host name") from None
+        return text
+    return f"[{address}]" if address.version == 6 else str(address)
 
 
 class ModelRegistryService(model_registry_pb2_grpc.ModelRegistryServicer):
@@ -99,8 +115,9 @@ class ModelRegistryService(model_registry_pb2_grpc.ModelRegistryServicer):
                  chunk_size: int = DEFAULT_CHUNK, largest_message: int = LARGEST_MESSAGE, publish_wait: float = 120.0,
                  keepalive: float = 15.0, cut_through: bool = False,
                  relay_fanout: int = DEFAULT_RELAY_FANOUT) -> None:
-        if relay_fanout < 0:
-            raise ValueError(f"relay_fanout must be >= 0 (0: every watcher fetches from the registry), not {relay_fanout}")
+        if not 0 <= relay_fanout <= MAX_RELAY_FANOUT:
+            raise ValueError(f"relay_fanout must be 0 (every watcher fetches from the registry) to {MAX_RELAY_FANOUT}, "
+                             f"not {relay_fanout}")
         if cut_through and relay_fanout:
             raise ValueError("cut-through announces a version before its sha256 is known, and relays need it to "
                              "check what they pass on: use it with relay_fanout 0 (the star)")
@@ -335,7 +352,7 @@ class ModelRegistryService(model_registry_pb2_grpc.ModelRegistryServicer):
                 if any(t not in RESERVED_TAGS for t in manifest.tags):
                     self._save_tags()
                 self._inflight = None
-                for version in [v for v in self._cache if v != info.version]:
+                for version in sorted(self._cache)[:-CACHED_VERSIONS]:
                     del self._cache[version]
                 self._retain()
                 LATEST.set(self.latest())
@@ -372,7 +389,9 @@ class ModelRegistryService(model_registry_pb2_grpc.ModelRegistryServicer):
                 abort(context, grpc.StatusCode.NOT_FOUND, f"version {version} does not exist (or was not retained)")
             return version
 
-    def _payload(self, version: int, context: grpc.ServicerContext) -> Payload:
+    def _payload(self, version: int) -> Payload:
+        """The messages of `version`: from memory (the newest ones), else read from the store and checked.
+        PayloadFailed (NOT_FOUND, DATA_LOSS) when it cannot be had."""
         with self._lock:
             found = self._cache.get(version)
         if found is not None:
@@ -384,17 +403,20 @@ class ModelRegistryService(model_registry_pb2_grpc.ModelRegistryServicer):
             if found is not None:
                 return found
             if info is None:
-                abort(context, grpc.StatusCode.NOT_FOUND, f"version {version} is no longer retained")
+                raise PayloadFailed(grpc.StatusCode.NOT_FOUND, f"version {version} is no longer retained")
             try:
                 data = self.blobs.get(weights_key(version))
             except (KeyError, FileNotFoundError):
-                abort(context, grpc.StatusCode.DATA_LOSS, f"the weights of version {version} are missing from the store")
+                raise PayloadFailed(grpc.StatusCode.DATA_LOSS,
+                                    f"the weights of version {version} are missing from the store") from None
             if len(data) != info.size_bytes or hashlib.sha256(data).hexdigest() != info.sha256:
-                abort(context, grpc.StatusCode.DATA_LOSS, f"the stored weights of version {version} are corrupted")
+                raise PayloadFailed(grpc.StatusCode.DATA_LOSS, f"the stored weights of version {version} are corrupted")
             payload = Payload(info, self.chunk_size, self.largest_message).complete(data)
             del data
             with self._lock:
-                if version == self.latest():  # keep the latest in memory: every watcher fetches it
+                # keep the newest versions in memory: every watcher fetches them (the one before the
+                # latest too: its relays may still be re-attaching while the next is pushed)
+                if version >= max(self._versions, default=0) - 1 and len(self._cache) < CACHED_VERSIONS:
                     self._cache[version] = payload
                     if self._head is not None and self._head.info.version == version:
                         payload.seq = self._head.seq
@@ -404,9 +426,9 @@ class ModelRegistryService(model_registry_pb2_grpc.ModelRegistryServicer):
     def fetch_messages(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
         """The Fetch stream as encoded WeightsChunk messages (the bytes the generated serializer would make)."""
         version = self._resolve(request.version, request.tag, context)
-        payload = self._payload(version, context)
         precision = request.precision
         try:
+            payload = self._payload(version)
             if precision:
                 weights.half_dtype(precision)  # ValueError for unknown names
                 payload = payload.variant(precision.lower(), context.is_active)
@@ -434,7 +456,10 @@ class ModelRegistryService(model_registry_pb2_grpc.ModelRegistryServicer):
         sent_without_sha256 = not info.sha256
         yield wire.encode_info_chunk(info, offset)
         try:
-            index = payload.index_of(offset, context.is_active) if chunk == step and end == size else None
+            # the registry's own messages (cut at tensor boundaries) only when the caller left the size to
+            # it: a relay asks for messages of exactly chunk_size bytes, whatever the registry's size is
+            index = (payload.index_of(offset, context.is_active)
+                     if not request.chunk_size and not request.limit else None)
             if index is not None:
                 while (message := payload.wait_chunk(index, context.is_active)) is not None:
                     BYTES_PUSHED.inc(len(message) - payload.header_lens[index])
@@ -460,7 +485,17 @@ class ModelRegistryService(model_registry_pb2_grpc.ModelRegistryServicer):
             yield pb.WeightsChunk.FromString(message)
 
     # -- watch, relay plans and acknowledgements ------------------------------------------------------
-    def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.Announcement]:
+    def Watch(self, request: pb.WatchRequest, context: grpc.ServicerContext) -> Iterator[pb.VersionInfo]:
+        """The star's watch (and an older release's watchers): every version to fetch from here."""
+        for announcement in self._watch(request, context, relayed=False):
+            yield announcement.info
+
+    def WatchAnnouncements(self, request: pb.WatchRequest, context: grpc.ServicerContext
+                           ) -> Iterator[pb.Announcement]:
+        yield from self._watch(request, context, relayed=True)
+
+    def _watch(self, request: pb.WatchRequest, context: grpc.ServicerContext, relayed: bool
+               ) -> Iterator[pb.Announcement]:
         watcher = request.watcher_id or context.peer()
         known = request.known_version
         try:
@@ -470,8 +505,12 @@ class ModelRegistryService(model_registry_pb2_grpc.ModelRegistryServicer):
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"WatchRequest.precision: {err}")
         if request.relay_port > 65535:
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"relay_port {request.relay_port} is not a TCP port")
-        host = peer_host(context.peer()) if request.relay_port else ""
-        member = Member(watcher, f"{host}:{request.relay_port}" if host else "", precision)
+        try:
+            own = relay_host(request.relay_host) if request.relay_host else ""
+        except ValueError as err:
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"WatchRequest.{err}")
+        host = (own or peer_host(context.peer())) if request.relay_port and relayed else ""
+        member = Member(watcher, f"{host}:{request.relay_port}" if host else "", precision, relayed)
         with self._lock:
             self._pushes.joined(member, known)
 
@@ -524,14 +563,14 @@ class ModelRegistryService(model_registry_pb2_grpc.ModelRegistryServicer):
         version = head.info.version
         with self._lock:
             info = self._info(version) if version in self._versions else head.info
-        if member.precision:
+        if not self.relay_fanout or not member.relayed or not info.sha256:
+            return pb.Announcement(info=info)  # the star; or cut-through, announced before its sha256
+        if member.precision:  # the sha256 and size of what this watcher will receive
             try:
-                info = self._payload(version, context).variant(member.precision, context.is_active).info
+                info = self._payload(version).variant(member.precision, context.is_active).info
             except PayloadFailed as err:
                 log.warning("not announcing version %d to %s: %s", version, member.watcher, err)
                 return None
-        if not self.relay_fanout or not info.sha256:  # star; or cut-through, announced before its sha256
-            return pb.Announcement(info=info)
         with self._lock:
             key = (version, member.precision)
             plan = self._plans.get(key)

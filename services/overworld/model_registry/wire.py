@@ -6,7 +6,7 @@ classes every chunk is copied three times in Python (slice, message construction
 the sending side and twice (parse, `.data`) on the receiving side. Here the registry encodes each
 chunk of a version once and sends the same `bytes` to every watcher, and a receiver gets a
 `memoryview` into the message gRPC handed it. The bytes on the wire are exactly what the generated
-classes produce (tests/model_registry/test_wire.py checks it), so a client or server built from the
+classes produce (tests/model_registry/test_registry.py checks it), so a client or server built from the
 generated stubs alone talks to these unchanged.
 """
 
@@ -21,10 +21,6 @@ from overworld.v1 import model_registry_pb2 as pb
 _CHUNK_OFFSET = 2 << 3 | 0  # WeightsChunk.offset (varint)
 _CHUNK_DATA = 3 << 3 | 2  # WeightsChunk.data (bytes)
 _PUBLISH_CHUNK = 2 << 3 | 2  # PublishRequest.chunk (bytes)
-
-
-
-
 
 
 def _fields(raw: bytes | memoryview) -> list[tuple[int, int | memoryview]]:

@@ -41,11 +41,20 @@ RELAY_REATTACHES = Counter("overworld_relay_reattaches_total",
 
 # A source that sends nothing for this long is given up (a stopped or cut-off pod); it should exceed
 # the time a message of RELAY_CHUNK bytes takes on the slowest link.
-STALL_SECONDS = float(os.environ.get("OVERWORLD_RELAY_STALL_SECONDS", "10"))
+STALL_SECONDS = max(1.0, float(os.environ.get("OVERWORLD_RELAY_STALL_SECONDS", "10")))
+# A relay waiting on its own source sends an empty message this often: its children hear that it lives
+# and do not all give it up for the registry at once (only a relay that is itself silent is given up).
+KEEPALIVE_SECONDS = STALL_SECONDS / 3
 WAIT_FOR_VERSION_SECONDS = 10.0  # a relay asked for a version it has not begun to receive waits this long
 MAX_STRIPES = 64
+MIN_CHUNK, MAX_CHUNK = 64 << 10, 64 << 20  # what an announcement's chunk_bytes may be
 _FETCH_WEIGHTS = "/overworld.v1.RolloutWorker/FetchWeights"
+KEEPALIVE = pb.WeightsChunk().SerializeToString()  # no data: the receiver counts it as a sign of life
 RECEIVING, VERIFIED, FAILED = "receiving", "verified", "failed"
+
+
+class RelayMismatch(FetchBroken):
+    """What arrived by relay does not match the sha256 the registry announced."""
 
 
 class RelayFailed(Exception):
@@ -78,8 +87,9 @@ class RelayedVersion:
             self.messages[index], self.data[index] = message, data
             self.cond.notify_all()
 
-    def wait(self, index: int, is_active: Callable[[], bool]) -> bytes:
-        """Message `index`, waiting for it to arrive."""
+    def wait(self, index: int, is_active: Callable[[], bool], timeout: float) -> bytes | None:
+        """Message `index`, waiting at most `timeout` seconds for it to arrive (None then)."""
+        deadline = time.monotonic() + timeout
         with self.cond:
             while True:
                 message = self.messages[index]
@@ -90,7 +100,10 @@ class RelayedVersion:
                     raise self.error
                 if not is_active():
                     raise RelayFailed(grpc.StatusCode.CANCELLED, "the fetch was cancelled")
-                self.cond.wait(1.0)
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    return None
+                self.cond.wait(min(1.0, left))
 
     def finish(self, error: RelayFailed | None = None) -> None:
         with self.cond:
@@ -127,24 +140,27 @@ class RelayShelf:
         return held
 
     def get(self, version: int, wait: float, is_active: Callable[[], bool]) -> RelayedVersion | None:
+        """The version, waiting up to `wait` seconds for this worker to begin receiving it; None at once
+        for one older than what it holds (it skipped or dropped it: it will not come)."""
         deadline = time.monotonic() + wait
         with self._cond:
             while (held := self._held.get(version)) is None:
                 left = deadline - time.monotonic()
-                if left <= 0 or not is_active():
+                if left <= 0 or not is_active() or version < max(self._held, default=0):
                     return None
                 self._cond.wait(min(left, 1.0))
             return held
 
-    def settle(self, held: RelayedVersion) -> None:
-        """After a fetch: keep `held` if verified, and nothing older; drop it if it failed."""
+    def settle(self, held: RelayedVersion, keep: bool = True) -> None:
+        """After a fetch: keep `held` if verified (and `keep`: this worker relays), and nothing else; drop
+        it if it failed (or not `keep`)."""
         with self._cond:
-            if held.state == FAILED:
+            if held.state != VERIFIED or not keep:
                 if self._held.get(held.version) is held:
                     del self._held[held.version]
                 return
-            for version in [v for v in self._held if v < held.version]:
-                del self._held[version]
+            for version in [v for v in self._held if v != held.version]:
+                del self._held[version]  # older ones, and newer ones a reset registry took back
 
     def versions(self) -> list[int]:
         with self._cond:
@@ -179,7 +195,8 @@ def serve_relayed(shelf: RelayShelf, request: pb.FetchRequest, context: grpc.Ser
     yield wire.encode_info_chunk(held.info, request.offset)
     try:
         for index in range(request.offset // held.chunk, -(-end // held.chunk)):
-            message = held.wait(index, context.is_active)
+            while (message := held.wait(index, context.is_active, KEEPALIVE_SECONDS)) is None:
+                yield KEEPALIVE  # waiting on this worker's own source: say it lives
             RELAY_BYTES_SERVED.inc(held.expected(index)[1])
             yield message
     except RelayFailed as err:
@@ -209,29 +226,40 @@ def fetch_relayed(held: RelayedVersion, sources: list[str], registry: ModelRegis
                   stop: Callable[[], bool], timeout: float, stall: float = STALL_SECONDS) -> None:
     """Fill `held` (fetched in its precision, in messages of its chunk size), stripe i from sources[i],
     and check the whole against held.info.sha256. Marks `held` verified, or failed and raises
-    FetchBroken: a source that fails hands its stripe to the registry, so only the registry's
-    own answer (NOT_FOUND: the version is gone; UNAVAILABLE for `timeout`) or a sha256 mismatch
-    ends a fetch without the version."""
+    FetchBroken (RelayMismatch: it did not match): a source that fails hands its stripe to the
+    registry, so only the registry's own answer (NOT_FOUND: the version is gone; UNAVAILABLE for
+    `timeout`) or a sha256 mismatch ends a fetch without the version. One stripe that cannot finish
+    stops the others."""
     deadline = time.monotonic() + timeout
     errors: list[BaseException] = []
+    failed = threading.Event()
     stripes = [(i, start, end) for i, (start, end) in enumerate(stripe_bounds(held.size, held.chunk, len(sources)))
                if end > start]
 
+    def give_up() -> bool:
+        return stop() or failed.is_set()
+
     def run(stripe: int, start: int, end: int) -> None:
         try:
-            _fetch_stripe(held, start, end, sources[stripe], registry, stop, deadline, stall)
+            _fetch_stripe(held, start, end, sources[stripe], registry, give_up, deadline, stall)
         except BaseException as err:  # handed to the caller
             errors.append(err)
+            failed.set()
 
     threads = [threading.Thread(target=run, args=stripe, name=f"relay-stripe-{stripe[0]}", daemon=True)
                for stripe in stripes]
-    for thread in threads:
-        thread.start()
-    for thread in threads:
-        thread.join()
-    if not errors and held.sha256() != held.info.sha256:
-        errors.append(FetchBroken(f"version {held.version} from {sorted(set(sources))} does not match the sha256 "
-                                  "the registry announced"))
+    try:
+        for thread in threads:
+            thread.start()
+        for thread in threads:
+            thread.join()
+        if not errors and held.sha256() != held.info.sha256:
+            errors.append(RelayMismatch(f"version {held.version} from {sorted(set(sources))} does not match the "
+                                        "sha256 the registry announced"))
+    except BaseException as err:  # (a thread that cannot start, say): the children must not wait on it
+        failed.set()
+        held.finish(RelayFailed(grpc.StatusCode.ABORTED, f"fetching version {held.version} stopped: {err!r}"))
+        raise
     if errors:
         error = errors[0]
         code = error.code() if isinstance(error, grpc.RpcError) else grpc.StatusCode.ABORTED
@@ -250,12 +278,12 @@ def _fetch_stripe(held: RelayedVersion, start: int, end: int, source: str, regis
     while index < last:
         if stop():
             raise FetchBroken("stopped")
-        relay = RelayClient(source) if source != REGISTRY else None
-        request = pb.FetchRequest(version=held.version, offset=index * held.chunk, limit=end - index * held.chunk,
-                                  chunk_size=held.chunk, precision=held.precision)
         left = deadline - time.monotonic()
         if left <= 0:
             raise FetchBroken(f"version {held.version} not received within the fetch's deadline")
+        relay = RelayClient(source) if source != REGISTRY else None
+        request = pb.FetchRequest(version=held.version, offset=index * held.chunk, limit=end - index * held.chunk,
+                                  chunk_size=held.chunk, precision=held.precision)
         call = (relay or registry).fetch_chunks(request, timeout=left)
         progress = [time.monotonic()]
         watchdog = _Watchdog(call, progress, stall, stop)

@@ -14,7 +14,7 @@ import logging
 import threading
 import time
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 
 import grpc
 
@@ -23,6 +23,7 @@ from overworld.v1 import common_pb2, replay_buffer_pb2, replay_buffer_pb2_grpc
 
 log = logging.getLogger("overworld.rollout_worker.sender")
 STOP_CHECK_SECONDS = 1.0
+WAITING_CALL_SECONDS = 0.25
 
 
 class FragmentSender:
@@ -40,14 +41,26 @@ class FragmentSender:
         self._thread = threading.Thread(target=self._run, name="fragment-sender", daemon=True)
         self._thread.start()
 
-    def put(self, fragment: common_pb2.Fragment, stop: threading.Event, force: bool = False) -> bool:
+    def put(self, fragment: common_pb2.Fragment, stop: threading.Event, force: bool = False,
+            while_waiting: Callable[[], None] | None = None) -> bool:
         """Block while the queue is full (backpressure); False if `stop` was set meanwhile.
-        `force` (shutdown only) queues beyond the bound: complete fragments are never thrown away."""
+        `force` (shutdown only) queues beyond the bound: complete fragments are never thrown away.
+        `while_waiting` runs every WAITING_CALL_SECONDS while blocked, outside the queue's lock (the
+        worker swaps in new weights then: it acts with them as soon as it may step again)."""
         with self._cond:
             while not force and len(self._pending) + len(self._unacked) >= self.capacity:
                 if stop.is_set():
                     return False
-                self._cond.wait(STOP_CHECK_SECONDS)  # an acknowledgement notifies; this bounds a stop
+                if while_waiting is not None:
+                    self._cond.release()
+                    try:
+                        while_waiting()
+                    finally:
+                        self._cond.acquire()
+                    if len(self._pending) + len(self._unacked) < self.capacity:
+                        break
+                # an acknowledgement notifies; the timeout bounds a stop and the next while_waiting
+                self._cond.wait(WAITING_CALL_SECONDS if while_waiting is not None else STOP_CHECK_SECONDS)
             self._pending.append(fragment)
             self._cond.notify_all()
             return True

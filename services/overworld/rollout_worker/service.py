@@ -69,6 +69,7 @@ class RolloutWorkerProcess:
         shelf = RelayShelf()
         self.service = WorkerService(shelf, done)
         self.server: Server = serve([(add_to_server, self.service, "overworld.v1.RolloutWorker")], host, port)
+        self.server.set_serving(False)  # the probes wait for the worker; the relay serves at once
         try:
             self.worker = RolloutWorker(rollout_manager, replay_buffer, model_registry,
                                         address=f"{host}:{self.server.port}", relay_port=self.server.port, shelf=shelf)
@@ -76,6 +77,7 @@ class RolloutWorkerProcess:
             self.server.stop(0)
             raise
         self.service.worker = self.worker
+        self.server.set_serving(True)
         self.failed = False
         self._thread = threading.Thread(target=self._run, args=(done,), name="rollout-loop", daemon=True)
         self._thread.start()

@@ -42,7 +42,15 @@ import torch
 from overworld.core import weights
 from overworld.core.grpc_util import Backoff
 from overworld.model_registry.client import FetchBroken, ModelRegistryClient
-from overworld.rollout_worker.relay import MAX_STRIPES, RELAY_REFETCHES, RelayShelf, fetch_relayed
+from overworld.rollout_worker.relay import (
+    MAX_CHUNK,
+    MAX_STRIPES,
+    MIN_CHUNK,
+    RELAY_REFETCHES,
+    RelayMismatch,
+    RelayShelf,
+    fetch_relayed,
+)
 from overworld.v1 import model_registry_pb2 as pb
 
 log = logging.getLogger("overworld.rollout_worker.weights")
@@ -60,6 +68,9 @@ class WeightsWatcher:
         self.precision = (os.environ.get("OVERWORLD_WEIGHTS_PRECISION", "") if precision is None else precision).lower()
         weights.half_dtype(self.precision)  # ValueError early for an unknown name
         self.relay_port = relay_port
+        # where other workers reach this one's relay: its pod IP (the chart's OVERWORLD_POD_IP), else the
+        # address the registry sees it at
+        self.relay_host = os.environ.get("OVERWORLD_POD_IP", "")
         self.shelf = shelf or RelayShelf()
         if verify is None:
             verify = os.environ.get("OVERWORLD_WEIGHTS_VERIFY", "0").lower() in ("1", "true", "yes")
@@ -84,7 +95,7 @@ class WeightsWatcher:
         while not self._stop.is_set():
             try:
                 stream = self.client.watch(self.watcher_id, known_version=self.version, relay_port=self.relay_port,
-                                           precision=self.precision)
+                                           precision=self.precision, relay_host=self.relay_host)
                 self._stream = stream
                 first = True
                 for announcement in stream:
@@ -152,6 +163,10 @@ class WeightsWatcher:
                         self._announcement = announcement
                 self._stop.wait(1.0)
                 continue
+            except Exception:  # a bug, or a thread that cannot start: said, and the next version tried
+                log.exception("fetching model version %d failed", info.version)
+                self._stop.wait(1.0)
+                continue
             self.fetch_seconds = time.monotonic() - started
             with self._cond:
                 self._pending = (fetched.version, state)
@@ -163,8 +178,8 @@ class WeightsWatcher:
     def _fetch(self, announcement: pb.Announcement) -> tuple[pb.VersionInfo, dict[str, torch.Tensor]]:
         info = announcement.info
         sources = list(announcement.sources)
-        relayed = (sources and announcement.chunk_bytes and info.sha256 and info.size_bytes
-                   and len(sources) <= MAX_STRIPES)
+        relayed = (sources and MIN_CHUNK <= announcement.chunk_bytes <= MAX_CHUNK and info.sha256
+                   and info.size_bytes and len(sources) <= MAX_STRIPES)
         # a large version over slow links takes longer than the 120 s that is plenty for most
         timeout = max(120.0, info.size_bytes / 2e6)
         if not relayed:  # the whole version from the registry
@@ -173,7 +188,7 @@ class WeightsWatcher:
         held = self.shelf.begin(info, announcement.chunk_bytes, self.precision)
         try:
             fetch_relayed(held, sources, self.client, self._stop.is_set, timeout)
-        except FetchBroken as err:
+        except RelayMismatch as err:
             if self._stop.is_set():
                 raise
             # bytes that do not match what the registry announced: some relay passed on bad ones. The
@@ -183,7 +198,7 @@ class WeightsWatcher:
             return self.client.fetch_state(info.version, like=self.like, precision=self.precision, verify=True,
                                            timeout=timeout, stop=self._stop.is_set)
         finally:
-            self.shelf.settle(held)
+            self.shelf.settle(held, keep=bool(self.relay_port))  # kept only where it is served
         try:
             return info, weights.from_pieces(held.pieces(), self.like)
         except ValueError as err:  # verified bytes the registry accepted, but not safetensors for this model

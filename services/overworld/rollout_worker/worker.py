@@ -281,7 +281,8 @@ class RolloutWorker:
         sequence, data = self.cutter.take(slot, next_obs)
         msg = Fragment(self.run_id, self.worker_id, slot, sequence, data).to_proto()
         self.fragments_completed += 1
-        if not self.sender.put(msg, self.stop_event):
+        # blocked on backpressure (the buffer waiting on the trainer, or gone), new weights still go in
+        if not self.sender.put(msg, self.stop_event, while_waiting=lambda: self._swap_weights(self.watcher.take())):
             self._leftover.append(msg)  # stopping with a full queue: flushed by shutdown()
             return
         FRAGMENTS_SENT.labels(self.worker_id).inc()

@@ -72,16 +72,18 @@ class WeightsChunk(_message.Message):
     def __init__(self, info: _Optional[_Union[VersionInfo, _Mapping]] = ..., offset: _Optional[int] = ..., data: _Optional[bytes] = ...) -> None: ...
 
 class WatchRequest(_message.Message):
-    __slots__ = ("watcher_id", "known_version", "relay_port", "precision")
+    __slots__ = ("watcher_id", "known_version", "relay_port", "precision", "relay_host")
     WATCHER_ID_FIELD_NUMBER: _ClassVar[int]
     KNOWN_VERSION_FIELD_NUMBER: _ClassVar[int]
     RELAY_PORT_FIELD_NUMBER: _ClassVar[int]
     PRECISION_FIELD_NUMBER: _ClassVar[int]
+    RELAY_HOST_FIELD_NUMBER: _ClassVar[int]
     watcher_id: str
     known_version: int
     relay_port: int
     precision: str
-    def __init__(self, watcher_id: _Optional[str] = ..., known_version: _Optional[int] = ..., relay_port: _Optional[int] = ..., precision: _Optional[str] = ...) -> None: ...
+    relay_host: str
+    def __init__(self, watcher_id: _Optional[str] = ..., known_version: _Optional[int] = ..., relay_port: _Optional[int] = ..., precision: _Optional[str] = ..., relay_host: _Optional[str] = ...) -> None: ...
 
 class Announcement(_message.Message):
     __slots__ = ("info", "sources", "chunk_bytes")

@@ -47,6 +47,11 @@ class ModelRegistryStub:
         self.Watch = channel.unary_stream(
                 '/overworld.v1.ModelRegistry/Watch',
                 request_serializer=overworld_dot_v1_dot_model__registry__pb2.WatchRequest.SerializeToString,
+                response_deserializer=overworld_dot_v1_dot_model__registry__pb2.VersionInfo.FromString,
+                _registered_method=True)
+        self.WatchAnnouncements = channel.unary_stream(
+                '/overworld.v1.ModelRegistry/WatchAnnouncements',
+                request_serializer=overworld_dot_v1_dot_model__registry__pb2.WatchRequest.SerializeToString,
                 response_deserializer=overworld_dot_v1_dot_model__registry__pb2.Announcement.FromString,
                 _registered_method=True)
         self.ListVersions = channel.unary_unary(
@@ -90,8 +95,16 @@ class ModelRegistryServicer:
         raise NotImplementedError('Method not implemented!')
 
     def Watch(self, request, context):
-        """Announces the current latest version at once, then every new one, each with where this watcher
-        fetches it from (the registry, or the workers relaying it: docs/model_registry.md, "Relay").
+        """Announces the current latest version at once, then every new one (the star: fetch each from here).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
+    def WatchAnnouncements(self, request, context):
+        """The same, each announcement saying where this watcher fetches the version from: the registry, or
+        the workers relaying it (docs/model_registry.md, "Relay"). A watcher of an older release keeps
+        calling Watch and fetching from the registry.
         """
         context.set_code(grpc.StatusCode.UNIMPLEMENTED)
         context.set_details('Method not implemented!')
@@ -140,6 +153,11 @@ def add_ModelRegistryServicer_to_server(servicer, server):
             ),
             'Watch': grpc.unary_stream_rpc_method_handler(
                     servicer.Watch,
+                    request_deserializer=overworld_dot_v1_dot_model__registry__pb2.WatchRequest.FromString,
+                    response_serializer=overworld_dot_v1_dot_model__registry__pb2.VersionInfo.SerializeToString,
+            ),
+            'WatchAnnouncements': grpc.unary_stream_rpc_method_handler(
+                    servicer.WatchAnnouncements,
                     request_deserializer=overworld_dot_v1_dot_model__registry__pb2.WatchRequest.FromString,
                     response_serializer=overworld_dot_v1_dot_model__registry__pb2.Announcement.SerializeToString,
             ),
@@ -243,6 +261,33 @@ class ModelRegistry:
             request,
             target,
             '/overworld.v1.ModelRegistry/Watch',
+            overworld_dot_v1_dot_model__registry__pb2.WatchRequest.SerializeToString,
+            overworld_dot_v1_dot_model__registry__pb2.VersionInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def WatchAnnouncements(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_stream(
+            request,
+            target,
+            '/overworld.v1.ModelRegistry/WatchAnnouncements',
             overworld_dot_v1_dot_model__registry__pb2.WatchRequest.SerializeToString,
             overworld_dot_v1_dot_model__registry__pb2.Announcement.FromString,
             options,
