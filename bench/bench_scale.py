@@ -7,9 +7,11 @@ each fleet size N (1, 2, 4, 8, 16, 32), one row:
 - the pipeline, trainer running, for `--window` seconds: fleet env steps/s, fragments/s sampled by
   the trainer, the policy lag of what it trained on (median, p95, in versions), each service's CPU
   seconds per second and memory (RSS, PSS), and the push times of the versions it published;
-- the push, trainer stopped: `--pushes` versions published one after the other (as the trainer
-  publishes, through a port-forward with its identity), each: publish -> every worker swapped it in
-  (last and median), and the registry's egress for it.
+- the push, trainer stopped and the fleet held by the buffer's backpressure (the pods share this
+  machine's two cores: a stepping fleet would measure them, not the links; the pushes of the
+  pipeline window above are the ones under full load): `--pushes` versions published one after the
+  other (as the trainer publishes, through a port-forward with its identity), each: publish -> every
+  worker swapped it in (last and median), and the registry's egress for it.
 Then, relay at the largest N: churn (a quarter of the fleet deleted during a push, the Deployment
 replaces them: every survivor and every new pod ends on the version, and, once the fleet is drained,
 the buffer holds exactly the fragments the workers had acknowledged), and the soak (`--soak-minutes`
@@ -157,8 +159,23 @@ def registry_egress(fleet: Fleet) -> float:
     return fleet.metrics(pod).get("overworld_registry_bytes_pushed_total", 0.0)
 
 
+def wait_blocked(fleet: Fleet, timeout: float = 240.0) -> float:
+    """Wait (at most `timeout`) until the fleet stops stepping: the trainer stopped, the buffer's rate
+    limiter holds every worker's fragments. The fleet's env steps/s over the last 10 s, returned."""
+    deadline = time.monotonic() + timeout
+    while True:
+        steps, t0 = fleet.fleet_status().env_steps, time.monotonic()
+        time.sleep(10)
+        rate = (fleet.fleet_status().env_steps - steps) / (time.monotonic() - t0)
+        if rate < 1.0 or time.monotonic() > deadline:
+            return round(rate, 1)
+
+
 def pushes(fleet: Fleet, count: int, weights_mb: float) -> dict[str, Any]:
-    """`count` versions published one after another with nothing else publishing."""
+    """`count` versions published one after another with nothing else publishing, once the fleet is
+    blocked by backpressure (a trainer that stopped sampling): on this machine the pods share two
+    cores, and a fleet stepping at full speed would measure the cores, not the links."""
+    stepping = wait_blocked(fleet)
     rows = []
     before_use = usage(fleet)
     for _ in range(count):
@@ -184,9 +201,9 @@ def pushes(fleet: Fleet, count: int, weights_mb: float) -> dict[str, Any]:
 
     workers = max(1, len(after_use["rollout-worker"]))
     gigabytes = count * size_mb / 1e3
-    return {"versions": rows, "size_mb": round(size_mb, 2),
-            # what a version costs: each worker's CPU (receive, relay on, check the sha256, swap in; the
-            # env and inference go on meanwhile) and the registry's, per GB of weights
+    return {"versions": rows, "size_mb": round(size_mb, 2), "fleet_env_steps_per_second_before": stepping,
+            # what a version costs: each worker's CPU (receive, relay on, check the sha256, swap in; a
+            # worker whose sender was held does not step meanwhile) and the registry's, per GB of weights
             "worker_cpu_seconds_per_gb": round(cpu("rollout-worker") / workers / gigabytes, 3),
             "registry_cpu_seconds_per_gb": round(cpu("model-registry") / gigabytes, 3),
             "push_seconds_median": round(statistics.median(r["push_seconds"] for r in rows), 3),
@@ -296,7 +313,12 @@ def soak(fleet: Fleet, minutes: float, warmup_minutes: float = 5.0) -> dict[str,
     for key in settled[0] if settled else []:
         if key.endswith((".rss_mb", ".fds")):
             values = [s[key] for s in settled if key in s]
-            drift[key] = {"min": min(values), "max": max(values), "spread": round(max(values) / max(min(values), 1e-9) - 1, 3)}
+            # a leak is a trend: the mean of the last third against the first third (a point sample
+            # catches a version in flight, or connections open at that instant)
+            third = max(1, len(values) // 3)
+            first, last = sum(values[:third]) / third, sum(values[-third:]) / third
+            drift[key] = {"min": min(values), "max": max(values), "first_third_mean": round(first, 1),
+                          "last_third_mean": round(last, 1), "spread": round(last / max(first, 1e-9) - 1, 3)}
     bounded = {k: {"min": min(s[k] for s in settled), "max": max(s[k] for s in settled)}
                for k in ("object_store_keys", "model_versions", "checkpoints", "redis_keys")} if settled else {}
     return {"minutes": minutes, "warmup_minutes": warmup_minutes, "samples": samples, "after_warmup": drift,

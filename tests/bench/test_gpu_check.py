@@ -67,8 +67,9 @@ def test_the_wheel_set_is_pinned_as_the_project_is() -> None:
 
 
 def test_make_runs_the_dry_check() -> None:
-    out = subprocess.run(["make", "-n", "gpu-check", "DRY=1", "GPU_CHECK_ARGS=--budget 1"], cwd=ROOT,
-                         capture_output=True, text=True, check=True).stdout
+    # --no-print-directory: under a parent make (CI's `make test`) the last line would be "Leaving directory"
+    out = subprocess.run(["make", "-n", "--no-print-directory", "gpu-check", "DRY=1", "GPU_CHECK_ARGS=--budget 1"],
+                         cwd=ROOT, capture_output=True, text=True, check=True).stdout
     assert "-m bench.gpu.check --dry --budget 1" in out.splitlines()[-1]
 
 

@@ -151,7 +151,7 @@ def test_pods_run_as_their_security_context_says(rehearsal: Rehearsal) -> None:
              " len(open('/etc/overworld/tls/tls.key').read()) > 0)")
     for owner in (f"{RELEASE}-model-registry", f"{RELEASE}-rollout-worker"):
         uid, gid, groups, caps, no_new, tmp, etc, image, key = rehearsal.exec(cluster.pod(owner), "python", "-c",
-                                                                              probe).split(maxsplit=8)
+                                                                              probe).split()
         assert (uid, gid) == ("10001", "10001") and "10001" in groups.split(","), (owner, uid, gid, groups)
         assert caps == "0000000000000000" and no_new == "1", (owner, caps, no_new)
         assert (tmp, etc, image, key) == ("True", "False", "False", "True"), owner

@@ -155,6 +155,19 @@ def test_sample_deadline_and_allow_partial(make_buffer):
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
+@pytest.mark.parametrize("timeout", [-1.0, float("nan"), float("inf"), 1e300, 86400.0 + 1])
+def test_a_sample_timeout_that_is_no_duration_is_refused(make_buffer, timeout):
+    """A deadline must be a finite, non-negative number of seconds no longer than a day (a huge one
+    overflowed the wait and answered UNKNOWN)."""
+    buf = make_buffer()
+    insert(buf.stub, [buf.fragment(seq=0)])
+    request = replay_buffer_pb2.SampleRequest(num_chunks=1, timeout_seconds=timeout, reader_id="test")
+    with pytest.raises(grpc.RpcError) as err:
+        list(buf.stub.Sample(request, timeout=10))
+    assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
+    assert "timeout_seconds" in err.value.details()
+
+
 def test_sample_waits_for_data_that_arrives(make_buffer):
     buf = make_buffer()
     result: queue.Queue = queue.Queue()

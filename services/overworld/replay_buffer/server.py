@@ -64,6 +64,8 @@ from overworld.v1 import common_pb2, replay_buffer_pb2, replay_buffer_pb2_grpc
 
 log = logging.getLogger("overworld.replay_buffer")
 
+MAX_SAMPLE_TIMEOUT = 86400.0  # a day: longer is a mistake (and past the platform's time_t when huge)
+
 FRAGMENTS = Gauge("overworld_replay_buffer_fragments", "Fragments held")
 BYTES = Gauge("overworld_replay_buffer_bytes", "Bytes held")
 CAPACITY = Gauge("overworld_replay_buffer_capacity_fragments", "Capacity in fragments")
@@ -528,6 +530,9 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
         if request.num_chunks == 0 or request.num_chunks > self.max_chunks:
             abort(context, grpc.StatusCode.INVALID_ARGUMENT,
                   f"num_chunks must be in [1, max_chunks={self.max_chunks}], got {request.num_chunks}")
+        if not 0 <= request.timeout_seconds <= MAX_SAMPLE_TIMEOUT:  # also NaN
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"timeout_seconds must be in [0, {MAX_SAMPLE_TIMEOUT:g}] "
+                  f"seconds (0: the server's default of {self.default_sample_timeout:g}), got {request.timeout_seconds}")
         timeout = request.timeout_seconds or self.default_sample_timeout
         context.add_callback(self._notify)  # a waiting sample wakes when its call ends
         started = time.monotonic()

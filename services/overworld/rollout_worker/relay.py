@@ -47,6 +47,7 @@ STALL_SECONDS = max(1.0, float(os.environ.get("OVERWORLD_RELAY_STALL_SECONDS", "
 KEEPALIVE_SECONDS = STALL_SECONDS / 3
 WAIT_FOR_VERSION_SECONDS = 10.0  # a relay asked for a version it has not begun to receive waits this long
 MAX_STRIPES = 64
+RELAY_CONNECT_TRIES = 3  # a relay that answers nothing this many times in a row is given up
 MIN_CHUNK, MAX_CHUNK = 64 << 10, 64 << 20  # what an announcement's chunk_bytes may be
 _FETCH_WEIGHTS = "/overworld.v1.RolloutWorker/FetchWeights"
 KEEPALIVE = pb.WeightsChunk().SerializeToString()  # no data: the receiver counts it as a sign of life
@@ -275,6 +276,7 @@ def _fetch_stripe(held: RelayedVersion, start: int, end: int, source: str, regis
     """Messages [start, end) of `held` from `source`; from the registry once that fails."""
     index, last = start // held.chunk, -(-end // held.chunk)
     backoff = Backoff(0.1)
+    unanswered = 0  # attempts in a row on which a relay answered nothing at all
     while index < last:
         if stop():
             raise FetchBroken("stopped")
@@ -287,9 +289,11 @@ def _fetch_stripe(held: RelayedVersion, start: int, end: int, source: str, regis
         call = (relay or registry).fetch_chunks(request, timeout=left)
         progress = [time.monotonic()]
         watchdog = _Watchdog(call, progress, stall, stop)
+        answered = False
         try:
             for chunk in call:
                 progress[0] = time.monotonic()
+                answered = True
                 if chunk.info is not None and (chunk.info.version != held.version
                                                or chunk.info.size_bytes != held.size):
                     raise _BadSource(f"sent version {chunk.info.version} of {chunk.info.size_bytes} bytes")
@@ -302,17 +306,24 @@ def _fetch_stripe(held: RelayedVersion, start: int, end: int, source: str, regis
                 RELAY_BYTES_RECEIVED.labels("registry" if relay is None else "relay").inc(size)
                 index += 1
                 backoff.reset()
+                unanswered = 0
             if index < last:
                 raise _BadSource(f"ended the stream at message {index} of {last}")
         except (grpc.RpcError, _BadSource) as err:
             if stop():
                 raise FetchBroken("stopped") from None
+            if (relay is not None and not answered and isinstance(err, grpc.RpcError)
+                    and err.code() == grpc.StatusCode.UNAVAILABLE and unanswered < RELAY_CONNECT_TRIES - 1):
+                unanswered += 1  # no connection yet (a busy relay, a neighbour to resolve): try it again
+                backoff.wait()
+                continue
             if relay is not None:  # re-attach: the rest of the stripe from the registry
                 reason = "stalled" if watchdog.fired else "bad" if isinstance(err, _BadSource) else "broken"
                 RELAY_REATTACHES.labels(reason).inc()
                 log.warning("relay %s %s version %d (%s); fetching bytes %d..%d from the registry", source,
                             "stalled on" if watchdog.fired else "failed", held.version,
-                            err if isinstance(err, _BadSource) else err.code().name, index * held.chunk, end)
+                            err if isinstance(err, _BadSource) else f"{err.code().name}: {err.details()}",
+                            index * held.chunk, end)
                 source = REGISTRY
                 continue
             if isinstance(err, _BadSource):
