@@ -19,7 +19,9 @@ from tests.support import free_port
 
 @pytest.mark.slow
 def test_fragments_are_sent_again_and_indexed_once_across_a_killed_front(make_cluster, redis_server, s3_server,
-                                                                        tmp_path: Path) -> None:
+                                                                        tmp_path: Path, monkeypatch) -> None:
+    ack_log = tmp_path / "acks.log"
+    monkeypatch.setenv("OVERWORLD_ACK_LOG", str(ack_log))
     run_id = f"resend-{uuid.uuid4().hex[:8]}"
     cluster = make_cluster(run_id=run_id, rollout_config={"to_send_queue_size": 16})
     port = free_port()
@@ -57,6 +59,9 @@ def test_fragments_are_sent_again_and_indexed_once_across_a_killed_front(make_cl
                                       timeout=60))
         ids = [(f.header.worker_id, f.header.env_slot, f.header.sequence) for c in chunks for f in c.fragments]
         assert len(ids) == len(set(ids)) == w.fragments_completed
+        # the worker's durable record of what was acknowledged: each fragment once, exactly those indexed
+        acked = [(worker, int(slot), int(seq)) for worker, slot, seq, _ in map(str.split, ack_log.read_text().splitlines())]
+        assert len(acked) == len(set(acked)) and set(acked) == set(ids)
     finally:
         for proc in fronts:
             proc.kill()

@@ -6,11 +6,17 @@ order (capped exponential backoff between attempts); the buffer recognises one i
 already (its ack was lost with the stream) by its (worker, slot, sequence) and acknowledges it
 without indexing it twice. Each stream has a generation number; a request generator of a dead
 stream takes nothing more.
+
+With an acknowledgement log (`OVERWORLD_ACK_LOG`, a file path), every acknowledgement is appended
+to it as "worker_id env_slot sequence stored" and fsynced before the fragment leaves the unacked
+queue: a durable, worker-side record of what the buffer promised to keep (the chaos test checks
+it against the buffer's own durable record). Off by default: it costs an fsync per fragment.
 """
 
 from __future__ import annotations
 
 import logging
+import os
 import threading
 import time
 from collections import deque
@@ -27,8 +33,10 @@ WAITING_CALL_SECONDS = 0.25
 
 
 class FragmentSender:
-    def __init__(self, address: str, queue_size: int) -> None:
+    def __init__(self, address: str, queue_size: int, ack_log: str | None = None) -> None:
         self.address = address
+        # O_APPEND: the workers of a machine may share one log (each line is one write)
+        self._ack_log = os.open(ack_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if ack_log else None
         self.capacity = max(1, queue_size)
         self.sent = 0
         self.rejected = 0
@@ -93,7 +101,11 @@ class FragmentSender:
             try:
                 with channel(self.address) as ch:
                     stub = replay_buffer_pb2_grpc.ReplayBufferStub(ch)
-                    for _ack in stub.Insert(self._requests(generation)):
+                    for ack in stub.Insert(self._requests(generation)):
+                        if self._ack_log is not None:
+                            os.write(self._ack_log, f"{ack.worker_id} {ack.env_slot} {ack.sequence} "
+                                                    f"{int(ack.stored)}\n".encode())
+                            os.fsync(self._ack_log)
                         with self._cond:
                             self._unacked.popleft()
                             self._cond.notify_all()
@@ -131,5 +143,8 @@ class FragmentSender:
             self._give_up_at = time.monotonic() + timeout
             self._cond.notify_all()
         self._thread.join(timeout + 1)
+        if self._ack_log is not None and not self._thread.is_alive():
+            os.close(self._ack_log)
+            self._ack_log = None
         with self._cond:
             return not self._pending and not self._unacked

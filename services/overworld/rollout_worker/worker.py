@@ -116,7 +116,7 @@ class RolloutWorker:
         self._report_sequence = 0
         self._unacked_report: mpb.ReportEpisodesRequest | None = None
         self._leftover: list[common_pb2.Fragment] = []
-        self.sender = FragmentSender(replay_buffer, rc.to_send_queue_size)
+        self.sender = FragmentSender(replay_buffer, rc.to_send_queue_size, os.environ.get("OVERWORLD_ACK_LOG"))
         self.watcher = WeightsWatcher(model_registry, self.worker_id, self.policy.state_dict(), relay_port=relay_port,
                                       shelf=shelf)
         seed = self.config.seed * 1_000_003 + self.index * 10_007
