@@ -394,12 +394,14 @@ class Cluster:
     def _serve_api(self) -> None:
         import asyncio
 
+        from tests.cluster.api_validation import Validator
+        from tests.deploy.deploy_support import chart_crds
         from tests.deploy.kube_support import kubernetes_api
 
         async def serve() -> None:
             async with kubernetes_api(NAMESPACE, host="127.0.0.1", port=self.store_port) as (_, url):
                 await serve_rbac(self.authorizer, url.rstrip("/"), "0.0.0.0", self.api_port, self.api_requests,
-                                 self._stop, self.api_certificate)
+                                 self._stop, self.api_certificate, Validator(chart_crds()))
 
         asyncio.run(serve())
 

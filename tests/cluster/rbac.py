@@ -14,11 +14,14 @@ authenticated user, as `system:discovery` makes it.
 from __future__ import annotations
 
 import asyncio
+import json
 import secrets
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
+
+from tests.cluster.api_validation import Validator, merge_patch
 
 ADMIN = "kubernetes-admin"  # a person's kubeconfig (kubectl in the tests): everything
 
@@ -102,6 +105,35 @@ def _any(allowed: list[str] | None, value: str) -> bool:
     return bool(allowed) and ("*" in allowed or value in allowed)
 
 
+async def _validate(validator: Validator, request: Any, body: bytes, session: Any, upstream: str) -> Any:
+    """The API server's answer refusing a write to a custom kind that its schema does not allow; None
+    to let it through. Unknown fields are refused only with `fieldValidation=Strict` (what kubectl
+    asks for); other clients' unknown fields are pruned by the server (kmock keeps them)."""
+    from aiohttp import web
+
+    kind = validator.kind_at(request.path)
+    if kind is None or request.method not in ("POST", "PUT", "PATCH"):
+        return None
+    try:
+        obj = json.loads(body)
+    except ValueError:
+        return None
+    if request.method == "PATCH":
+        if request.content_type != "application/merge-patch+json":
+            return None
+        async with session.get(upstream + request.path, headers={"Accept": "application/json"}) as current:
+            if current.status != 200:
+                return None
+            obj = merge_patch(await current.json(), obj)
+    strict = parse_qs(request.query_string).get("fieldValidation", [""])[0] == "Strict"
+    problem = validator.check(kind, obj, strict)
+    if problem is None:
+        return None
+    code, message = problem
+    return web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": message,
+                              "reason": "BadRequest" if code == 400 else "Invalid", "code": code}, status=code)
+
+
 def serving_certificate(addresses: list[str]) -> tuple[bytes, bytes]:
     """A self-signed certificate (PEM) and key for the API server at these IP addresses and the names
     `kubernetes.default.svc`: clients (kubectl, client-go, kopf) send their tokens over TLS only."""
@@ -130,10 +162,11 @@ def serving_certificate(addresses: list[str]) -> tuple[bytes, bytes]:
 
 
 async def serve(authorizer: Authorizer, upstream: str, host: str, port: int, log: list[Request],
-                stop: Any, certificate: tuple[bytes, bytes]) -> None:
+                stop: Any, certificate: tuple[bytes, bytes], validator: Validator | None = None) -> None:
     """The authorizing front, on HTTPS with `certificate` (PEM certificate, key): forwards what it
     allows to `upstream` (kmock), streaming the answer (watches are long-lived), until `stop` (a
-    threading.Event) is set."""
+    threading.Event) is set. With a `validator`, it also serves the OpenAPI v3 documents of its
+    custom kinds and validates what is written to them (api_validation.py)."""
     import ssl
     import tempfile
 
@@ -168,8 +201,20 @@ async def serve(authorizer: Authorizer, upstream: str, host: str, port: int, log
                 return web.json_response({"kind": "Status", "apiVersion": "v1", "status": "Failure",
                                           "message": message, "reason": "Forbidden", "code": 403}, status=403)
         headers = {k: v for k, v in request.headers.items() if k.lower() not in ("host", "authorization")}
+        body = await request.read()
+        if validator is not None:
+            if request.path == "/openapi/v3":
+                return web.json_response(validator.discovery())
+            if request.path.startswith("/openapi/v3/"):
+                doc = validator.group_versions().get(request.path.removeprefix("/openapi/v3/"))
+                return web.json_response(doc) if doc else web.json_response(
+                    {"kind": "Status", "apiVersion": "v1", "status": "Failure", "message": "not found",
+                     "reason": "NotFound", "code": 404}, status=404)
+            refused = await _validate(validator, request, body, session, upstream)
+            if refused is not None:
+                return refused
         async with session.request(request.method, upstream + str(request.rel_url), headers=headers,
-                                   data=await request.read()) as reply:
+                                   data=body) as reply:
             response = web.StreamResponse(status=reply.status, headers={
                 k: v for k, v in reply.headers.items() if k.lower() in ("content-type",)})
             await response.prepare(request)

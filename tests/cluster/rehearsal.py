@@ -100,7 +100,7 @@ class Rehearsal:
         manifest = cluster.workdir / "trainingrun.yaml"
         (training_run,) = by_kind(self.objects, "TrainingRun").values()
         manifest.write_text(yaml.safe_dump(training_run))
-        cluster.kubectl("create", "--validate=false", "-f", str(manifest))
+        cluster.kubectl("create", "-f", str(manifest))  # validated as the API server would (api_validation.py)
 
     def wait_ready(self, owners: tuple[str, ...], timeout: float) -> None:
         self.cluster.wait_ready(owners, timeout)

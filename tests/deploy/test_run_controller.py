@@ -29,9 +29,10 @@ from overworld.run_controller.rayjob import (
     trainer_entrypoint,
 )
 from overworld.v1 import trainer_pb2, trainer_pb2_grpc
+from tests.cluster.api_validation import Validator
 from tests.cluster.rbac import ADMIN, Authorizer, serving_certificate
 from tests.cluster.rbac import serve as serve_rbac
-from tests.deploy.deploy_support import by_kind, kubectl, pod_templates, render, validate_object
+from tests.deploy.deploy_support import by_kind, chart_crds, kubectl, pod_templates, render, validate_object
 from tests.deploy.kube_support import FOREGROUND, kubernetes_api, write_kubeconfig
 
 NAMESPACE = "rl"
@@ -285,6 +286,56 @@ def test_create_and_resume_with_kubectl(tmp_path: Path) -> None:
     asyncio.run(asyncio.wait_for(create_and_resume(tmp_path), timeout=300))
 
 
+def test_kubectl_has_a_trainingrun_validated_as_the_api_server_would(tmp_path: Path) -> None:
+    """kubectl (validation on, as a user runs it) against the API front with the chart's CRD: a typo
+    in a field name is refused with the server's strict-decoding error, a value of the wrong type with
+    422 Invalid, on create and on a merge patch; a good TrainingRun is created."""
+    asyncio.run(asyncio.wait_for(validate_with_kubectl(tmp_path), timeout=120))
+
+
+async def validate_with_kubectl(tmp_path: Path) -> None:
+    objects = render({}, namespace=NAMESPACE)
+    authorizer, stop = Authorizer(objects), threading.Event()
+    certificate = serving_certificate(["127.0.0.1"])
+    async with kubernetes_api(NAMESPACE) as (_, url):
+        port = free_port()
+        front = asyncio.create_task(serve_rbac(authorizer, url.rstrip("/"), "127.0.0.1", port, [], stop,
+                                               certificate, Validator(chart_crds())))
+        try:
+            kubeconfig = write_kubeconfig(tmp_path / "kubeconfig", f"https://127.0.0.1:{port}", NAMESPACE,
+                                          token=authorizer.token_for(ADMIN), ca_pem=certificate[0])
+
+            async def create(body: dict[str, Any]) -> tuple[int, str]:
+                manifest = tmp_path / "run.yaml"
+                manifest.write_text(yaml.safe_dump(body))
+                process = await asyncio.create_subprocess_exec(
+                    kubectl(), "--kubeconfig", str(kubeconfig), "--request-timeout=10s", "create", "-f", str(manifest),
+                    stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+                out, err = await asyncio.wait_for(process.communicate(), timeout=30)
+                return process.returncode or 0, (out + err).decode()
+
+            typo = training_run()
+            typo["spec"]["imagee"] = typo["spec"].pop("image")
+            code, said = await create(typo)
+            assert code != 0 and 'strict decoding error: unknown field "spec.imagee"' in said, said
+            wrong = training_run(backoffLimit="two")
+            code, said = await create(wrong)
+            assert code != 0 and f'TrainingRun.overworld.dev "{RUN}" is invalid: spec.backoffLimit' in said, said
+            code, said = await create(training_run())
+            assert code == 0 and f"trainingrun.overworld.dev/{RUN} created" in said, said
+            process = await asyncio.create_subprocess_exec(
+                kubectl(), "--kubeconfig", str(kubeconfig), "--request-timeout=10s", "patch", "trainingrun", RUN,
+                "--type", "merge", "-p", json.dumps({"spec": {"resumeFrom": 3}}),
+                stdout=asyncio.subprocess.PIPE, stderr=asyncio.subprocess.PIPE)
+            out, err = await asyncio.wait_for(process.communicate(), timeout=30)
+            assert process.returncode != 0 and "spec.resumeFrom" in err.decode(), (out, err)
+            await run_kubectl(kubeconfig, "patch", "trainingrun", RUN, "--type", "merge",
+                              "-p", json.dumps({"spec": {"resumeFrom": "latest"}}))
+        finally:
+            stop.set()
+            await front
+
+
 async def create_and_resume(tmp_path: Path) -> None:
     objects = render({}, namespace=NAMESPACE)
     account = by_kind(objects, "Deployment")["overworld-run-controller"]["spec"]["template"]["spec"]["serviceAccountName"]
@@ -294,7 +345,7 @@ async def create_and_resume(tmp_path: Path) -> None:
     async with kubernetes_api(NAMESPACE) as (_, url), fake_trainer() as trainer_address:
         port = free_port()
         front = asyncio.create_task(serve_rbac(authorizer, url.rstrip("/"), "127.0.0.1", port, requests, stop,
-                                               certificate))
+                                               certificate, Validator(chart_crds())))
         try:
             await drive_controller(f"https://127.0.0.1:{port}", trainer_address, tmp_path, certificate[0],
                                    controller_token=authorizer.token_for(user), admin_token=authorizer.token_for(ADMIN))
@@ -336,8 +387,7 @@ async def drive_controller(url: str, trainer_address: str, tmp_path: Path, ca_pe
     try:
         manifest = tmp_path / "trainingrun.yaml"
         manifest.write_text(yaml.safe_dump(training_run()))
-        # No OpenAPI document in kmock: client-side validation off (the CRD schema is tested apart).
-        await run_kubectl(kubeconfig, "create", "--validate=false", "-f", str(manifest))
+        await run_kubectl(kubeconfig, "create", "-f", str(manifest))
 
         async def rayjobs() -> dict[str, dict[str, Any]]:
             listed = json.loads(await run_kubectl(kubeconfig, "get", "rayjobs", "-o", "json"))
