@@ -7,9 +7,10 @@ each fleet size N (1, 2, 4, 8, 16, 32), one row:
 - the pipeline, trainer running, for `--window` seconds: fleet env steps/s, fragments/s sampled by
   the trainer, the policy lag of what it trained on (median, p95, in versions), each service's CPU
   seconds per second and memory (RSS, PSS), and the push times of the versions it published;
-- the push, trainer stopped and the fleet held by the buffer's backpressure (the pods share this
-  machine's two cores: a stepping fleet would measure them, not the links; the pushes of the
-  pipeline window above are the ones under full load): `--pushes` versions published one after the
+- the push, trainer stopped, once the pods leave the cores at least half idle (a large fleet: once
+  the buffer's backpressure holds it; the pods share this machine's two cores, and a fleet stepping
+  at full speed would measure them, not the links; the pushes of the pipeline window above are the
+  ones under full load): `--pushes` versions published one after the
   other (as the trainer publishes, through a port-forward with its identity), each: publish -> every
   worker swapped it in (last and median), and the registry's egress for it.
 Then, relay at the largest N: churn (a quarter of the fleet deleted during a push, the Deployment
@@ -159,23 +160,36 @@ def registry_egress(fleet: Fleet) -> float:
     return fleet.metrics(pod).get("overworld_registry_bytes_pushed_total", 0.0)
 
 
-def wait_blocked(fleet: Fleet, timeout: float = 240.0) -> float:
-    """Wait (at most `timeout`) until the fleet stops stepping: the trainer stopped, the buffer's rate
-    limiter holds every worker's fragments. The fleet's env steps/s over the last 10 s, returned."""
+def host_idle(seconds: float = 5.0) -> float:
+    """The fraction of this machine's CPU time that was idle over the next `seconds`."""
+    def sample() -> tuple[int, int]:
+        fields = [int(v) for v in Path("/proc/stat").read_text().split("\n", 1)[0].split()[1:]]
+        return fields[3] + fields[4], sum(fields)  # idle + iowait, all
+    idle0, all0 = sample()
+    time.sleep(seconds)
+    idle1, all1 = sample()
+    return (idle1 - idle0) / max(1, all1 - all0)
+
+
+def wait_quiet(fleet: Fleet, timeout: float = 240.0) -> dict[str, float]:
+    """Wait (at most `timeout`) until the pods leave this machine's cores at least half idle: at once
+    where the fleet is small, else until it stops stepping (the trainer stopped, the buffer's rate
+    limiter holds every worker's fragments). What it was then: host idle fraction, fleet env steps/s."""
     deadline = time.monotonic() + timeout
     while True:
         steps, t0 = fleet.fleet_status().env_steps, time.monotonic()
-        time.sleep(10)
+        idle = host_idle()
         rate = (fleet.fleet_status().env_steps - steps) / (time.monotonic() - t0)
-        if rate < 1.0 or time.monotonic() > deadline:
-            return round(rate, 1)
+        if idle >= 0.5 or rate < 1.0 or time.monotonic() > deadline:
+            return {"host_idle": round(idle, 2), "fleet_env_steps_per_second": round(rate, 1)}
 
 
 def pushes(fleet: Fleet, count: int, weights_mb: float) -> dict[str, Any]:
-    """`count` versions published one after another with nothing else publishing, once the fleet is
-    blocked by backpressure (a trainer that stopped sampling): on this machine the pods share two
-    cores, and a fleet stepping at full speed would measure the cores, not the links."""
-    stepping = wait_blocked(fleet)
+    """`count` versions published one after another with nothing else publishing, once the pods leave
+    the cores at least half idle (a large fleet: once it is held by backpressure, the trainer having
+    stopped sampling): on this machine the pods share two cores, and a fleet stepping at full speed
+    would measure the cores, not the links."""
+    before = wait_quiet(fleet)
     rows = []
     before_use = usage(fleet)
     for _ in range(count):
@@ -201,7 +215,7 @@ def pushes(fleet: Fleet, count: int, weights_mb: float) -> dict[str, Any]:
 
     workers = max(1, len(after_use["rollout-worker"]))
     gigabytes = count * size_mb / 1e3
-    return {"versions": rows, "size_mb": round(size_mb, 2), "fleet_env_steps_per_second_before": stepping,
+    return {"versions": rows, "size_mb": round(size_mb, 2), "before": before,
             # what a version costs: each worker's CPU (receive, relay on, check the sha256, swap in; a
             # worker whose sender was held does not step meanwhile) and the registry's, per GB of weights
             "worker_cpu_seconds_per_gb": round(cpu("rollout-worker") / workers / gigabytes, 3),
