@@ -823,6 +823,19 @@ class Cluster:
         assert result.returncode == 0, f"exec in {pod.name}: {result.stderr[-2000:]}"
         return result.stdout
 
+    def scrape(self, pod: Pod, port: int = 9090, scraper: str = f"{RELEASE}-rollout-manager") -> dict[str, float]:
+        """A pod's Prometheus metrics, read from inside the cluster (from a pod of `scraper`, as
+        Prometheus scrapes them): name{labels} -> value."""
+        out = self.exec(self.pod(scraper), "python", "-c", "import sys, urllib.request; sys.stdout.write("
+                        f"urllib.request.urlopen('http://{pod.ip}:{port}/metrics', timeout=10).read().decode())")
+        samples = {}
+        for line in out.splitlines():
+            if line and not line.startswith("#"):
+                name, _, value = line.rpartition(" ")
+                with contextlib.suppress(ValueError):
+                    samples[name] = float(value)
+        return samples
+
     def run_outside(self, label: str, argv: list[str], timeout: float = 120,
                     labels: dict[str, str] | None = None) -> str:
         """Run a command on a host of its own on the pod network, with the cluster's DNS, that no

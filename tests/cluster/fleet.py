@@ -226,17 +226,8 @@ class Fleet:
     # --- what Prometheus and the kernel would tell ----------------------------------------------------
 
     def metrics(self, pod: Pod, port: int = 9090) -> dict[str, float]:
-        """A pod's /metrics (read from inside the cluster, as Prometheus scrapes it): name{labels} -> value."""
-        scraper = self.cluster.pod(f"{RELEASE}-rollout-manager")
-        out = self.cluster.exec(scraper, "python", "-c", "import sys, urllib.request; sys.stdout.write(urllib.request."
-                                f"urlopen('http://{pod.ip}:{port}/metrics', timeout=10).read().decode())")
-        samples = {}
-        for line in out.splitlines():
-            if line and not line.startswith("#"):
-                name, _, value = line.rpartition(" ")
-                with contextlib.suppress(ValueError):
-                    samples[name] = float(value)
-        return samples
+        """A pod's Prometheus metrics, as a scrape reads them: name{labels} -> value."""
+        return self.cluster.scrape(pod, port)
 
     def usage(self, owner: str) -> list[dict[str, float]]:
         """CPU seconds used so far, RSS and PSS bytes and open file descriptors of each pod of `owner`

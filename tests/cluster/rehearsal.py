@@ -175,17 +175,8 @@ class Rehearsal:
         return stats
 
     def metrics(self, pod: Pod, port: int = 9090) -> dict[str, float]:
-        """A pod's Prometheus metrics (as a scrape would read them): name{labels} -> value."""
-        out = self.exec(self.cluster.pod(f"{RELEASE}-rollout-manager"), "python", "-c",
-                        f"import urllib.request; print(urllib.request.urlopen('http://{pod.ip}:{port}/metrics', "
-                        "timeout=5).read().decode())")
-        samples = {}
-        for line in out.splitlines():
-            if line and not line.startswith("#"):
-                key, _, value = line.rpartition(" ")
-                with contextlib.suppress(ValueError):
-                    samples[key] = float(value)
-        return samples
+        """A pod's Prometheus metrics, as a scrape reads them: name{labels} -> value."""
+        return self.cluster.scrape(pod, port)
 
     def object_keys(self, url: str) -> list[str]:
         """The object store's keys under an s3:// URL, listed from a replay-buffer pod (it has the
