@@ -189,7 +189,7 @@ def pushes(fleet: Fleet, count: int, weights_mb: float) -> dict[str, Any]:
     the cores at least half idle (a large fleet: once it is held by backpressure, the trainer having
     stopped sampling): on this machine the pods share two cores, and a fleet stepping at full speed
     would measure the cores, not the links."""
-    before = wait_quiet(fleet)
+    quiet = wait_quiet(fleet)
     rows = []
     before_use = usage(fleet)
     for _ in range(count):
@@ -215,7 +215,7 @@ def pushes(fleet: Fleet, count: int, weights_mb: float) -> dict[str, Any]:
 
     workers = max(1, len(after_use["rollout-worker"]))
     gigabytes = count * size_mb / 1e3
-    return {"versions": rows, "size_mb": round(size_mb, 2), "before": before,
+    return {"versions": rows, "size_mb": round(size_mb, 2), "before": quiet,
             # what a version costs: each worker's CPU (receive, relay on, check the sha256, swap in; a
             # worker whose sender was held does not step meanwhile) and the registry's, per GB of weights
             "worker_cpu_seconds_per_gb": round(cpu("rollout-worker") / workers / gigabytes, 3),

@@ -96,7 +96,10 @@ def scale_rows(data: dict[str, Any]) -> list[str]:
         for r in curve:
             p, w = r["push"], r["pipeline"]
             lag = w["policy_lag"]
-            rows.append(f"| scale | {mode}, {r['workers']} pods ({link}): push s (last / median worker), registry "
+            quiet = p.get("before")
+            pushed = (f" (pushed with the host {quiet['host_idle']:.0%} idle, fleet at "
+                      f"{quiet['fleet_env_steps_per_second']:g} steps/s)") if quiet else ""
+            rows.append(f"| scale | {mode}, {r['workers']} pods ({link}): push s (last / median worker){pushed}, registry "
                         f"egress in copies; env steps/s, fragments/s to the trainer, policy lag median / p95 | "
                         f"{p['push_seconds_median']} / {p['median_worker_seconds_median']}, {p['registry_egress_copies']}; "
                         f"{w['env_steps_per_second']}, {w['fragments_per_second_to_trainer']}, "
