@@ -337,7 +337,7 @@ def soak(fleet: Fleet, minutes: float, warmup_minutes: float = 5.0) -> dict[str,
                for k in ("object_store_keys", "model_versions", "checkpoints", "redis_keys")} if settled else {}
     return {"minutes": minutes, "warmup_minutes": warmup_minutes, "samples": samples, "after_warmup": drift,
             "stores": bounded,
-            "within_10_percent": all(v["spread"] <= 0.10 for v in drift.values()) if drift else None}
+            "within_10_percent": all(abs(v["spread"]) <= 0.10 for v in drift.values()) if drift else None}
 
 
 def plot(result: dict[str, Any], path: Path) -> None:

@@ -120,7 +120,7 @@ def scale_rows(data: dict[str, Any]) -> list[str]:
                     f"| {'exact' if accounting.get('exact') else 'not exact'} |")
     soak = data.get("soak")
     if soak:
-        worst = max(soak["after_warmup"].items(), key=lambda kv: kv[1]["spread"], default=("", {"spread": 0}))
+        worst = max(soak["after_warmup"].items(), key=lambda kv: abs(kv[1]["spread"]), default=("", {"spread": 0}))
         stores = ", ".join(f"{k} {v['min']}–{v['max']}" for k, v in soak["stores"].items())
         rows.append(f"| scale | soak {soak['minutes']:g} min: largest spread of a service's RSS or open files after "
                     f"{soak['warmup_minutes']:g} min warm-up ({worst[0]}); stores | {worst[1]['spread']:.1%}; {stores} "
