@@ -56,12 +56,14 @@ def _require(binary: str, how: str) -> str:
 
 
 class RedisServer:
-    def __init__(self, workdir: Path, appendonly: bool = True, password: str = "") -> None:
+    def __init__(self, workdir: Path, appendonly: bool = True, password: str = "", extra_args: tuple[str, ...] = ()
+                 ) -> None:
         self.binary = server_binary("redis-server")
         self.workdir = workdir
         self.port = free_port()
         self.appendonly = appendonly
         self.password = password
+        self.extra_args = extra_args
         self.proc: subprocess.Popen | None = None
 
     @property
@@ -72,9 +74,32 @@ class RedisServer:
         self.workdir.mkdir(parents=True, exist_ok=True)
         args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
                 "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always",
-                "--protected-mode", "no", *(["--requirepass", self.password] if self.password else [])]
+                "--protected-mode", "no", *(["--requirepass", self.password] if self.password else []),
+                *self.extra_args]
         self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
         wait_port(self.port)
+
+    def aof_commands(self) -> list[list[bytes]]:
+        """Every write Redis made durable, in order, read from its append-only files (Redis 7: the
+        incremental files of appendonlydir; start it with `--auto-aof-rewrite-percentage 0`, or a
+        rewrite folds the history into a snapshot). A script's writes appear as the commands it ran."""
+        out: list[list[bytes]] = []
+        for path in sorted((self.workdir / "appendonlydir").glob("*.incr.aof"),
+                           key=lambda p: int(p.name.split(".")[-3])):
+            data = path.read_bytes()
+            i = 0
+            while i < len(data):
+                end = data.index(b"\r\n", i)
+                assert data[i:i + 1] == b"*", f"{path}: expected a command, found {data[i:i + 20]!r}"
+                count, i = int(data[i + 1:end]), end + 2
+                args = []
+                for _ in range(count):
+                    end = data.index(b"\r\n", i)
+                    size, i = int(data[i + 1:end]), end + 2  # $<length>
+                    args.append(data[i:i + size])
+                    i += size + 2
+                out.append(args)
+        return out
 
     def stop(self, kill: bool = False) -> None:
         if self.proc is not None:

@@ -7,7 +7,10 @@ service is (the launcher's services.json), the fleet's env steps (rollout-manage
 model version (model-registry), sampled every WATCH_SECONDS into `observations`. `kill_and_recover`
 kills one service and measures, from the kill, the first successful call to the service started in
 its place (`first_call_seconds`) and the moment the run made progress again: a newer model version
-and more env steps than when it was restarted (`progress_seconds`).
+and more env steps than when it was restarted (`progress_seconds`). `wait_for_moment` picks when,
+from a seeded random generator, inside the window that matters for the service: the registry just
+after a version appeared (its push under way), the trainer around a checkpoint, the others at a
+random instant of their steady work (the buffer is always mid-insert, gae mid-estimate).
 """
 
 from __future__ import annotations
@@ -15,6 +18,7 @@ from __future__ import annotations
 import contextlib
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -195,6 +199,28 @@ class ChaosRun:
         return "\n".join(text.splitlines()[-lines:])
 
     # -- chaos ---------------------------------------------------------------------------------------
+    def wait_for_moment(self, service: str, rng: random.Random, save_interval: int, timeout: float = 240.0) -> str:
+        """Wait for a random moment inside `service`'s window; says which."""
+        version = self.model_version
+        if service == "model-registry":  # a version just appeared: the workers are fetching it
+            self.wait_for(lambda: self.model_version > version, timeout, "a new version")
+            delay = rng.uniform(0.0, 0.5)
+            what = f"{delay:.2f}s after version {self.model_version} appeared (mid-push)"
+        elif service == "trainer":  # the trainer writes a checkpoint with every save_interval-th version
+            target = (version // save_interval + 1) * save_interval - 1
+            self.wait_for(lambda: self.model_version >= target, timeout, f"version {target}")
+            delay = rng.uniform(0.0, 2.0)
+            what = f"{delay:.2f}s after version {self.model_version} (the next one is checkpointed)"
+        else:
+            delay = rng.uniform(0.0, 3.0)
+            what = f"at a random instant, {delay:.2f}s on"
+        time.sleep(delay)
+        return what
+
+    def wait_progress(self, steps: int, version: int, timeout: float, what: str) -> None:
+        """Until the run has a newer model version and more env steps than these."""
+        self.wait_for(lambda: self.model_version > version and self.env_steps > steps, timeout, what)
+
     def kill_and_recover(self, service: str, timeout: float = 240.0) -> Recovery:
         """SIGKILL `service`; wait until the launcher restarted it, it answers, and the run went on."""
         before = self.services()[service]
@@ -217,8 +243,8 @@ class ChaosRun:
             except grpc.RpcError:
                 self.wait_for(lambda: time.monotonic() - killed < timeout, timeout, f"an answer from {service}")
                 time.sleep(0.02)
-        self.wait_for(lambda: self.model_version > version and self.env_steps > steps, timeout,
-                      f"progress after killing {service} (at {steps} env steps, model version {version})")
+        self.wait_progress(steps, version, timeout,
+                           f"progress after killing {service} (at {steps} env steps, model version {version})")
         recovery = Recovery(service, before["pid"], after["pid"], steps, version, round(first_call, 3),
                             round(time.monotonic() - killed, 3))
         self.recoveries.append(recovery)
