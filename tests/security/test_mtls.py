@@ -193,3 +193,28 @@ def test_the_documented_table_is_the_code() -> None:
         if len(cells) == 2 and "/" in cells[0]:
             documented[f"/overworld.v1.{cells[0]}"] = [c.strip() for c in cells[1].split(",")]
     assert documented == {rpc.path: authz.callers(rpc.path) for rpc in RPCS}
+
+
+def test_unreadable_credentials_say_which_file_and_why(tmp_path: Path) -> None:
+    """A Secret mounted 0440 without the pod's fsGroup: the files are there but this user cannot read
+    them. The error names the file, the user and the file's owner and mode, not "incomplete"."""
+    import subprocess
+    import sys
+    import tempfile
+
+    base = Path(tempfile.mkdtemp(dir="/var/tmp"))  # pytest's tmp_path is root's only: not searchable by 10001
+    base.chmod(0o755)
+    identity = tls.write_run_credentials(base / "run", "overworld")["gae"]
+    (base / "run").chmod(0o755)
+    for path in [identity, *identity.iterdir()]:
+        path.chmod(0o755 if path.is_dir() else 0o440)  # root's, as the kubelet mounts a Secret without fsGroup
+    script = "from pathlib import Path; from overworld.core import tls; tls.CredentialFiles(Path(__import__('sys').argv[1]))"
+    out = subprocess.run(["setpriv", "--reuid=10001", "--regid=10001", "--clear-groups", sys.executable, "-c", script,
+                          str(identity)], capture_output=True, text=True, timeout=60)
+    assert out.returncode != 0
+    assert f"cannot read {identity / tls.CERT}" in out.stderr and "uid 10001" in out.stderr, out.stderr[-800:]
+    assert "fsGroup" in out.stderr, out.stderr[-800:]
+    (identity / tls.KEY).unlink()
+    with pytest.raises(FileNotFoundError, match=f"{identity / tls.KEY} is missing"):
+        tls.CredentialFiles(identity)
+    shutil.rmtree(base)

@@ -145,7 +145,30 @@ class CredentialFiles:
         self._pems: tuple[bytes, bytes, bytes] | None = None
         self.reload()
         if self._pems is None:
-            raise FileNotFoundError(f"TLS credentials incomplete in {self.directory}: need {CERT}, {KEY} and {CA}")
+            self._explain()
+
+    def _explain(self) -> None:
+        """Raise what is wrong with the files, for a person to act on."""
+        for name in (CERT, KEY, CA):
+            path = self.directory / name
+            try:
+                if not path.read_bytes():
+                    raise ValueError(f"TLS credentials: {path} is empty")
+            except FileNotFoundError:
+                raise FileNotFoundError(f"TLS credentials: {path} is missing (need {CERT}, {KEY} and {CA} in "
+                                        f"{self.directory})") from None
+            except PermissionError:
+                try:
+                    st = os.stat(path)
+                    owner = f"it is owned by {st.st_uid}:{st.st_gid} with mode {st.st_mode & 0o777:o}"
+                except OSError:
+                    owner = f"{self.directory} is not searchable"
+                raise PermissionError(
+                    f"TLS credentials: cannot read {path} as uid {os.getuid()} (groups "
+                    f"{sorted({os.getgid(), *os.getgroups()})}); {owner}. On Kubernetes a Secret mounted 0440 is "
+                    "readable through the pod's fsGroup: set podSecurityContext.fsGroup (the chart's default is "
+                    "10001)") from None
+        raise FileNotFoundError(f"TLS credentials incomplete in {self.directory}: need {CERT}, {KEY} and {CA}")
 
     def _stat(self) -> tuple | None:
         try:
