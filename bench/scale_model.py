@@ -54,7 +54,7 @@ def model(data: dict[str, Any]) -> str:
                      f"{c['pss_mb'] / n:.1f} |")
     push = top["push"]
     lines += ["", f"A version costs each worker {push['worker_cpu_seconds_per_gb']:.2f} CPU-s per GB (receive, pass "
-              f"on, sha256, swap in; its env and inference run meanwhile) and the registry "
+              f"on, sha256, swap in; measured once the pods left the cores half idle) and the registry "
               f"{push['registry_cpu_seconds_per_gb']:.2f} CPU-s per GB, whatever the fleet's size (the registry "
               f"sends {push['registry_egress_copies']:.1f} copies by relay).", "",
               f"Extrapolated to a {MODEL_GB:.0f} GB model (VPT-2x in fp32) with {WORKER_CORES}-core worker pods:", "",
