@@ -119,6 +119,16 @@ def crafter_scores(entry: dict[str, Any]) -> dict[str, Any]:
             "published_scores_at_1m_steps": PUBLISHED_SCORES}
 
 
+CURVE_POINTS = 100  # per seed in the committed result: a curve to plot, not the run's every line
+
+
+def downsample(curve: list[dict[str, Any]], points: int = CURVE_POINTS) -> list[dict[str, Any]]:
+    """`points` evenly spaced entries of `curve`, its first and last among them."""
+    if len(curve) <= points:
+        return curve
+    return [curve[round(i * (len(curve) - 1) / (points - 1))] for i in range(points)]
+
+
 def main() -> None:
     tasks = os.environ.get("BENCH_TASKS", ",".join(TASKS)).split(",")
     seeds = [int(s) for s in os.environ.get("BENCH_SEEDS", "0,1,2").split(",")]
@@ -159,7 +169,7 @@ def main() -> None:
             entry["seeds"][str(seed)] = {"finished": time.strftime("%Y-%m-%dT%H:%M:%S", finished)} | {k: summary.get(k) for k in (
                 "status", "env_steps", "episodes", "mean_return_last_100", "wall_seconds", "wall_seconds_all_segments",
                 "env_steps_per_second", "resumed_from",
-                "model_version", "updates", "tasks")} | {"curve": summary.get("curve", [])}
+                "model_version", "updates", "tasks")} | {"curve": downsample(summary.get("curve", []))}
             if summary.get("wall_seconds_all_segments"):  # a seed run in segments: its rate over all of them
                 entry["seeds"][str(seed)]["env_steps_per_second"] = round(
                     summary["env_steps"] / summary["wall_seconds_all_segments"], 1)

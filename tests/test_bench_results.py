@@ -23,6 +23,12 @@ def test_each_result_records_its_provenance(path: Path) -> None:
     assert str(data.get("command", "")).startswith("python"), f"{path.name}: no command"
 
 
+@pytest.mark.parametrize("path", sorted(RESULTS.glob("*")), ids=lambda p: p.name)
+def test_each_result_is_small_enough_to_read_in_a_diff(path: Path) -> None:
+    """Summaries and down-sampled curves in git, not per-episode data."""
+    assert path.stat().st_size < 300_000, f"{path.name}: {path.stat().st_size} bytes"
+
+
 def test_the_readme_figures_are_the_committed_results() -> None:
     """README.md's table of measured figures is what bench/report.py makes of bench/results: a result
     re-run and committed without `python bench/report.py`, or a figure edited by hand, fails here."""
