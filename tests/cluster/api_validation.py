@@ -26,15 +26,15 @@ KUBERNETES_EXTENSIONS = ("x-kubernetes-preserve-unknown-fields", "x-kubernetes-i
                          "x-kubernetes-map-type", "x-kubernetes-validations")
 
 
-def _structural(schema: Any, path: str = "") -> Any:
+def _structural(schema: Any) -> Any:
     """A CRD schema as JSON Schema with strict decoding: objects that list their properties are
     closed to others unless they keep unknown fields; int-or-string and nullable as the API server
     reads them. Unknown fields are reported apart (see Validator.unknown_fields)."""
     if isinstance(schema, list):
-        return [_structural(item, path) for item in schema]
+        return [_structural(item) for item in schema]
     if not isinstance(schema, dict):
         return schema
-    out = {k: _structural(v, path) for k, v in schema.items() if k not in KUBERNETES_EXTENSIONS and k != "nullable"}
+    out = {k: _structural(v) for k, v in schema.items() if k not in KUBERNETES_EXTENSIONS and k != "nullable"}
     if schema.get("x-kubernetes-int-or-string"):
         out.pop("type", None)
         out = {"anyOf": [{"type": "integer"}, {"type": "string"}], **out}
@@ -67,10 +67,15 @@ class Validator:
                                   spec.get("scope", "Namespaced") == "Namespaced",
                                   version["schema"]["openAPIV3Schema"])
                 self.kinds[(kind.group, kind.version, kind.plural)] = kind
+        self._checkers = {key: jsonschema.Draft4Validator(_structural(kind.schema)) for key, kind in self.kinds.items()}
+        self._documents = self._group_versions()
 
-    # --- OpenAPI v3, as much as kubectl reads ------------------------------------------------------
     def group_versions(self) -> dict[str, dict[str, Any]]:
         """/openapi/v3/apis/GROUP/VERSION -> its document."""
+        return self._documents
+
+    # --- OpenAPI v3, as much as kubectl reads ------------------------------------------------------
+    def _group_versions(self) -> dict[str, dict[str, Any]]:
         docs: dict[str, dict[str, Any]] = {}
         for kind in self.kinds.values():
             doc = docs.setdefault(f"apis/{kind.group}/{kind.version}", {
@@ -116,7 +121,7 @@ class Validator:
             fields = ", ".join(f'unknown field "{u}"' for u in unknown)
             return 400, f"{kind.kind} in version \"{kind.version}\" cannot be handled as a {kind.kind}: " \
                         f"strict decoding error: {fields}"
-        errors = sorted(jsonschema.Draft4Validator(_structural(kind.schema)).iter_errors(obj),
+        errors = sorted(self._checkers[(kind.group, kind.version, kind.plural)].iter_errors(obj),
                         key=lambda e: list(e.absolute_path))
         if errors:
             causes = "; ".join(f"{_field(e.absolute_path)}: Invalid value: {json.dumps(e.instance)[:80]}: {e.message}"
