@@ -120,8 +120,8 @@ def make_trainer(steps: int, context: int, device: Any, use_amp: bool) -> Any:
     from minestudio.models import VPTPolicy
 
     from overworld.core.config import load_config
+    from overworld.online import PPOTrainer
     from overworld.policies.minestudio import as_policy
-    from overworld.trainer.ppo import PPOTrainer
 
     class VPTTrainer(PPOTrainer):
         def build_policy(self) -> Any:

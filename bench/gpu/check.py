@@ -223,7 +223,7 @@ def step_vpt2x(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
 
     from bench.gpu.vpt_standin import TINY, VPT_2X, VPTStandIn, count_parameters
     from overworld.core.config import load_config
-    from overworld.trainer.ppo import PPOTrainer
+    from overworld.online import PPOTrainer
 
     shape = TINY if args.dry else VPT_2X
     device = cuda_device(args.dry)
@@ -297,8 +297,8 @@ def step_amp_fp16(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
     import torch
 
     from overworld.core.config import load_config
+    from overworld.online import PPOTrainer
     from overworld.trainer.checkpoint import checkpoint_store
-    from overworld.trainer.ppo import PPOTrainer
 
     device = cuda_device(args.dry)
     overrides = ["train_config.use_amp=true", "train_config.amp_dtype=float16", "run_id=amp-fp16",

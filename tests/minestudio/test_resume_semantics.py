@@ -7,7 +7,7 @@ from pathlib import Path
 
 import torch
 
-from overworld.trainer.base import checkpoint_store
+from overworld.trainer.checkpoint import checkpoint_store
 from tests.trainer.helpers import flat_params, make_trainer
 
 

@@ -20,8 +20,8 @@ from overworld.core.config import load_config
 from overworld.policies.base import PolicyOutput
 from overworld.policies.factory import build_policy, describe_env
 from overworld.policies.impala import ImpalaPolicy, NormedUnit
+from overworld.trainer.learner import PPOLearner
 from overworld.trainer.loss import LossConfig, ppo_loss
-from overworld.trainer.ppo import PPOTrainer
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -159,7 +159,7 @@ def test_norms_and_initialisation_are_ads(policy) -> None:
 
 
 def test_it_acts_on_crafter_frames_and_the_trainer_builds_ads_optimizer(config) -> None:
-    trainer = PPOTrainer.from_config(config, rollout_manager="")
+    trainer = PPOLearner.from_config(config, rollout_manager="")
     model, optimizer = trainer.setup_model_and_optimizer()
     group = optimizer.param_groups[0]
     assert (group["lr"], group["eps"], group["weight_decay"]) == (3e-4, AD_ADAM_EPS, 0.0)

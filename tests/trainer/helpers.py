@@ -1,4 +1,4 @@
-"""Build a PPOTrainer and a synthetic batch without services or Ray."""
+"""Build a PPOLearner and a synthetic batch without services or Ray."""
 
 from __future__ import annotations
 
@@ -9,13 +9,13 @@ import torch
 from overworld.core.config import load_config
 from overworld.policies.base import log_prob
 from overworld.trainer.data import Batch
-from overworld.trainer.ppo import PPOTrainer
+from overworld.trainer.learner import PPOLearner
 
 ROOT = Path(__file__).resolve().parents[2]
 
 
 def make_trainer(*overrides: str, world_size: int = 1, rank: int = 0,
-                 cls: type[PPOTrainer] = PPOTrainer) -> PPOTrainer:
+                 cls: type[PPOLearner] = PPOLearner) -> PPOLearner:
     config = load_config(ROOT / "examples/cartpole.yaml", list(overrides))
     torch.manual_seed(config.seed)
     trainer = cls.from_config(config, rollout_manager="")
@@ -24,7 +24,7 @@ def make_trainer(*overrides: str, world_size: int = 1, rank: int = 0,
     return trainer
 
 
-def make_batch(trainer: PPOTrainer, B: int, L: int, seed: int = 0, episode_start: int | None = None,
+def make_batch(trainer: PPOLearner, B: int, L: int, seed: int = 0, episode_start: int | None = None,
                obs_shape: tuple[int, ...] = (4,), obs_dtype: torch.dtype = torch.float32,
                num_actions: int = 2) -> Batch:
     g = torch.Generator().manual_seed(seed)

@@ -24,7 +24,7 @@ import torch
 
 from overworld.policies.base import Policy
 from overworld.policies.nets import make_cnn_policy
-from overworld.trainer.ppo import PPOTrainer
+from overworld.trainer.learner import PPOLearner
 from tests.trainer import helpers
 
 # Ray workers cannot import this test tree (site-packages has its own `tests`): ship it by value.
@@ -39,7 +39,7 @@ BASE = ["train_config.epochs_per_iteration=1", "train_config.context_length=8", 
 IMAGE = (16, 16, 3)
 
 
-class CNNTrainer(PPOTrainer):
+class CNNTrainer(PPOLearner):
     """The project's recurrent CNN policy (Crafter's), on small images."""
 
     def build_policy(self) -> Policy:
@@ -47,7 +47,7 @@ class CNNTrainer(PPOTrainer):
                                channels=[8, 8], hidden=32, recurrent=True)
 
 
-class UnusedHeadTrainer(PPOTrainer):
+class UnusedHeadTrainer(PPOLearner):
     """A user's policy with a head its forward never calls."""
 
     def build_policy(self) -> Policy:
@@ -61,7 +61,7 @@ def share(batch: Any, rank: int, world: int) -> Any:
     return batch.select(slice(rank * n, (rank + 1) * n))
 
 
-def two_iterations(rank: int, world: int, *overrides: str, cls: type = PPOTrainer,
+def two_iterations(rank: int, world: int, *overrides: str, cls: type = PPOLearner,
                    image: bool = False) -> dict[str, Any]:
     """Two iterations of 2 optimizer steps each on this rank's half of the batch."""
     trainer = helpers.make_trainer(*BASE, "train_config.batches_per_iteration=2",

@@ -18,7 +18,7 @@ from overworld.model_registry.client import ModelRegistryClient
 from overworld.model_registry.server import ModelRegistryService, registration
 from overworld.replay_buffer.index import MemoryIndex
 from overworld.replay_buffer.server import ReplayBufferService, add_to_server
-from overworld.trainer.ppo import PPOTrainer
+from overworld.trainer.learner import PPOLearner
 from overworld.v1 import replay_buffer_pb2, replay_buffer_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -41,13 +41,13 @@ def services(tmp_path: Path) -> Iterator[dict[str, Any]]:
     registry_server.stop(0)
 
 
-def trainer(services: dict[str, Any], *overrides: str) -> PPOTrainer:
+def trainer(services: dict[str, Any], *overrides: str) -> PPOLearner:
     config = load_config(ROOT / "examples/cartpole.yaml", list(overrides))
-    return PPOTrainer.from_config(config, rollout_manager="", model_registry=services["registry"],
+    return PPOLearner.from_config(config, rollout_manager="", model_registry=services["registry"],
                                   workdir=services["workdir"])
 
 
-def learner_starts(services: dict[str, Any], *overrides: str, nudge: bool = False) -> PPOTrainer:
+def learner_starts(services: dict[str, Any], *overrides: str, nudge: bool = False) -> PPOLearner:
     """What `_train_func` does up to the first publish, on rank 0."""
     learner = trainer(services, *overrides)
     learner.registry = ModelRegistryClient(services["registry"])

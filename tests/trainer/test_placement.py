@@ -22,8 +22,8 @@ from pathlib import Path
 import pytest
 
 from overworld.core.config import load_config
+from overworld.trainer.learner import PPOLearner
 from overworld.trainer.placement import PlacementError
-from overworld.trainer.ppo import PPOTrainer
 from tests.support import alive, free_port, stop_process
 
 pytestmark = pytest.mark.slow
@@ -129,10 +129,10 @@ def cluster(tmp_path_factory: pytest.TempPathFactory) -> Iterator[LocalRayCluste
         assert c.stop() == [], "processes of the test's Ray cluster outlived `ray start --block`"
 
 
-def trainer(*overrides: str) -> PPOTrainer:
+def trainer(*overrides: str) -> PPOLearner:
     config = load_config(ROOT / "examples/cartpole.yaml", ["train_config.num_workers=1", "run_id=placement",
                                                            *overrides])
-    return PPOTrainer.from_config(config, rollout_manager="", workdir=str(ROOT))
+    return PPOLearner.from_config(config, rollout_manager="", workdir=str(ROOT))
 
 
 def test_gpu_workers_go_where_the_cluster_has_gpus_and_fail_clearly_otherwise(cluster: LocalRayCluster) -> None:

@@ -8,8 +8,7 @@ See docs/config.md ("MineStudio users") for what each key does here.
 
 from overworld.online.generators import GeneratorError, generator_ref
 from overworld.online.start import start_rolloutmanager, start_trainer, stop_rolloutmanager
-from overworld.trainer.base import BaseTrainer
-from overworld.trainer.ppo import PPOTrainer
+from overworld.online.trainer import BaseTrainer, PPOTrainer
 
 __all__ = ["BaseTrainer", "GeneratorError", "PPOTrainer", "generator_ref", "start_rolloutmanager", "start_trainer",
            "stop_rolloutmanager"]

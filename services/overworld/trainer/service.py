@@ -18,8 +18,8 @@ from overworld.core.config import RunConfig, load_config
 from overworld.core.grpc_util import Server, serve
 from overworld.core.imports import import_object
 from overworld.rollout_manager.client import RolloutManagerClient
-from overworld.trainer.base import BaseTrainer
 from overworld.trainer.placement import PlacementError
+from overworld.trainer.runtime import TrainerRuntime
 from overworld.v1 import trainer_pb2 as pb
 from overworld.v1 import trainer_pb2_grpc
 
@@ -38,24 +38,23 @@ STOP_TIMEOUT_SECONDS = 120
 # read: `overworld run` and the run-controller poll it, and a trainer gone before they saw "finished"
 # looks like one that crashed (restarted, then resumed from its last checkpoint only to finish again).
 FINAL_STATE_SECONDS = 5.0
-TRAINERS = {"PPOTrainer": "overworld.trainer.ppo:PPOTrainer"}
+# MineStudio names its PPO PPOTrainer; here it is the learner itself (overworld.online.PPOTrainer adds
+# only MineStudio's constructor and attribute names).
+TRAINERS = {"PPOTrainer": "overworld.trainer.learner:PPOLearner", "PPOLearner": "overworld.trainer.learner:PPOLearner"}
 LOSS_TERMS = {"policy": "trainer/policy_loss", "value": "trainer/value_loss", "kl": "trainer/kl_divergence_loss",
               "entropy": "trainer/entropy_bonus", "total": "trainer/total_loss"}
 
 
-def trainer_class(name: str) -> type[BaseTrainer]:
-    """`trainer_name`: PPOTrainer, a class exported by overworld.online (MineStudio's names), or the
-    import path of a BaseTrainer subclass ('module:Class' or 'file.py:Class')."""
+def trainer_class(name: str) -> type[TrainerRuntime]:
+    """`trainer_name`: PPOTrainer (MineStudio's name for Overworld's PPO), or the import path of a
+    subclass ('module:Class' or 'file.py:Class', e.g. of overworld.online.PPOTrainer)."""
     if ":" not in name and name not in TRAINERS:
-        import overworld.online
-
-        if not hasattr(overworld.online, name):
-            raise TypeError(f"trainer_name {name!r}: not a trainer Overworld knows ({', '.join(TRAINERS)}); give a "
-                            "subclass by import path ('module:Class' or 'file.py:Class')")
-        name = f"overworld.online:{name}"
+        raise TypeError(f"trainer_name {name!r}: not a trainer Overworld knows ({', '.join(TRAINERS)}); give a "
+                        "subclass by import path ('module:Class' or 'file.py:Class')")
     cls = import_object(TRAINERS.get(name, name))
-    if not (isinstance(cls, type) and issubclass(cls, BaseTrainer)):
-        raise TypeError(f"trainer_name {name!r} is not a BaseTrainer subclass")
+    if not (isinstance(cls, type) and issubclass(cls, TrainerRuntime)):
+        raise TypeError(f"trainer_name {name!r} is not a trainer (a subclass of overworld.online.BaseTrainer or "
+                        "overworld.trainer.learner.PPOLearner)")
     return cls
 
 
@@ -181,7 +180,7 @@ class TrainerDriver:
         self.ray_address = ray_address
         self.done = done
         self.failed = False
-        self._trainer: BaseTrainer | None = None
+        self._trainer: TrainerRuntime | None = None
         self._configured = threading.Event()  # the config is here (or failed): whether Ray is needed is known
         self._started = threading.Event()  # the config is here and the first version published (or failed)
         self._startup_error: Exception | None = None

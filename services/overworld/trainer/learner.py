@@ -1,14 +1,23 @@
-"""PPOTrainer: MineStudio's PPO, corrected. Read top to bottom: setup, the iteration loop, one
-update over context windows, the optimizer step.
+"""PPO, top to bottom: one iteration is
+
+    batch = sample()                    this rank's chains from the replay buffer (host memory)
+    estimate_advantages(batch)          the learner's values -> the gae service -> advantages, targets
+    update(batch)                       epochs x minibatches: windows forward, the loss, backward, a step
+    rho *= coef_rho_decay               the KL coefficient towards the reference policy decays
+
+Everything around it (connections, publishing, checkpoints, status, Ray Train, the loop that counts
+the fleet's steps) is trainer/runtime.py; MineStudio's names for these steps, and its subclassing API,
+are overworld/online/trainer.py. docs/trainer.md walks through this file.
 
 Fixes over MineStudio: ratios against the behaviour log-probs recorded at rollout; advantages
 normalised over the global batch; the recurrent state is reset at episode starts inside a window
 (the policy sees `first`); the reference policy sees the same windows and carries its own state
 from window to window; a non-finite gradient on any rank skips the step on every rank; any
-batch_size_per_gpu.
+batch_size_per_gpu. DDP: gradients are all-reduced once per optimizer step (every other backward runs
+under `no_sync`); parameters that get no gradient never hang or crash a step (see `wrap_ddp`).
 
-DDP: gradients are all-reduced once per optimizer step (every other backward runs under
-`no_sync`), parameters that get no gradient never hang or crash a step (see `wrap_ddp`).
+Memory: an iteration's batch stays in host memory; only `inference_batch_size_per_gpu` chains x
+`context_length` steps (values) or one minibatch (update) are on the device at a time.
 """
 
 from __future__ import annotations
@@ -21,27 +30,23 @@ import time
 from collections.abc import Iterator
 from typing import Any
 
-import grpc
 import torch
 
-from overworld.core.imports import import_object
-from overworld.policies.base import Policy
-from overworld.trainer.base import BaseTrainer
-from overworld.trainer.builtin_hooks import register_builtin_hooks
-from overworld.trainer.checkpoint import checkpoint_id
-from overworld.trainer.data import Batch
+from overworld.policies.base import log_prob
+from overworld.trainer.data import Batch, chains_from_chunks, to_device
 from overworld.trainer.loss import LossConfig, LossTerms, ppo_loss
-from overworld.v1 import rollout_manager_pb2
+from overworld.trainer.runtime import TrainerRuntime
 
-log = logging.getLogger("overworld.trainer.ppo")
+log = logging.getLogger("overworld.trainer.learner")
 
 TERMS = ("total", "policy", "value", "entropy", "kl", "approx_kl", "clip_fraction")
 
 
-class PPOTrainer(BaseTrainer):
+class PPOLearner(TrainerRuntime):
+    # -- setup -----------------------------------------------------------------------------------
     def setup_model_and_optimizer(self, policy_generator: Any = None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
-        """The run's policy (`policy_generator` through the adapters) and AdamW; the reference policy
-        for the KL term (`ref_model`)."""
+        """The run's policy and AdamW over what it trains; a frozen copy as the KL reference when
+        `kl_divergence_coef_rho > 0`."""
         t = self.config.train_config
         policy = self.build_policy()
         if t.zero_initial_vf:
@@ -52,7 +57,7 @@ class PPOTrainer(BaseTrainer):
             keep = {id(p) for m in policy.encoder_modules() + policy.value_head_modules() for p in m.parameters()}
             for p in policy.parameters():
                 p.requires_grad_(id(p) in keep)
-        self.reference: Policy | None = None
+        self.reference = None
         if t.kl_divergence_coef_rho > 0:
             self.reference = copy.deepcopy(policy).to(self.device).eval()
             for p in self.reference.parameters():
@@ -62,129 +67,103 @@ class PPOTrainer(BaseTrainer):
         params = [p for p in model.parameters() if p.requires_grad]
         optimizer = torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay, eps=t.adam_eps)
         self.amp_dtype, self.scaler = amp_settings(t.use_amp, self.device, t.amp_dtype)
-        self.loss_config = LossConfig(t.ppo_clip, t.clip_vloss, t.ppo_policy_coef, t.ppo_vf_coef,
-                                      t.entropy_bonus_coef, t.log_ratio_range)
         return model, optimizer
+
+    @property
+    def loss_config(self) -> LossConfig:
+        t = self.config.train_config
+        return LossConfig(t.ppo_clip, t.clip_vloss, t.ppo_policy_coef, t.ppo_vf_coef, t.entropy_bonus_coef,
+                          t.log_ratio_range)
 
     def in_vf_warmup(self) -> bool:
         """MineStudio counts `vf_warmup` in iterations: the first `vf_warmup` ones train the value
         function (and the KL term) only, and publish no weights. (`iteration` is 1 during the first.)"""
         return max(self.iteration - 1, 0) < self.config.train_config.vf_warmup
 
-    def train(self) -> None:
-        t = self.config.train_config
-        logger = register_builtin_hooks(self)
-        for ref in t.hooks:
-            import_object(ref)(self)
-        self.publish_initial_version()
-        stop = self.report("running", {})  # asked to stop while Ray Train started: no iteration to finish
-        if stop:
-            log.info("stop requested before the first iteration: finishing")
-        # Where the fleet is now, waited for (the manager may be restarting too): a resumed trainer that
-        # missed it would count the whole fleet's steps again at its first iteration.
-        last_env_steps = 0 if stop else self._fleet_env_steps(self._ask_fleet(timeout=60.0), 0)
-        try:
-            while not stop and self.iteration < t.num_iterations:
-                self.iteration += 1
-                started = time.monotonic()
-                fleet = self._ask_fleet()  # answered while this iteration runs: no round trip of its own
-                self.hooks.run("pre_collect", self)
-                updates_before = self.updates
-                metrics = dict(self.train_iteration() or {})
-                updated = time.monotonic()
-                fetched = sum(self.timings.get(part, 0.0) for part in ("sample", "values", "gae"))
-                self.timings["update"] = updated - started - fetched  # the PPO epochs (hooks included)
-                if self.iteration == 1 and self.rank == 0:
-                    log.info("first update done: %d optimizer steps", self.updates)  # bench/bench_e2e.py's timeline
-                fleet_steps = self._fleet_env_steps(fleet, last_env_steps)
-                new_steps = fleet_steps - last_env_steps
-                last_env_steps = fleet_steps
-                self.env_steps += new_steps
-                metrics.update({
-                    "trainer/utd_ratio": (self.updates - updates_before) / new_steps if new_steps else math.nan,
-                    "trainer/env_steps_all_workers": float(self.env_steps),
-                })
-                self.hooks.run("post_iteration", self, metrics=metrics)
-                self.timings["post_iteration"] = time.monotonic() - updated
-                metrics.update({f"trainer/{k}_seconds": v for k, v in self.timings.items()})
-                metrics["trainer/iteration_seconds"] = time.monotonic() - started
-                if self.report("running", metrics):
-                    log.info("stop requested: checkpointing iteration %d and finishing", self.iteration)
-                    break
-        finally:
-            logger.close()
-        if t.save_interval > 0 and self.latest_checkpoint != checkpoint_id(self.iteration):
-            self.save_checkpoint()
-        self.report("finished", {})
-
-    def _ask_fleet(self, timeout: float = 5.0) -> grpc.Future | None:
-        """The fleet's status, asked now and answered while the caller works (waits for a manager
-        that is restarting, up to `timeout`)."""
-        try:
-            return self.manager.stub.GetFleetStatus.future(rollout_manager_pb2.GetFleetStatusRequest(),
-                                                           timeout=timeout, wait_for_ready=True)
-        except Exception:  # statistics only: never stall training on the manager
-            return None
-
-    @staticmethod
-    def _fleet_env_steps(asked: grpc.Future | None, known: int) -> int:
-        """The fleet's env steps (cumulative, kept by the rollout-manager across its restarts); `known`
-        while the manager is away, so that the steps are counted once, when it answers again."""
-        try:
-            return max(known, int(asked.result().env_steps)) if asked is not None else known
-        except Exception:  # statistics only: never stall training on the manager
-            return known
-
-    # -- one iteration -------------------------------------------------------------------------
-    def _normalize(self, adv: torch.Tensor, global_batch: bool) -> torch.Tensor:
-        count = torch.tensor(float(adv.numel()), device=adv.device)
-        stats = torch.stack([adv.sum(), (adv**2).sum(), count])
-        if global_batch:
-            stats = self.all_reduce_sum(stats)
-        mean = stats[0] / stats[2]
-        std = (stats[1] / stats[2] - mean**2).clamp(min=0).sqrt()
-        return (adv - mean) / (std + 1e-8)
-
-    def _update_value_normalizer(self, batch: Batch) -> None:
-        target = batch.value_target
-        assert target is not None
-        stats = torch.stack([target.sum(), (target**2).sum(), torch.tensor(float(target.numel()))])
-        stats = self.all_reduce_sum(stats.to(self.device))
-        self.unwrapped_model.value_normalizer.update(stats[0] / stats[2], stats[1] / stats[2])
-
-    def _minibatches(self, batch: Batch) -> Iterator[tuple[int, torch.Tensor]]:
-        t = self.config.train_config
-        order = torch.randperm(batch.size)
-        for b in range(t.batches_per_iteration):
-            idx = order[b * t.batch_size_per_gpu:(b + 1) * t.batch_size_per_gpu]
-            if len(idx):
-                yield b, idx
-
+    # -- one iteration -----------------------------------------------------------------------------
     def train_iteration(self, batch: Batch | None = None) -> dict[str, float] | None:
-        """MineStudio's iteration: fetch this iteration's fragments with advantages, `ppo_update`, decay
-        the KL coefficient. Returns the iteration's metrics (MineStudio returned None; an override that
-        does is fine). Given a `batch` (tests, tools), only the update from that batch."""
+        """Sample, estimate advantages, update, decay the KL coefficient. Given a `batch` (tests,
+        tools) whose advantages are set: only the update."""
         if batch is not None:
             return self.update(batch)
         started = time.monotonic()
-        r = self.fetch_fragments_and_estimate_advantages(num_fragments=self.fragments_per_iteration)
-        self.hooks.run("post_collect", self, batch=r["records"])
+        batch = self.estimate_advantages(self.sample())
+        self.hooks.run("post_collect", self, batch=batch)
         fetched = time.monotonic()
-        metrics = self.ppo_update(records=r["records"], td_targets=r["td_targets"], advantages=r["advantages"],
-                                  old_logps=r["old_logps"], old_vpreds=r["old_vpreds"], rewards=r["rewards"])
-        self.kl_divergence_coef_rho *= self.config.train_config.coef_rho_decay
-        return {**(metrics or {}), "trainer/fetch_seconds": fetched - started}
+        metrics = self.update(batch)
+        self.rho *= self.config.train_config.coef_rho_decay
+        return {**metrics, "trainer/fetch_seconds": fetched - started}
 
-    def ppo_update(self, records: Batch, td_targets: torch.Tensor, advantages: torch.Tensor, old_logps: torch.Tensor,
-                   old_vpreds: torch.Tensor, rewards: torch.Tensor) -> dict[str, float]:
-        """MineStudio's PPO update over this rank's chains (`records`), with the tensors
-        fetch_fragments_and_estimate_advantages returned (a subclass may change them first)."""
-        records.value_target, records.advantage, records.behaviour_logp, records.old_vpred = (
-            td_targets, advantages, old_logps, old_vpreds)
-        metrics = self.update(records)
-        metrics["trainer/buffer_reward"] = float(rewards.float().mean())
-        return metrics
+    def sample(self) -> Batch:
+        """This rank's share of the iteration's fragments, as chains (B, L) in host memory."""
+        started = time.monotonic()
+        batch = chains_from_chunks(self.reader.next())
+        self.timings["sample"] = time.monotonic() - started
+        return batch
 
+    # -- values and advantages -------------------------------------------------------------------------
+    def estimate_advantages(self, batch: Batch) -> Batch:
+        """Fills in the batch's advantages and value targets (the gae service; V-trace if configured)
+        and the learner's value predictions before the update (`old_vpred`)."""
+        t = self.config.train_config
+        started = time.monotonic()
+        vpred, next_vpred, target_logp = self.compute_values(batch)
+        normalizer = self.unwrapped_model.value_normalizer
+        # Denormalised with the statistics the predictions were made with, before this batch moves them.
+        value, next_value = normalizer.denormalize(vpred.to(self.device)), normalizer.denormalize(next_vpred.to(self.device))
+        request = {
+            "reward": batch.reward.numpy(), "value": value.float().cpu().numpy(),
+            "terminated": batch.terminated.numpy(), "truncated": batch.truncated.numpy(),
+            "bootstrap_value": batch.bootstrap_value.numpy(), "next_value": next_value.float().cpu().numpy()}
+        if t.vtrace:
+            request["behaviour_logp"] = batch.behaviour_logp.numpy()
+            request["target_logp"] = target_logp.numpy()
+        valued = time.monotonic()
+        adv, target = self.gae_client.estimate(request, t.discount, t.gae_lambda, vtrace=t.vtrace,
+                                               rho_clip=t.vtrace_rho_clip, c_clip=t.vtrace_c_clip)
+        self.timings.update(values=valued - started, gae=time.monotonic() - valued)
+        batch.advantage = torch.as_tensor(adv)
+        batch.value_target = torch.as_tensor(target)
+        batch.old_vpred = vpred
+        return batch
+
+    @torch.no_grad()
+    def compute_values(self, batch: Batch) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The learner's value predictions (B, L) in the value head's space, its prediction for the
+        observation after the last step (B,), and its log-probs of the behaviour actions (B, L); on
+        the host, float32.
+
+        Bounded memory: `inference_batch_size_per_gpu` chains at a time go through the model in
+        windows of `context_length` steps, each group from its recorded state with the recurrent
+        state carried from window to window (so the values are those of one pass over the chain)."""
+        t = self.config.train_config
+        model = self.unwrapped_model
+        B, L = batch.size, batch.length
+        group = max(1, t.inference_batch_size_per_gpu or t.batch_size_per_gpu)
+        window = min(t.context_length, L)
+        vpred, logp, next_vpred = torch.empty(B, L), torch.empty(B, L), torch.empty(B)
+        last_done = batch.terminated[:, -1:] | batch.truncated[:, -1:]
+        for b0 in range(0, B, group):
+            rows = slice(b0, min(b0 + group, B))
+            state = to_device(batch.state, self.device, rows)
+            for start in range(0, L, window):
+                end = min(start + window, L)
+                obs = {k: v[rows, start:end] for k, v in batch.obs.items()}
+                first = batch.first[rows, start:end]
+                if end == L:  # the step after the chain rides along with the last window
+                    obs = {k: torch.cat([v, batch.next_obs[k][rows]], 1) for k, v in obs.items()}
+                    first = torch.cat([first, last_done[rows]], 1)
+                with self.autocast():
+                    out, state = model(to_device(obs, self.device), state, first.to(self.device))
+                n = end - start
+                vpred[rows, start:end] = out.vpred[:, :n].float().cpu()
+                logits = {k: v[:, :n].float() for k, v in out.logits.items()}
+                logp[rows, start:end] = log_prob(logits, to_device(batch.action, self.device, rows, start, end)).cpu()
+                if end == L:
+                    next_vpred[rows] = out.vpred[:, -1].float().cpu()
+        return vpred, next_vpred, logp
+
+    # -- the update ------------------------------------------------------------------------------------
     def update(self, batch: Batch) -> dict[str, float]:
         """The PPO update over one iteration's batch (host memory; its advantages and value targets
         set): `epochs_per_iteration` epochs of minibatches, each moved to the device when its turn
@@ -197,20 +176,21 @@ class PPOTrainer(BaseTrainer):
         # The old predictions were made with the statistics this batch is about to move: denormalised
         # with those, normalised again with the new ones, so clip_vloss compares like with like.
         old_value = normalizer.denormalize(batch.old_vpred.to(self.device)).cpu()
-        self._update_value_normalizer(batch)
+        self._update_value_normalizer(batch.value_target)
         sums = dict.fromkeys(TERMS, 0.0)
         windows = 0
         skipped = 0
         for epoch in range(t.epochs_per_iteration):
             for b, idx in self._minibatches(batch):
                 mb = batch.select(idx).to(self.device)
+                assert mb.advantage is not None and mb.value_target is not None
                 if not t.normalize_advantage_full_batch:
-                    mb.advantage = self._normalize(mb.advantage, global_batch=False)  # type: ignore[arg-type]
+                    mb.advantage = self._normalize(mb.advantage, global_batch=False)
                 target_vpred = normalizer.normalize(mb.value_target)
                 old_vpred = normalizer.normalize(old_value[idx].to(self.device))
                 step = (b + 1) % t.gradient_accumulation == 0
                 for _ in range(t.optim_steps_per_batch if step else 1):
-                    for terms in self._backward_windows(mb, target_vpred, old_vpred, sync=step):  # type: ignore[arg-type]
+                    for terms in self._backward_windows(mb, target_vpred, old_vpred, sync=step):
                         for name in TERMS:
                             sums[name] += float(getattr(terms, name).detach())
                         windows += 1
@@ -233,6 +213,28 @@ class PPOTrainer(BaseTrainer):
             "trainer/policy_lag": float((self.model_version - batch.model_version.float()).mean()),
         }
 
+    def _normalize(self, adv: torch.Tensor, global_batch: bool) -> torch.Tensor:
+        count = torch.tensor(float(adv.numel()), device=adv.device)
+        stats = torch.stack([adv.sum(), (adv**2).sum(), count])
+        if global_batch:
+            stats = self.all_reduce_sum(stats)
+        mean = stats[0] / stats[2]
+        std = (stats[1] / stats[2] - mean**2).clamp(min=0).sqrt()
+        return (adv - mean) / (std + 1e-8)
+
+    def _update_value_normalizer(self, target: torch.Tensor) -> None:
+        stats = torch.stack([target.sum(), (target**2).sum(), torch.tensor(float(target.numel()))])
+        stats = self.all_reduce_sum(stats.to(self.device))
+        self.unwrapped_model.value_normalizer.update(stats[0] / stats[2], stats[1] / stats[2])
+
+    def _minibatches(self, batch: Batch) -> Iterator[tuple[int, torch.Tensor]]:
+        t = self.config.train_config
+        order = torch.randperm(batch.size)
+        for b in range(t.batches_per_iteration):
+            idx = order[b * t.batch_size_per_gpu:(b + 1) * t.batch_size_per_gpu]
+            if len(idx):
+                yield b, idx
+
     def _backward_windows(self, mb: Batch, target_vpred: torch.Tensor, old_vpred: torch.Tensor,
                           sync: bool) -> Iterator[LossTerms]:
         """Forward and backward over consecutive context windows, carrying the (detached) recurrent
@@ -243,10 +245,12 @@ class PPOTrainer(BaseTrainer):
         window = min(t.context_length, L)
         warmup = self.in_vf_warmup()
         kl_coef = 1.0 if warmup else self.rho  # MineStudio weights the KL term by 1 during the warm-up
+        loss_config = self.loss_config
         state, ref_state = mb.state, mb.state
         for start in range(0, L, window):
             sl = slice(start, start + window)
             w = mb.select(slice(None), sl)
+            assert w.advantage is not None
             last = start + window >= L
             with self._sync_context(sync and last), self.autocast():
                 out, state = self.model(w.obs, state, w.first)
@@ -258,20 +262,15 @@ class PPOTrainer(BaseTrainer):
                 state = {k: v.detach() for k, v in state.items()}
                 out.vpred = out.vpred.float()
                 out.logits = {k: v.float() for k, v in out.logits.items()}
-                terms = ppo_loss(out, w.action, w.behaviour_logp, w.advantage, target_vpred[:, sl],  # type: ignore[arg-type]
-                                 old_vpred[:, sl], ref_logits, kl_coef, self.loss_config, value_only=warmup)
+                terms = ppo_loss(out, w.action, w.behaviour_logp, w.advantage, target_vpred[:, sl],
+                                 old_vpred[:, sl], ref_logits, kl_coef, loss_config, value_only=warmup)
                 self.hooks.run("post_loss", self, terms=terms)
                 loss = terms.total * (w.length / L) / t.gradient_accumulation
                 (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             yield terms
 
-    def _sync_context(self, sync: bool) -> contextlib.AbstractContextManager:
-        if sync or not isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
-            return contextlib.nullcontext()
-        return self.model.no_sync()
-
     def _optimizer_step(self) -> int:
-        """Clip, step, zero. A non-finite gradient on any rank skips the step on every rank."""
+        """Clip, step, zero. A non-finite gradient on any rank skips the step on every rank (returns 1)."""
         t = self.config.train_config
         self.hooks.run("pre_optim_step", self)
         params = [p for p in self.model.parameters() if p.requires_grad]
@@ -280,8 +279,7 @@ class PPOTrainer(BaseTrainer):
         grads = [p.grad for p in params if p.grad is not None]
         # One norm over every gradient (non-finite iff one of them is): a few ops, not one check per tensor.
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
-        finite = torch.isfinite(norm).float()
-        finite = self.all_reduce_sum(finite)
+        finite = self.all_reduce_sum(torch.isfinite(norm).float())
         if finite.item() < self.world_size:
             log.warning("non-finite gradient on some rank: skipping this optimizer step on every rank")
             self.optimizer.zero_grad(set_to_none=True)
@@ -304,8 +302,21 @@ class PPOTrainer(BaseTrainer):
         self.hooks.run("post_optim_step", self, skipped=False)
         return 0
 
+    # -- devices and precision ---------------------------------------------------------------------
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """`use_amp`: autocast to `amp_dtype` around the learner's forward passes (the update's, as
+        MineStudio, and the value recomputation, which MineStudio runs in fp32); a no-op without it."""
+        if self.amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self.amp_dtype)
 
-def wrap_ddp(policy: Policy) -> torch.nn.Module:
+    def _sync_context(self, sync: bool) -> contextlib.AbstractContextManager:
+        if sync or not isinstance(self.model, torch.nn.parallel.DistributedDataParallel):
+            return contextlib.nullcontext()
+        return self.model.no_sync()
+
+
+def wrap_ddp(policy: torch.nn.Module) -> torch.nn.Module:
     """DDP (Ray Train's prepare_model) that survives every policy.
 
     `find_unused_parameters=True`: a parameter the forward never touches (the recurrent MLP's
@@ -318,8 +329,9 @@ def wrap_ddp(policy: Policy) -> torch.nn.Module:
     """
     import ray.train.torch
 
-    return ray.train.torch.prepare_model(policy, parallel_strategy_kwargs={  # type: ignore[return-value]
+    wrapped: torch.nn.Module = ray.train.torch.prepare_model(policy, parallel_strategy_kwargs={
         "find_unused_parameters": True, "broadcast_buffers": False})
+    return wrapped
 
 
 def amp_settings(use_amp: bool, device: torch.device,

@@ -1,0 +1,408 @@
+"""What runs around the learner: its connections to the services, publishing, status, checkpoints,
+the iteration loop's accounting and Ray Train. The algorithm is trainer/learner.py; MineStudio's
+names for both are overworld/online/trainer.py (which imports this, never the reverse).
+
+`fit()` runs on the trainer driver: it places the workers (trainer/placement.py: GPUs follow
+`num_gpus_per_worker` and the cluster, never the driver's own hardware) and starts Ray Train, or, with
+`train_config.num_workers: 0`, runs one learner in the driver's own thread without Ray (local mode).
+`_train_func()` runs in every learner rank: it connects, builds the model and optimizer, restores a
+checkpoint if there is one, and calls `train()`, which calls the learner's `train_iteration()` once per
+iteration. Everything around an iteration is a hook (trainer/hooks.py).
+"""
+
+from __future__ import annotations
+
+import hashlib
+import logging
+import math
+import time
+from pathlib import Path
+from typing import Any
+
+import grpc
+import torch
+import torch.distributed as dist
+
+from overworld.core.config import RunConfig, config_hash, from_yaml, learner_ranks, to_yaml
+from overworld.core.grpc_util import channel, retry
+from overworld.core.imports import generator_ref, import_object, lazy_import
+from overworld.core.weights import to_bytes
+from overworld.gae.client import GaeClient
+from overworld.model_registry.client import ModelRegistryClient
+from overworld.policies.base import Policy
+from overworld.policies.factory import run_spaces
+from overworld.rollout_manager.client import RolloutManagerClient
+from overworld.trainer import checkpoint
+from overworld.trainer.builtin_hooks import register_builtin_hooks
+from overworld.trainer.hooks import Hooks
+from overworld.trainer.placement import (
+    local_mode_device,
+    require_usable_cuda,
+    reserve_workers,
+    torch_trainer_class,
+    worker_resources,
+)
+from overworld.trainer.prefetch import ChunkReader
+from overworld.v1 import (
+    replay_buffer_pb2,
+    replay_buffer_pb2_grpc,
+    rollout_manager_pb2,
+    trainer_pb2,
+    trainer_pb2_grpc,
+)
+
+log = logging.getLogger("overworld.trainer")
+
+
+class TrainerRuntime:
+    """One learner's state and everything it talks to. A subclass supplies the algorithm:
+    `setup_model_and_optimizer()` and `train_iteration()` (trainer/learner.py's PPOLearner)."""
+
+    def __init__(self, config: RunConfig, *, rollout_manager: str = "", replay_buffer: str = "", gae: str = "",
+                 model_registry: str = "", status_address: str = "", workdir: str = ".",
+                 continue_run: bool = False) -> None:
+        self.config = config
+        self.rollout_manager, self.replay_buffer, self.gae = rollout_manager, replay_buffer, gae
+        self.model_registry, self.status_address, self.workdir = model_registry, status_address, workdir
+        self.continue_run = continue_run  # a restarted trainer: this run's latest checkpoint comes first
+        self.policy_generator = lazy_import(config.policy_generator) if config.policy_generator else None
+        self.hooks = Hooks()
+        # Training state, set up in each learner rank and saved in every checkpoint.
+        self.rank = 0
+        self.world_size = 1
+        self.device = torch.device("cpu")
+        self.model_version = 0
+        self.iteration = 0
+        self.updates = 0
+        self.samples_trained = 0
+        self.env_steps = 0
+        self.rho = config.train_config.kl_divergence_coef_rho
+        self.resumed_from: str | None = None
+        self.start = {"model_version": 0, "env_steps": 0, "rho": self.rho}
+        self.latest_checkpoint = ""
+        self.timings: dict[str, float] = {}  # seconds of each part of the last iteration (trainer/*_seconds)
+        # How long fit() waits for the cluster to offer the workers' resources (train_config.
+        # placement_timeout); the driver sets 0 for a Ray it started itself: that cluster cannot grow.
+        self.placement_timeout = config.train_config.placement_timeout
+        self.own_ray = False  # the driver started this Ray itself (see placement.torch_trainer_class)
+        self.model: Any = None
+        self.optimizer: Any = None
+        self.reference: Policy | None = None
+        self.amp_dtype: torch.dtype | None = None  # set with the optimizer (learner.amp_settings)
+        self.scaler: torch.amp.GradScaler | None = None  # fp16 only; saved in every checkpoint (scaler.pt)
+
+    @classmethod
+    def from_config(cls, config: RunConfig, **addresses: Any) -> TrainerRuntime:
+        return cls(config=config, **addresses)
+
+    # -- what the learner supplies ---------------------------------------------------------------
+    def setup_model_and_optimizer(self, policy_generator: Any = None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        raise NotImplementedError
+
+    def train_iteration(self, batch: Any = None) -> dict[str, float] | None:
+        raise NotImplementedError
+
+    # -- collectives over this trainer's ranks (no-ops for one rank) ------------------------------
+    @property
+    def distributed(self) -> bool:
+        return self.world_size > 1 and dist.is_available() and dist.is_initialized()
+
+    def all_reduce_sum(self, x: torch.Tensor) -> torch.Tensor:
+        if self.distributed:
+            x = x.clone()
+            dist.all_reduce(x)
+        return x
+
+    def all_gather(self, x: torch.Tensor) -> list[torch.Tensor]:
+        """Every rank's `x` (same shape on each), in rank order."""
+        if not self.distributed:
+            return [x]
+        parts = [torch.empty_like(x) for _ in range(self.world_size)]
+        dist.all_gather(parts, x)
+        return parts
+
+    @property
+    def fragments_per_iteration(self) -> int:
+        """Chunks of one iteration, all ranks (num_workers x batch_size_per_gpu x batches_per_iteration)."""
+        t = self.config.train_config
+        return learner_ranks(t) * t.batch_size_per_gpu * t.batches_per_iteration
+
+    # -- the iteration loop --------------------------------------------------------------------
+    def train(self) -> None:
+        """`num_iterations` iterations (or until the driver asks to stop), each the learner's
+        `train_iteration()` between the hooks, with the fleet's env steps counted and reported."""
+        t = self.config.train_config
+        logger = register_builtin_hooks(self)
+        for ref in t.hooks:
+            import_object(ref)(self)
+        self.publish_initial_version()
+        stop = self.report("running", {})  # asked to stop while Ray Train started: no iteration to finish
+        if stop:
+            log.info("stop requested before the first iteration: finishing")
+        # Where the fleet is now, waited for (the manager may be restarting too): a resumed trainer that
+        # missed it would count the whole fleet's steps again at its first iteration.
+        last_env_steps = 0 if stop else self._fleet_env_steps(self._ask_fleet(timeout=60.0), 0)
+        try:
+            while not stop and self.iteration < t.num_iterations:
+                self.iteration += 1
+                started = time.monotonic()
+                fleet = self._ask_fleet()  # answered while this iteration runs: no round trip of its own
+                self.hooks.run("pre_collect", self)
+                updates_before = self.updates
+                metrics = dict(self.train_iteration() or {})
+                updated = time.monotonic()
+                fetched = sum(self.timings.get(part, 0.0) for part in ("sample", "values", "gae"))
+                self.timings["update"] = updated - started - fetched  # the PPO epochs (hooks included)
+                if self.iteration == 1 and self.rank == 0:
+                    log.info("first update done: %d optimizer steps", self.updates)
+                fleet_steps = self._fleet_env_steps(fleet, last_env_steps)
+                new_steps = fleet_steps - last_env_steps
+                last_env_steps = fleet_steps
+                self.env_steps += new_steps
+                metrics.update({
+                    "trainer/utd_ratio": (self.updates - updates_before) / new_steps if new_steps else math.nan,
+                    "trainer/env_steps_all_workers": float(self.env_steps),
+                })
+                self.hooks.run("post_iteration", self, metrics=metrics)
+                self.timings["post_iteration"] = time.monotonic() - updated
+                metrics.update({f"trainer/{k}_seconds": v for k, v in self.timings.items()})
+                metrics["trainer/iteration_seconds"] = time.monotonic() - started
+                if self.report("running", metrics):
+                    log.info("stop requested: checkpointing iteration %d and finishing", self.iteration)
+                    break
+        finally:
+            logger.close()
+        if t.save_interval > 0 and self.latest_checkpoint != checkpoint.checkpoint_id(self.iteration):
+            self.save_checkpoint()
+        self.report("finished", {})
+
+    def _ask_fleet(self, timeout: float = 5.0) -> grpc.Future | None:
+        """The fleet's status, asked now and answered while the caller works (waits for a manager
+        that is restarting, up to `timeout`)."""
+        try:
+            return self.manager.stub.GetFleetStatus.future(rollout_manager_pb2.GetFleetStatusRequest(),
+                                                           timeout=timeout, wait_for_ready=True)
+        except Exception:  # statistics only: never stall training on the manager
+            return None
+
+    @staticmethod
+    def _fleet_env_steps(asked: grpc.Future | None, known: int) -> int:
+        """The fleet's env steps (cumulative, kept by the rollout-manager across its restarts); `known`
+        while the manager is away, so that the steps are counted once, when it answers again."""
+        try:
+            return max(known, int(asked.result().env_steps)) if asked is not None else known
+        except Exception:  # statistics only: never stall training on the manager
+            return known
+
+    # -- Ray Train ------------------------------------------------------------------------------
+    def fit(self) -> None:
+        """Place `num_workers` Ray Train workers and run `_train_func` on each (the caller has done
+        ray.init). A worker gets a GPU exactly when `num_gpus_per_worker > 0`; a cluster without
+        them fails here, with how many were asked and how many the cluster has. `num_workers: 0` is
+        local mode (what Ray Train's local mode did, without Ray): `_train_func` runs here, in this
+        thread, and Ray is never imported, so that a machine without Ray trains (on this machine's
+        GPU exactly when `num_gpus_per_worker > 0`)."""
+        t = self.config.train_config
+        loop_config = {
+            "trainer_class": generator_ref(type(self), "trainer_name"),  # a class from a user's file: by its path
+            "config_yaml": to_yaml(self.config),
+            "addresses": {"rollout_manager": self.rollout_manager, "replay_buffer": self.replay_buffer,
+                          "gae": self.gae, "model_registry": self.model_registry,
+                          "status_address": self.status_address, "workdir": self.workdir,
+                          **({"continue_run": True} if self.continue_run else {})},
+        }
+        if not t.num_workers:  # local mode: the learner in this process; no Ray, nothing to place
+            local_mode_device(t.num_gpus_per_worker)  # a GPU asked for and not usable here ends it now
+            _train_loop(loop_config)
+            return
+        from ray.train import RunConfig as RayRunConfig
+        from ray.train import ScalingConfig
+
+        resources = worker_resources(t.num_gpus_per_worker)
+        reserve_workers(t.num_workers, resources, self.placement_timeout)
+        trainer = torch_trainer_class(self.own_ray)(
+            train_loop_per_worker=_train_loop, train_loop_config=loop_config,
+            scaling_config=ScalingConfig(num_workers=t.num_workers, use_gpu="GPU" in resources,
+                                         resources_per_worker=resources),
+            run_config=RayRunConfig(name=f"overworld-{self.config.run_id}",
+                                    storage_path=str(Path(self.workdir, "ray").resolve())))
+        trainer.fit()
+
+    def _train_func(self) -> None:
+        if self.config.train_config.num_workers:
+            import ray.train
+            import ray.train.torch
+
+            ctx = ray.train.get_context()
+            self.rank, self.world_size = ctx.get_world_rank(), ctx.get_world_size()
+            require_usable_cuda()  # Ray gave this worker a GPU: it is used, or training stops here
+            self.device = ray.train.torch.get_device()
+        else:  # local mode, no Ray: one rank, the driver's GPU exactly when num_gpus_per_worker > 0
+            self.rank, self.world_size = 0, 1
+            self.device = local_mode_device(self.config.train_config.num_gpus_per_worker)
+        torch.set_num_threads(1)
+        self._connect()
+        self.model, self.optimizer = self.build_starting_model()
+        torch.manual_seed(self.config.seed * 7919 + self.rank)  # minibatch order; a resume restores it
+        try:
+            self.restore()
+            self.train()
+        finally:
+            self.reader.close()
+
+    def _connect(self) -> None:
+        t = self.config.train_config
+        self.registry = ModelRegistryClient(self.model_registry)
+        self.gae_client = GaeClient(self.gae)
+        self.manager = RolloutManagerClient(self.rollout_manager)
+        self._buffer_channel = channel(self.replay_buffer)
+        self.buffer = replay_buffer_pb2_grpc.ReplayBufferStub(self._buffer_channel)
+        self._status = trainer_pb2_grpc.TrainerStub(channel(self.status_address)) if self.status_address else None
+        self.reader = ChunkReader(self.buffer, t.batch_size_per_gpu * t.batches_per_iteration, t.num_readers,
+                                  t.prefetch_batches, t.sample_timeout, f"rank-{self.rank}", t.data_timeout)
+        self.checkpoints = checkpoint.checkpoint_store(self.config, self.workdir)
+
+    # -- the model -------------------------------------------------------------------------------
+    @property
+    def unwrapped_model(self) -> Policy:
+        model = self.model
+        return model.module if hasattr(model, "module") else model  # type: ignore[no-any-return]
+
+    def build_policy(self) -> Policy:
+        _, policy, _, _ = run_spaces(self.config)
+        return policy
+
+    def build_starting_model(self) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """(model, optimizer) from the run's seed: the same weights in the driver (`publish_first_version`)
+        and in every learner rank. Built on one thread: initialisers that factorise matrices (orthogonal
+        init's QR) round differently with more threads, and the driver's weights would differ from the
+        learner's. (Machines with different CPUs may still differ: the learner then publishes anew.)"""
+        threads = torch.get_num_threads()
+        torch.set_num_threads(1)
+        try:
+            torch.manual_seed(self.config.seed)
+            return self._as_policy_model(*self.setup_model_and_optimizer(self.policy_generator))
+        finally:
+            torch.set_num_threads(threads)
+
+    def _as_policy_model(self, model: Any, optimizer: torch.optim.Optimizer,
+                         *rest: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        """What a MineStudio-style setup_model_and_optimizer returns: a MinePolicy (wrapped here; the
+        optimizer keeps its parameters), and a GradScaler third in MineStudio's newer versions."""
+        if rest and rest[0] is not None:
+            self.scaler = rest[0]
+        inner = getattr(model, "module", model)
+        if not isinstance(inner, Policy):
+            from overworld.policies.minestudio import as_policy
+
+            _, _, _, action_space = run_spaces(self.config)
+            model = as_policy(model, action_space).to(self.device)
+            model.value_normalizer.enabled = self.config.train_config.use_normalized_vf
+        return model, optimizer
+
+    # -- publishing ------------------------------------------------------------------------------
+    def broadcast_model_to_rollout_workers(self, new_version: bool) -> None:
+        """(MineStudio's name.) With `new_version`, publish the current weights as the next model
+        version; workers watching the registry swap them in. Rank 0 only. Versions are immutable in the
+        registry, so `new_version=False` (re-send the current version) has nothing to publish."""
+        if self.rank != 0 or not new_version:
+            return
+        started = time.monotonic()
+        version = self.model_version + 1
+        data = to_bytes(self.unwrapped_model.state_dict())
+        counters = {"iteration": self.iteration, "updates": self.updates, "samples_trained": self.samples_trained,
+                    "env_steps": self.env_steps}
+        self.registry.publish(version, data, parent=self.model_version, counters=counters,
+                              config_hash=config_hash(self.config))
+        self.model_version = version
+        self._tell_buffer_the_version(version)
+        self.timings["publish"] = time.monotonic() - started
+
+    def _tell_buffer_the_version(self, version: int) -> None:
+        retry(lambda: self.buffer.SetModelVersion(
+            replay_buffer_pb2.SetModelVersionRequest(model_version=version), timeout=30), "SetModelVersion", 60)
+
+    def publish_first_version(self) -> None:
+        """On the driver, while Ray starts: a fresh run's starting weights as version 1, tagged
+        `reference`, so that the workers step their envs with the learner's policy seconds after
+        `overworld run` instead of after Ray Train is up. The learner builds the same weights from the
+        same seed and does not publish them again (`publish_initial_version`). Nothing when the
+        registry already has a version or a checkpoint will be resumed: the learner publishes those."""
+        registry = ModelRegistryClient(self.model_registry)
+        try:
+            store = checkpoint.checkpoint_store(self.config, self.workdir)
+            if registry.list_versions(timeout=60) or checkpoint.will_resume(self, store):
+                return
+            self.model, self.optimizer = self.build_starting_model()
+            registry.publish(1, to_bytes(self.unwrapped_model.state_dict()), config_hash=config_hash(self.config))
+            registry.set_tag("reference", 1)
+            log.info("published the starting weights as version 1 (before Ray Train)")
+        finally:
+            registry.close()
+            self.model = self.optimizer = self.reference = None  # the learner builds its own
+
+    def publish_initial_version(self) -> None:
+        """Rank 0: publish the starting weights (version 1 on a fresh run, the next free version on a
+        resume) so every worker acts with the learner's policy from its first step. When the driver
+        published these very weights already (`publish_first_version`), only adopt its version."""
+        if self.rank != 0:
+            return
+        versions = self.registry.list_versions(timeout=120)  # retried: the registry may be restarting too
+        latest = max((v.version for v in versions), default=0)
+        has_reference = any("reference" in v.tags for v in versions)
+        if self.resumed_from is None and latest == 1 and self.model_version == 0:
+            data = to_bytes(self.unwrapped_model.state_dict())
+            if next(v for v in versions if v.version == 1).sha256 == hashlib.sha256(data).hexdigest():
+                self.model_version = 1
+                self._tell_buffer_the_version(1)
+                return
+            log.warning("version 1 in the registry is not this learner's starting weights: publishing them anew")
+        self.model_version = max(latest, self.model_version)
+        self.broadcast_model_to_rollout_workers(new_version=True)
+        if not has_reference:
+            self.registry.set_tag("reference", self.model_version, timeout=120)
+
+    # -- checkpoints (trainer/checkpoint.py) -------------------------------------------------------
+    def save_checkpoint(self) -> str:
+        """Every rank calls it (the RNG states are gathered); rank 0 writes the full training state."""
+        return checkpoint.save(self)
+
+    def restore(self) -> None:
+        """Resume on every rank from what `resume` (or a restart: `continue_run`) names."""
+        checkpoint.restore(self)
+
+    # -- status ----------------------------------------------------------------------------------
+    def report(self, state: str, metrics: dict[str, float]) -> bool:
+        """Rank 0 tells the driver where training is; returns True when the driver asks to stop.
+        Every rank gets the same answer."""
+        stop = False
+        if self.rank == 0 and self._status is not None:
+            stop = self._report(state, metrics)
+        if self.distributed:
+            flag = torch.tensor(float(stop), device=self.device)
+            dist.broadcast(flag, src=0)
+            stop = bool(flag.item())
+        return stop
+
+    def _report(self, state: str, metrics: dict[str, float]) -> bool:
+        try:
+            assert self._status is not None
+            reply = self._status.ReportProgress(trainer_pb2.TrainerStatus(
+                state=state, iteration=self.iteration, updates=self.updates, model_version=self.model_version,
+                samples_trained=self.samples_trained, metrics=metrics, resumed_from=self.resumed_from or "",
+                start_model_version=self.start["model_version"], start_env_steps=self.start["env_steps"],
+                start_rho=self.start["rho"], latest_checkpoint=self.latest_checkpoint, env_steps=self.env_steps),
+                timeout=10)
+            return bool(reply.stop)
+        except Exception as err:  # the driver's status endpoint is advisory; training goes on
+            log.warning("could not report progress: %s", err)
+            return False
+
+
+def _train_loop(loop_config: dict[str, Any]) -> None:
+    """One learner rank: on a Ray Train worker, or in the driver's own thread in local mode."""
+    logging.basicConfig(level=logging.INFO, format="%(asctime)s %(name)s %(levelname)s %(message)s")
+    config = from_yaml(loop_config["config_yaml"])
+    cls = import_object(loop_config["trainer_class"])
+    trainer: TrainerRuntime = cls.from_config(config, **loop_config["addresses"])
+    trainer._train_func()
