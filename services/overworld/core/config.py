@@ -7,11 +7,9 @@ never reads (IGNORED_KEYS) load with one warning naming them.
 
 from __future__ import annotations
 
-import ast
 import copy
 import hashlib
 import logging
-import runpy
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -20,14 +18,11 @@ from typing import Any
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
 
+from overworld.core.config_files import GENERATORS, ConfigError, read_user_config
+
 log = logging.getLogger("overworld.config")
 
 
-class ConfigError(ValueError):
-    """A run config that cannot be used; the message names the key."""
-
-
-# Keys MineStudio's shipped configs set and MineStudio itself never reads: accepted, warned about once.
 IGNORED_KEYS = {
     "train_config.enable_ref_update": "PPOTrainer stores it and never reads it (the reference policy is "
                                       "always the initial one)",
@@ -200,66 +195,6 @@ class RunConfig:
 FREE_FORM = ("env_kwargs", "policy_kwargs")
 FREE_FORM_NESTED = ("train_config.eval_env_kwargs.", "rollout_config.episode_statistics_config.",
                     "logger_config.wandb_init.")
-GENERATORS = ("env_generator", "policy_generator")
-
-
-def _literal_online_dict(path: Path, source: str) -> dict[str, Any] | None:
-    """online_dict and the module-level generator functions of a MineStudio config file, read without
-    running it (its imports - ray, hydra, minestudio - belong where the generators run, not here).
-    None when online_dict is not a plain literal."""
-    try:
-        tree = ast.parse(source, str(path))
-    except SyntaxError as err:
-        raise ConfigError(f"config file {path}: line {err.lineno}: {err.msg}") from None
-    data: dict[str, Any] | None = None
-    functions = set()
-    for node in tree.body:
-        if isinstance(node, ast.FunctionDef):
-            functions.add(node.name)
-        elif (isinstance(node, ast.Assign) and any(isinstance(t, ast.Name) and t.id == "online_dict"
-                                                     for t in node.targets)):
-            try:
-                data = ast.literal_eval(node.value)
-            except ValueError:
-                return None
-    if data is None or not isinstance(data, dict):
-        return None
-    for key in GENERATORS:
-        if key in functions and key not in data:
-            data[key] = f"{path.resolve()}:{key}"
-    return data
-
-
-def _run_config_file(path: Path) -> dict[str, Any]:
-    try:
-        namespace = runpy.run_path(str(path))
-    except Exception as err:  # the user's code: any error becomes one line naming the file
-        raise ConfigError(f"config file {path}: {type(err).__name__}: {err}") from None
-    if "online_dict" not in namespace:
-        raise ConfigError(f"{path} defines no `online_dict`")
-    online = namespace["online_dict"]
-    data = dict(OmegaConf.to_container(online, resolve=True) if isinstance(online, DictConfig) else online)
-    # MineStudio quick starts define the generators next to online_dict.
-    for key in GENERATORS:
-        if callable(namespace.get(key)) and key not in data:
-            data[key] = f"{path.resolve()}:{key}"
-    return data
-
-
-def _user_dict(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
-    if isinstance(source, DictConfig):  # what a MineStudio user holds as online_cfg
-        return OmegaConf.to_container(source, resolve=True)  # type: ignore[return-value]
-    if isinstance(source, Mapping):
-        return dict(source)
-    path = Path(source)
-    if not path.exists():
-        raise ConfigError(f"config file {path} does not exist")
-    if path.suffix == ".py":
-        return _literal_online_dict(path, path.read_text()) or _run_config_file(path)
-    loaded = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
-    if not isinstance(loaded, dict):
-        raise ConfigError(f"{path} must hold a mapping at the top level")
-    return loaded
 
 
 def _drop_ignored(data: dict[str, Any]) -> None:
@@ -302,7 +237,7 @@ def load_config(source: str | Path | Mapping[str, Any], overrides: list[str] | N
     `overrides` are `dotted.key=value` strings (the CLI's --set).
     """
     schema = OmegaConf.structured(RunConfig)
-    data = copy.deepcopy(_user_dict(source))
+    data = copy.deepcopy(read_user_config(source))
     _drop_ignored(data)
     _wandb_from_minestudio(data)
     try:
