@@ -6,7 +6,7 @@ Sample is measured three ways, each followed by its own raw get of fresh keys so
 compares rates taken back to back: in-band (the front reads each blob and streams it), by reference
 (the front claims and sends blob keys, SampleRequest.blob_refs; the reader process gets the blobs from
 the store in parallel, as bytes, like the in-band readers and the raw gets), and through the trainer's
-reader (`overworld.trainer.prefetch.sample_chunks`: by reference, and every blob parsed into a
+reader (`ReplayBufferClient.sample`: by reference, and every blob parsed into a
 SampledChunk message, which the raw gets do not do).
 
     python -m bench.bench_replay_buffer [--fragments 48] [--rounds 5] [--quick]
@@ -274,31 +274,30 @@ def run_sample(addresses: list[str], total: int, fragment_bytes: int) -> tuple[f
     return finished[0] - started, got[1]
 
 
-def run_sample_refs(stubs: list[Any], total: int, fragment_bytes: int, fetch: tuple[Any, Any] | None
+def run_sample_refs(clients: list[Any], total: int, fragment_bytes: int, fetch: tuple[Any, Any] | None
                     ) -> tuple[float, int]:
-    """Like run_sample, but by reference: one reader per stub, each asking for CHUNKS_PER_SAMPLE chunks at a
+    """Like run_sample, but by reference: one reader per client, each asking for CHUNKS_PER_SAMPLE chunks at a
     time. `fetch` (store, thread pool): the reader claims over gRPC (SampleRequest.blob_refs) and gets the
     blobs from the store in parallel, as bytes (what run_sample's readers and the raw gets receive). None:
-    through the trainer's reader (`sample_chunks`), which also parses every blob into a SampledChunk."""
-    from overworld.trainer.prefetch import sample_chunks
+    through the trainer's reader (`ReplayBufferClient.sample`), which also parses every blob into a SampledChunk."""
     from overworld.v1 import replay_buffer_pb2
 
-    def claim_and_get(stub: Any, n: int) -> int:
+    def claim_and_get(client: Any, n: int) -> int:
         assert fetch is not None
         store, pool = fetch
         got = 0
         while got < n and not stop.is_set():
             request = replay_buffer_pb2.SampleRequest(num_chunks=n - got, timeout_seconds=0.2, allow_partial=True,
                                                       blob_refs=True)
-            refs = list(stub.Sample(request, timeout=60))
+            refs = list(client.stub.Sample(request, timeout=60))
             gets = [pool.submit(store.get, key) for ref in refs for key in ref.blob_keys]
             for get in gets:  # one fragment per chunk here
                 assert len(get.result()) > fragment_bytes - 4096
             got += len(refs)
         return got
 
-    def reader(i: int, stub: Any, n: int, stop: threading.Event) -> int:
-        chunks = sample_chunks(stub, n, 0.2, f"bench-r{i}", stop, blob_refs=True)
+    def reader(i: int, client: Any, n: int, stop: threading.Event) -> int:
+        chunks = client.sample(n, 0.2, f"bench-r{i}", stop, blob_refs=True)
         for chunk in chunks:  # one fragment per chunk here
             # (reading .tensors would copy 3 MB, and upb's ByteSize() serializes the message)
             assert not chunk.blob_keys and len(chunk.fragments) == 1 and chunk.fragments[0].header.length
@@ -310,15 +309,15 @@ def run_sample_refs(stubs: list[Any], total: int, fragment_bytes: int, fetch: tu
     stop = threading.Event()
     errors: list[BaseException] = []
 
-    def read(i: int, stub: Any) -> None:
+    def read(i: int, client: Any) -> None:
         try:
             while not stop.is_set():
-                with lock:  # sample_chunks returns only with all it asked for: ask for exactly what is left
+                with lock:  # sample returns only with all it asked for: ask for exactly what is left
                     n = min(CHUNKS_PER_SAMPLE, total - got[0])
                     got[0] += n
                 if n == 0:
                     return
-                received = claim_and_get(stub, n) if fetch is not None else reader(i, stub, n, stop)
+                received = claim_and_get(client, n) if fetch is not None else reader(i, client, n, stop)
                 with lock:
                     got[1] += received
                     got[2] += received * fragment_bytes
@@ -328,7 +327,7 @@ def run_sample_refs(stubs: list[Any], total: int, fragment_bytes: int, fetch: tu
             errors.append(err)
             stop.set()
 
-    threads = [threading.Thread(target=read, args=(i, stub)) for i, stub in enumerate(stubs)]
+    threads = [threading.Thread(target=read, args=(i, client)) for i, client in enumerate(clients)]
     watchdog = threading.Timer(300, stop.set)  # the buffer should hold `total` chunks; never hang on a bug
     watchdog.start()
     started = time.perf_counter()
@@ -394,6 +393,7 @@ def measure(name: str, index_url: str, blobs_url: str, fronts: int, count: int, 
     in-band, CHUNKS_PER_SAMPLE by reference)."""
     from overworld.core.blobs import open_blob_store
     from overworld.core.grpc_util import channel
+    from overworld.replay_buffer.client import ReplayBufferClient
     from overworld.v1 import replay_buffer_pb2, replay_buffer_pb2_grpc
 
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
@@ -408,17 +408,17 @@ def measure(name: str, index_url: str, blobs_url: str, fronts: int, count: int, 
     streams, readers = fronts * STREAMS_PER_FRONT, fronts * READERS_PER_FRONT
     meter = CpuMeter({"fronts": [p.pid for p in procs], "clients": [os.getpid()], **servers})
     rounds_out = []
-    # The by-reference readers' stubs live across rounds, as a trainer's do (GetStoreInfo once per stub).
+    # The by-reference readers' clients live across rounds, as a trainer's does (GetStoreInfo once per client).
     channels = [channel(a) for a in addresses for _ in range(READERS_PER_FRONT)]
-    ref_stubs = [replay_buffer_pb2_grpc.ReplayBufferStub(ch) for ch in channels]
-    info = ref_stubs[0].GetStoreInfo(replay_buffer_pb2.GetStoreInfoRequest(), timeout=30)
+    ref_clients = [ReplayBufferClient(replay_buffer_pb2_grpc.ReplayBufferStub(ch)) for ch in channels]
+    info = ref_clients[0].stub.GetStoreInfo(replay_buffer_pb2.GetStoreInfoRequest(), timeout=30)
     fetch = (open_blob_store(info.blob_store_url), ThreadPoolExecutor(readers * CHUNKS_PER_SAMPLE))
     # (phase, its raw get's key suffix, how it samples `count` chunks)
     parts = [("sample", "", lambda: run_sample(addresses, count, nbytes)),
-             ("sample_refs", "_refs", lambda: run_sample_refs(ref_stubs, count, nbytes, fetch)),
-             ("sample_reader", "_reader", lambda: run_sample_refs(ref_stubs, count, nbytes, None))]
-    warm = [lambda: run_sample(addresses, streams, nbytes), lambda: run_sample_refs(ref_stubs, streams, nbytes, fetch),
-            lambda: run_sample_refs(ref_stubs, streams, nbytes, None)]
+             ("sample_refs", "_refs", lambda: run_sample_refs(ref_clients, count, nbytes, fetch)),
+             ("sample_reader", "_reader", lambda: run_sample_refs(ref_clients, count, nbytes, None))]
+    warm = [lambda: run_sample(addresses, streams, nbytes), lambda: run_sample_refs(ref_clients, streams, nbytes, fetch),
+            lambda: run_sample_refs(ref_clients, streams, nbytes, None)]
     try:
         for k, sample_warm in enumerate(warm):  # connections, code paths and caches warm
             run_ingest(addresses, [request(f"warm{i}", k) for i in range(streams)])

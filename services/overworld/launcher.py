@@ -19,13 +19,14 @@ import grpc
 
 from overworld.core import authz, tls
 from overworld.core.config import ConfigError, RunConfig, check_generators, load_config, to_yaml
-from overworld.core.grpc_util import Retry, channel, wait_healthy
+from overworld.core.grpc_util import channel, wait_healthy
 from overworld.core.net import free_port, reserve_port
 from overworld.core.service import EXIT_CONFIG, PARENT_PID_ENV
 from overworld.envs.crafter_score import score_summary
+from overworld.replay_buffer.client import ReplayBufferClient
 from overworld.restarts import SERVICES_FILE, RestartPolicy, write_services
 from overworld.rollout_manager.client import RolloutManagerClient
-from overworld.v1 import replay_buffer_pb2, replay_buffer_pb2_grpc, trainer_pb2, trainer_pb2_grpc
+from overworld.v1 import replay_buffer_pb2, trainer_pb2, trainer_pb2_grpc
 
 ROLLOUT_SIDE = ("rollout-manager", "model-registry", "replay-buffer", "gae")
 # A local run stops its workers after the trainer: the replay buffer's rate limiter then admits only
@@ -217,9 +218,8 @@ class Launcher:
 
     def buffer_stats(self) -> replay_buffer_pb2.BufferStats | None:
         try:
-            with channel(self.addresses["replay-buffer"]) as ch:
-                stub = replay_buffer_pb2_grpc.ReplayBufferStub(ch)
-                return Retry(5.0).unary(stub.GetStats, replay_buffer_pb2.GetStatsRequest(), "GetStats")
+            with ReplayBufferClient(self.addresses["replay-buffer"]) as buffer:
+                return buffer.stats(5.0, retried=True)
         except (grpc.RpcError, KeyError):
             return None
 

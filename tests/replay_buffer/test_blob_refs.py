@@ -14,9 +14,8 @@ from prometheus_client import REGISTRY
 from rb_support import insert, sample, stats, wait_until
 
 from overworld.core.blobs import open_blob_store
-from overworld.replay_buffer import client
+from overworld.replay_buffer.client import ReplayBufferClient
 from overworld.replay_buffer.sweeper import OrphanSweeper
-from overworld.trainer.prefetch import ChunkReader, sample_chunks
 from overworld.v1 import common_pb2, replay_buffer_pb2
 
 
@@ -46,7 +45,7 @@ def _sample_until_stopped(stub, n: int, seconds: float, **kwargs) -> list[replay
     timer = threading.Timer(seconds, stop.set)
     timer.start()
     try:
-        return sample_chunks(stub, n, 0.3, "test", stop, **kwargs)
+        return ReplayBufferClient(stub).sample(n, 0.3, "test", stop, **kwargs)
     finally:
         timer.cancel()
 
@@ -77,7 +76,7 @@ def test_reader_by_refs_gets_the_same_bytes_and_reuse_counts_the_same(make_buffe
     insert(buf.stub, [buf.fragment(seq=q) for q in range(8)])
     # One claim each (4 <= the front's prefetch): every chunk once in-band, then every chunk again by ref.
     in_band = {c.chunk_id: c for c in sample(buf.stub, 4)}
-    by_ref = {c.chunk_id: c for c in sample_chunks(buf.stub, 4, 2.0, "refs", blob_refs=True)}
+    by_ref = {c.chunk_id: c for c in ReplayBufferClient(buf.stub).sample(4, 2.0, "refs", blob_refs=True)}
     assert set(in_band) == set(by_ref) == {1, 2, 3, 4}
     for chunk_id, c in by_ref.items():
         assert not c.blob_keys and len(c.fragments) == 2
@@ -94,7 +93,8 @@ def test_reader_samples_by_refs_by_default_when_the_store_is_s3(make_buffer, bac
     buf = make_buffer(max_chunks=10)
     insert(buf.stub, [buf.fragment(seq=q) for q in range(4)])
     before = _metric("overworld_replay_buffer_ref_samples_total")
-    reader = ChunkReader(buf.stub, chunks_per_batch=4, num_readers=2, prefetch_batches=0, timeout=2.0, name="t")
+    reader = ReplayBufferClient(buf.stub).reader(chunks_per_batch=4, num_readers=2, prefetch_batches=0, timeout=2.0,
+                                                 name="t")
     try:
         batch = reader.next()
     finally:
@@ -114,8 +114,9 @@ def test_two_fronts_four_ref_readers_never_exceed_max_reuse(make_buffer):
     stop = threading.Event()
 
     def read(front):
+        reader = ReplayBufferClient(front.stub)
         while not stop.is_set():
-            chunks = sample_chunks(front.stub, 2, 0.2, "r", stop, blob_refs=True)
+            chunks = reader.sample(2, 0.2, "r", stop, blob_refs=True)
             with lock:
                 got.extend(chunks)
 
@@ -164,7 +165,7 @@ def test_blobs_of_a_chunk_claimed_by_ref_outlive_the_grace_only(make_buffer):
     assert len(buf.blob_keys()) == 1  # the other chunk's blob is untouched
     # A reader that comes back after the grace finds the blob gone: skipped and counted, no crash.
     before = _metric("overworld_replay_buffer_reader_skipped_chunks_total", reason="missing")
-    assert client.fetch_chunks(buf.stub, store, "late", [ref]) == []
+    assert ReplayBufferClient(buf.stub).blob_refs.fetch(store, "late", [ref]) == []
     assert _metric("overworld_replay_buffer_reader_skipped_chunks_total", reason="missing") - before == 1
 
 
@@ -226,18 +227,18 @@ def test_reader_falls_back_to_in_band_when_it_cannot_use_the_store(make_buffer, 
     insert(buf.stub, [buf.fragment(seq=q) for q in range(4)])
     if backend.name == "redis":  # no S3 endpoint here: the reader cannot open the store
         monkeypatch.delenv("OVERWORLD_S3_ENDPOINT")
-        (chunk,) = sample_chunks(buf.stub, 1, 2.0, "no-s3")
+        (chunk,) = ReplayBufferClient(buf.stub).sample(1, 2.0, "no-s3")
         assert len(chunk.fragments) == 1
         assert "sampling in-band" in caplog.text
-        other = make_buffer(max_chunks=10)  # another stub: asks again
+        other = make_buffer(max_chunks=10)  # another client: asks again
         monkeypatch.setenv("OVERWORLD_S3_ENDPOINT", backend.s3["OVERWORLD_S3_ENDPOINT"])
         insert(other.stub, [other.fragment(seq=0)])
-        assert len(sample_chunks(other.stub, 1, 2.0, "s3")[0].fragments) == 1
-        stub = other.stub
+        reader = ReplayBufferClient(other.stub)
+        assert len(reader.sample(1, 2.0, "s3")[0].fragments) == 1
         buf_for_failure = other
     else:
-        stub, buf_for_failure = buf.stub, buf
-        assert len(sample_chunks(stub, 1, 2.0, "local", blob_refs=True)[0].fragments) == 1
+        reader, buf_for_failure = ReplayBufferClient(buf.stub), buf
+        assert len(reader.sample(1, 2.0, "local", blob_refs=True)[0].fragments) == 1
 
     class Failing:
         def get(self, key):
@@ -245,27 +246,28 @@ def test_reader_falls_back_to_in_band_when_it_cannot_use_the_store(make_buffer, 
 
     # The store fails: the claimed chunks are skipped and counted, and the reader samples in-band for a while.
     insert(buf_for_failure.stub, [buf_for_failure.fragment(seq=q) for q in range(10, 14)])
-    client._ref_stores[stub]["store"] = Failing()
+    reader.blob_refs._choice.store = Failing()
     before = _metric("overworld_replay_buffer_reader_skipped_chunks_total", reason="error")
-    chunks = sample_chunks(stub, 2, 2.0, "failing", blob_refs=True)
+    chunks = reader.sample(2, 2.0, "failing", blob_refs=True)
     assert len(chunks) == 2 and all(len(c.fragments) == 1 for c in chunks)
     assert _metric("overworld_replay_buffer_reader_skipped_chunks_total", reason="error") - before == 2  # both of one claim
-    assert client.blob_store_for(stub, True) is None  # in-band until REF_RETRY_SECONDS passed
+    assert reader.blob_refs.store_for(True) is None  # in-band until REF_RETRY_SECONDS passed
 
 
 def test_a_store_that_is_not_the_fronts_sends_the_reader_back_in_band(make_buffer, backend, caplog):
     buf = make_buffer(max_chunks=10)
     insert(buf.stub, [buf.fragment(seq=q) for q in range(4)])
-    assert client.blob_store_for(buf.stub, True) is not None
+    reader = ReplayBufferClient(buf.stub)
+    assert reader.blob_refs.store_for(True) is not None
     # As if this reader's OVERWORLD_S3_ENDPOINT named another server with the same bucket: nothing is there.
     elsewhere = backend.blobs(f"{buf.run_id}-elsewhere")
-    client._ref_stores[buf.stub]["store"] = elsewhere
+    reader.blob_refs._choice.store = elsewhere
     before = _metric("overworld_replay_buffer_reader_skipped_chunks_total", reason="missing")
-    chunks = sample_chunks(buf.stub, 2, 2.0, "misconfigured", blob_refs=True)
+    chunks = reader.sample(2, 2.0, "misconfigured", blob_refs=True)
     assert len(chunks) == 2 and all(len(c.fragments) == 1 for c in chunks)  # in-band after the first call
     assert _metric("overworld_replay_buffer_reader_skipped_chunks_total", reason="missing") - before == 2
     assert "none of the 2 sampled chunks' blobs were in" in caplog.text
-    assert client.blob_store_for(buf.stub, True) is None
+    assert reader.blob_refs.store_for(True) is None
 
 
 def test_a_front_without_blob_refs_is_sampled_in_band(make_buffer):
@@ -276,7 +278,7 @@ def test_a_front_without_blob_refs_is_sampled_in_band(make_buffer):
         def __init__(self, stub):
             self.Sample = stub.Sample
 
-    old = OldStub(buf.stub)
-    assert client.blob_store_for(old, True) is None
-    chunks = sample_chunks(old, 2, 2.0, "old", blob_refs=True)
+    old = ReplayBufferClient(OldStub(buf.stub))
+    assert old.blob_refs.store_for(True) is None
+    chunks = old.sample(2, 2.0, "old", blob_refs=True)
     assert Counter(len(c.fragments) for c in chunks) == {1: 2}

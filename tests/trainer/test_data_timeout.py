@@ -10,7 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from overworld.trainer.prefetch import ChunkReader, NoDataError, sample_chunks
+from overworld.replay_buffer.client import ReplayBufferClient
+from overworld.replay_buffer.reader import NoDataError
 from tests.replay_buffer.rb_support import (
     LENGTH,
     SERVICE_DEFAULTS,
@@ -35,7 +36,7 @@ def test_sample_chunks_fails_after_data_timeout_naming_what_it_waited_for(empty_
     insert(empty_buffer.stub, [empty_buffer.fragment(seq=0)])  # one chunk of the three asked for
     started = time.monotonic()
     with pytest.raises(NoDataError) as err:
-        sample_chunks(empty_buffer.stub, 3, timeout=0.5, reader_id="rank-1-r0", data_timeout=1.5)
+        ReplayBufferClient(empty_buffer.stub).sample(3, timeout=0.5, reader_id="rank-1-r0", data_timeout=1.5)
     assert time.monotonic() - started < 10
     message = str(err.value)
     assert "rank-1-r0" in message and "train_config.data_timeout=1.5" in message
@@ -43,8 +44,8 @@ def test_sample_chunks_fails_after_data_timeout_naming_what_it_waited_for(empty_
 
 
 def test_the_prefetching_reader_hands_the_failure_to_the_learner(empty_buffer: Buffer) -> None:
-    reader = ChunkReader(empty_buffer.stub, chunks_per_batch=2, num_readers=2, prefetch_batches=1, timeout=0.5,
-                         name="rank-0", data_timeout=1.0)
+    reader = ReplayBufferClient(empty_buffer.stub).reader(chunks_per_batch=2, num_readers=2, prefetch_batches=1,
+                                                          timeout=0.5, name="rank-0", data_timeout=1.0)
     try:
         with pytest.raises(NoDataError, match="rank-0-r"):
             reader.next()  # without data_timeout this would block forever

@@ -8,7 +8,7 @@ import threading
 import grpc
 import pytest
 
-from overworld.trainer.prefetch import ChunkReader
+from overworld.replay_buffer.client import ReplayBufferClient
 
 
 class Refused(grpc.RpcError):
@@ -28,8 +28,8 @@ class RefusingStub:
 
 
 def test_a_prefetching_reader_hands_a_failed_sample_to_the_learner() -> None:
-    reader = ChunkReader(RefusingStub(), chunks_per_batch=4, num_readers=1, prefetch_batches=2, timeout=1.0,
-                         name="r")
+    reader = ReplayBufferClient(RefusingStub()).reader(chunks_per_batch=4, num_readers=1, prefetch_batches=2,
+                                                       timeout=1.0, name="r")
     got: list[BaseException] = []
     learner = threading.Thread(target=lambda: got.append(pytest.raises(grpc.RpcError, reader.next).value),
                                daemon=True)

@@ -1,183 +1,102 @@
-"""Client side of the replay buffer for trainer readers: the Sample stream, and sampling by reference.
+"""The replay buffer's client, as Reverb's: one object per buffer with a writer and a reader.
 
-`sample_stream` runs one Sample call through a restart of the front: a stream that breaks keeps the
-chunks it delivered (they were claimed, and count as sampled) and the reader asks for the rest; a call
-that got nothing is retried with backoff.
+    buffer = ReplayBufferClient("replay-buffer:50052")
+    writer = buffer.writer(queue_size=64)                       # rollout workers: writer.put(fragment, stop)
+    reader = buffer.reader(chunks_per_batch=32, num_readers=2, prefetch_batches=1, timeout=60.0, name="rank-0")
+    batch = reader.next()                                       # trainers: a batch of SampledChunk messages
+    buffer.set_model_version(7)                                 # the learner's version (staleness drops)
 
-With `SampleRequest.blob_refs` the front claims chunks as usual (reuse counting, rate limiter,
-deadline) but hands out their blob keys; the reader fetches the blobs from the blob store itself
-(`GetStoreInfo` names it), so that 3 MB payloads skip the front's gRPC hop. `blob_store_for(stub)`
-decides whether a reader samples by reference (and opens the store once per process), and
-`fetch_chunks` turns the referenced chunks into ordinary SampledChunk messages with their fragments.
-A chunk whose blob cannot be read is skipped (warned and counted), never an error.
+The client owns its channel and, for readers that sample by reference, the blob store they fetch
+from, its fetch threads and its read buffers (`refs.BlobRefReader`).
 """
 
 from __future__ import annotations
 
-import logging
-import os
 import threading
-import time
-import weakref
-from concurrent.futures import ThreadPoolExecutor
-from typing import Any
+from collections.abc import Iterator
+from types import TracebackType
 
 import grpc
-from prometheus_client import Counter
 
-from overworld.core.blobs import BlobStore, open_blob_store
-from overworld.core.grpc_util import Retry
+from overworld.core.grpc_util import Retry, channel, retry
+from overworld.replay_buffer.reader import ChunkReader, sample_chunks
+from overworld.replay_buffer.refs import BlobRefReader
+from overworld.replay_buffer.writer import FragmentWriter
 from overworld.v1 import replay_buffer_pb2, replay_buffer_pb2_grpc
 
-log = logging.getLogger("overworld.replay_buffer.client")
 
-SKIPPED_CHUNKS = Counter("overworld_replay_buffer_reader_skipped_chunks_total",
-                         "Chunks a reader claimed by reference and skipped because a blob could not be read "
-                         "(reason: missing = deleted after the buffer's grace period, error = the store failed)",
-                         ["reason"])
-REF_FETCH_THREADS = 32  # blob gets in flight per reader process (one S3 connection each)
-REF_RETRY_SECONDS = 60.0  # after the store failed, sample in-band this long before trying again
-_ref_stores: weakref.WeakKeyDictionary[Any, dict[str, Any]] = weakref.WeakKeyDictionary()
-_ref_lock = threading.Lock()
-_ref_opened: dict[str, BlobStore] = {}  # by URL: one store (one connection pool) per process
-_ref_pool: list[ThreadPoolExecutor] = []
-# Read buffers, reused: a fresh 3 MB object per blob costs more in page faults than the read itself.
-REF_BUFFERS_KEPT = 16
-_ref_buffers: list[bytearray] = []
-_buffers_lock = threading.Lock()
+class ReplayBufferClient:
+    def __init__(self, target: str | replay_buffer_pb2_grpc.ReplayBufferStub) -> None:
+        """target: the buffer's address (the client opens a channel to it, closed by `close`), or a stub made
+        elsewhere, whose channel stays its maker's."""
+        self._channel: grpc.Channel | None = None
+        if isinstance(target, str):
+            self.address: str | None = target
+            self._channel = channel(target)
+            self.stub = replay_buffer_pb2_grpc.ReplayBufferStub(self._channel)
+        else:
+            self.address = None
+            self.stub = target
+        self.blob_refs = BlobRefReader(self.stub)
 
+    # ----------------------------------------------------------------- writer
 
-class _NoRefs(Exception):
-    pass
+    def writer(self, queue_size: int, ack_log: str | None = None) -> FragmentWriter:
+        """A writer that streams fragments to the buffer (`put`, `depth`, `close`): at most `queue_size`
+        queued or unacknowledged, resent after a reconnect; `ack_log`: a file every acknowledgement is
+        appended to (fsynced)."""
+        return FragmentWriter(self, queue_size, ack_log)
 
+    def insert(self, requests: Iterator[replay_buffer_pb2.InsertRequest]
+               ) -> Iterator[replay_buffer_pb2.InsertResponse]:
+        """One Insert stream: an acknowledgement per fragment, in order. With an address, each stream runs
+        on a connection of its own, closed when it ends: a stream that broke starts over on a fresh one."""
+        if self.address is None:
+            yield from self.stub.Insert(requests)
+            return
+        with channel(self.address) as insert_channel:
+            yield from replay_buffer_pb2_grpc.ReplayBufferStub(insert_channel).Insert(requests)
 
-def sample_stream(stub: replay_buffer_pb2_grpc.ReplayBufferStub, request: replay_buffer_pb2.SampleRequest,
-                  timeout: float, deadline: float) -> list[replay_buffer_pb2.SampledChunk]:
-    """The chunks of one Sample call (each attempt `timeout` at most, all of them `deadline`). A stream
-    that breaks after delivering chunks returns them (fewer than asked: ask again for the rest)."""
-    got: list[replay_buffer_pb2.SampledChunk] = []
+    # ----------------------------------------------------------------- reader
 
-    def attempt(left: float) -> None:
-        try:
-            for chunk in stub.Sample(request, timeout=min(left, timeout)):
-                got.append(chunk)
-        except grpc.RpcError as err:
-            if not got:
-                raise
-            log.warning("%s: Sample stream broke after %d of %d chunks (%s); asking again for the rest",
-                        request.reader_id, len(got), request.num_chunks, err.code().name)
+    def reader(self, chunks_per_batch: int, num_readers: int, prefetch_batches: int, timeout: float, name: str,
+               data_timeout: float | None = None) -> ChunkReader:
+        """Batches of `chunks_per_batch` chunks (`next()`, `close()`), sampled by `num_readers` streams,
+        `prefetch_batches` fetched ahead; each Sample call waits `timeout` seconds at most, and no chunk for
+        `data_timeout` seconds raises NoDataError. `name` prefixes the reader ids (`{name}-r{i}`)."""
+        return ChunkReader(self, chunks_per_batch, num_readers, prefetch_batches, timeout, name, data_timeout)
 
-    Retry(deadline).run(attempt, "Sample")
-    return got
+    def sample(self, n: int, timeout: float, reader_id: str, stop: threading.Event | None = None,
+               blob_refs: bool | None = None, data_timeout: float | None = None) -> list[replay_buffer_pb2.SampledChunk]:
+        """n chunks with their fragments (fewer only when `stop` is set): `reader.sample_chunks`."""
+        return sample_chunks(self, n, timeout, reader_id, stop, blob_refs, data_timeout)
 
+    # ----------------------------------------------------------------- control and statistics
 
-def blob_store_for(stub: replay_buffer_pb2_grpc.ReplayBufferStub, blob_refs: bool | None) -> BlobStore | None:
-    """The blob store to fetch sampled blobs from (sampling by reference), or None to sample in-band.
-    blob_refs None: by reference when the buffer's store is S3 (a local directory is in-band); True: also
-    a local directory, if it exists here. Asked of the front once per stub (GetStoreInfo), again
-    REF_RETRY_SECONDS after a failure; S3 credentials come from this process's OVERWORLD_S3_*. Stubs of
-    one buffer share one store, so one connection pool."""
-    if blob_refs is False:
-        return None
-    with _ref_lock:
-        entry = _ref_stores.get(stub)
-        if entry is None or (entry["store"] is None and time.monotonic() >= entry["retry_at"]):
-            entry = {"url": "", "store": None, "retry_at": time.monotonic() + REF_RETRY_SECONDS}
-            try:
-                if not hasattr(stub, "GetStoreInfo"):  # stubs generated before blob_refs
-                    raise _NoRefs
-                entry["url"] = stub.GetStoreInfo(replay_buffer_pb2.GetStoreInfoRequest(), timeout=10).blob_store_url
-                url = entry["url"]
-                if url.startswith("s3://") or os.path.isdir(url):
-                    entry["store"] = _ref_opened.get(url) or _ref_opened.setdefault(url, open_blob_store(url))
-            except _NoRefs:
-                entry["retry_at"] = float("inf")
-            except grpc.RpcError as err:
-                if err.code() == grpc.StatusCode.UNIMPLEMENTED:  # a front without blob_refs: in-band for good
-                    entry["retry_at"] = float("inf")
-                else:
-                    log.warning("replay buffer GetStoreInfo failed (%s); sampling in-band for now", err.code())
-            except Exception as err:  # e.g. no OVERWORLD_S3_ENDPOINT here
-                log.warning("cannot open the replay buffer's blob store %s (%s); sampling in-band", entry["url"], err)
-            _ref_stores[stub] = entry
-        if entry["store"] is None or not (blob_refs or entry["url"].startswith("s3://")):
-            return None
-        return entry["store"]
+    def set_model_version(self, version: int, deadline: float = 60.0) -> replay_buffer_pb2.SetModelVersionResponse:
+        """The learner's model version (chunks older than max_staleness behind it are dropped), retried
+        through a restart of the front for up to `deadline` seconds; FAILED_PRECONDITION if it goes back."""
+        request = replay_buffer_pb2.SetModelVersionRequest(model_version=version)
+        return retry(lambda: self.stub.SetModelVersion(request, timeout=30), "SetModelVersion", deadline)
 
+    def stats(self, timeout: float = 10.0, *, retried: bool = False) -> replay_buffer_pb2.BufferStats:
+        """The buffer-wide counters. retried: transient errors (a front restarting) are retried until
+        `timeout` has passed; otherwise one attempt."""
+        request = replay_buffer_pb2.GetStatsRequest()
+        if retried:
+            return Retry(timeout).unary(self.stub.GetStats, request, "GetStats")
+        return self.stub.GetStats(request, timeout=timeout)
 
-def fetch_chunks(stub: replay_buffer_pb2_grpc.ReplayBufferStub, store: BlobStore, reader_id: str,
-                refs: list[replay_buffer_pb2.SampledChunk]) -> list[replay_buffer_pb2.SampledChunk]:
-    """Chunks sampled by reference -> chunks with their fragments, every blob fetched in parallel. A chunk
-    whose blob cannot be read is skipped (warned and counted); a store failure, or a call whose every
-    blob is missing (a reader slower than the grace, or a store that is not the front's: same bucket name
-    on another endpoint?), also switches this stub to in-band sampling for REF_RETRY_SECONDS."""
-    with _ref_lock:
-        if not _ref_pool:
-            _ref_pool.append(ThreadPoolExecutor(REF_FETCH_THREADS, thread_name_prefix="chunk-fetch"))
-        pool = _ref_pool[0]
-    jobs = [(ref, [pool.submit(_read_blob, store, key) for key in ref.blob_keys]) for ref in refs]
-    chunks = []
-    missing = 0
-    for ref, gets in jobs:
-        if not ref.blob_keys:  # sent in-band (a front that ignores blob_refs)
-            chunks.append(ref)
-            continue
-        blobs: list[tuple[bytearray | None, bytes | memoryview]] = []
-        error: Exception | None = None
-        for get in gets:
-            try:
-                blobs.append(get.result())
-            except Exception as err:
-                error = error or err
-        try:
-            if error is None:
-                chunk = replay_buffer_pb2.SampledChunk(chunk_id=ref.chunk_id, times_sampled=ref.times_sampled)
-                for _, blob in blobs:  # each blob is one serialized Fragment, as the worker sent it
-                    chunk.fragments.add().MergeFromString(blob)
-                chunks.append(chunk)
-        finally:
-            for buf, blob in blobs:
-                _release(buf, blob)
-        if isinstance(error, (KeyError, FileNotFoundError)):
-            missing += 1
-            SKIPPED_CHUNKS.labels("missing").inc()
-            log.warning("%s: chunk %d skipped: blob %s is gone (deleted after the buffer's grace period?)",
-                        reader_id, ref.chunk_id, error)
-        elif error is not None:
-            SKIPPED_CHUNKS.labels("error").inc()
-            log.warning("%s: chunk %d skipped: blob store read failed (%s); sampling in-band for %.0fs",
-                        reader_id, ref.chunk_id, error, REF_RETRY_SECONDS)
-            fall_back(stub)
-    if missing and missing == len(jobs):
-        log.warning("%s: none of the %d sampled chunks' blobs were in %s; sampling in-band for %.0fs",
-                    reader_id, missing, getattr(store, "url", "the blob store"), REF_RETRY_SECONDS)
-        fall_back(stub)
-    return chunks
+    def close(self) -> None:
+        """Stop the blob fetch threads and close the channel this client opened (writers and readers made
+        by it stop working)."""
+        self.blob_refs.close()
+        if self._channel is not None:
+            self._channel.close()
 
+    def __enter__(self) -> ReplayBufferClient:
+        return self
 
-def fall_back(stub: replay_buffer_pb2_grpc.ReplayBufferStub) -> None:
-    """Sample in-band through this stub for REF_RETRY_SECONDS, then ask the front again."""
-    with _ref_lock:
-        _ref_stores[stub] = {"url": "", "store": None, "retry_at": time.monotonic() + REF_RETRY_SECONDS}
-
-
-def _read_blob(store: BlobStore, key: str) -> tuple[bytearray | None, bytes | memoryview]:
-    """One blob: read into a pooled buffer where the store can (BlobStore.get_into), else as bytes."""
-    if not hasattr(store, "get_into"):
-        return None, store.get(key)
-    with _buffers_lock:
-        buf = _ref_buffers.pop() if _ref_buffers else bytearray()
-    try:
-        return buf, store.get_into(key, buf)
-    except BaseException:
-        _release(buf, None)
-        raise
-
-
-def _release(buf: bytearray | None, blob: bytes | memoryview | None) -> None:
-    if isinstance(blob, memoryview):
-        blob.release()
-    if buf is not None:
-        with _buffers_lock:
-            if len(_ref_buffers) < REF_BUFFERS_KEPT:
-                _ref_buffers.append(buf)
+    def __exit__(self, kind: type[BaseException] | None, error: BaseException | None,
+                 traceback: TracebackType | None) -> None:
+        self.close()

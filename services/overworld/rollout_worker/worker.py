@@ -18,6 +18,7 @@ from overworld.core.config import RunConfig
 from overworld.core.fragment import Fragment
 from overworld.core.specs import Spaces
 from overworld.policies.factory import run_spaces
+from overworld.replay_buffer.client import ReplayBufferClient
 from overworld.rollout_manager.client import PERIODIC_TIMEOUT, RolloutManagerClient
 from overworld.rollout_worker.env_pool import EnvPool, GroupResult, InProcessEnvPool, num_groups_for
 from overworld.rollout_worker.env_runner import TASK_KEY
@@ -36,7 +37,6 @@ from overworld.rollout_worker.metrics import (
 )
 from overworld.rollout_worker.pipeline_report import PipelineReport
 from overworld.rollout_worker.relay import RelayShelf
-from overworld.rollout_worker.sender import FragmentSender
 from overworld.rollout_worker.video import VideoRecorder, image_key
 from overworld.rollout_worker.weights import WeightsWatcher
 from overworld.v1 import common_pb2
@@ -116,7 +116,8 @@ class RolloutWorker:
         self._report_sequence = 0
         self._unacked_report: mpb.ReportEpisodesRequest | None = None
         self._leftover: list[common_pb2.Fragment] = []
-        self.sender = FragmentSender(replay_buffer, rc.to_send_queue_size, os.environ.get("OVERWORLD_ACK_LOG"))
+        self.sender = ReplayBufferClient(replay_buffer).writer(rc.to_send_queue_size,
+                                                               os.environ.get("OVERWORLD_ACK_LOG"))
         self.watcher = WeightsWatcher(model_registry, self.worker_id, self.policy.state_dict(), relay_port=relay_port,
                                       shelf=shelf)
         seed = self.config.seed * 1_000_003 + self.index * 10_007

@@ -1,4 +1,5 @@
-"""Streams fragments to the replay buffer with acknowledgements, backpressure and reconnects.
+"""The writer: a rollout worker's fragments streamed to the replay buffer with acknowledgements,
+backpressure and reconnects.
 
 The queue is bounded (`to_send_queue_size`): when the buffer is slow or gone, the worker blocks
 instead of growing memory. Fragments sent but not yet acknowledged are sent again on reconnect, in
@@ -21,20 +22,28 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
+from typing import TYPE_CHECKING
 
 import grpc
 
-from overworld.core.grpc_util import Backoff, channel
-from overworld.v1 import common_pb2, replay_buffer_pb2, replay_buffer_pb2_grpc
+from overworld.core.grpc_util import Backoff
+from overworld.v1 import common_pb2, replay_buffer_pb2
 
-log = logging.getLogger("overworld.rollout_worker.sender")
+if TYPE_CHECKING:
+    from overworld.replay_buffer.client import ReplayBufferClient
+
+log = logging.getLogger("overworld.replay_buffer.writer")
 STOP_CHECK_SECONDS = 1.0
 WAITING_CALL_SECONDS = 0.25
 
 
-class FragmentSender:
-    def __init__(self, address: str, queue_size: int, ack_log: str | None = None) -> None:
-        self.address = address
+class FragmentWriter:
+    """Fragments queued by `put`, sent in order on one Insert stream at a time (made by
+    `ReplayBufferClient.writer`)."""
+
+    def __init__(self, client: ReplayBufferClient, queue_size: int, ack_log: str | None = None) -> None:
+        self.client = client
+        self.address = client.address
         # O_APPEND: the workers of a machine may share one log (each line is one write)
         self._ack_log = os.open(ack_log, os.O_WRONLY | os.O_APPEND | os.O_CREAT, 0o644) if ack_log else None
         self.capacity = max(1, queue_size)
@@ -99,18 +108,16 @@ class FragmentSender:
                 self._generation += 1
                 generation = self._generation
             try:
-                with channel(self.address) as ch:
-                    stub = replay_buffer_pb2_grpc.ReplayBufferStub(ch)
-                    for ack in stub.Insert(self._requests(generation)):
-                        if self._ack_log is not None:
-                            os.write(self._ack_log, f"{ack.worker_id} {ack.env_slot} {ack.sequence} "
-                                                    f"{int(ack.stored)}\n".encode())
-                            os.fsync(self._ack_log)
-                        with self._cond:
-                            self._unacked.popleft()
-                            self._cond.notify_all()
-                        self.sent += 1
-                        backoff.reset()
+                for ack in self.client.insert(self._requests(generation)):
+                    if self._ack_log is not None:
+                        os.write(self._ack_log, f"{ack.worker_id} {ack.env_slot} {ack.sequence} "
+                                                f"{int(ack.stored)}\n".encode())
+                        os.fsync(self._ack_log)
+                    with self._cond:
+                        self._unacked.popleft()
+                        self._cond.notify_all()
+                    self.sent += 1
+                    backoff.reset()
                 with self._cond:
                     if self._closing and not self._pending and not self._unacked:
                         return
