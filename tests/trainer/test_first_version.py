@@ -106,20 +106,21 @@ def test_a_stop_asked_while_ray_train_started_ends_training_before_its_first_ite
     """The driver was told to stop (a drain, a kubectl resume) while Ray Train placed its workers: the
     learner's first report gets the stop, and it finishes without waiting for the fleet or a batch."""
     from overworld.trainer.checkpoint import checkpoint_store
+    from overworld.trainer.client import TrainerClient
     from overworld.trainer.service import TrainerStatusService
     from overworld.v1 import trainer_pb2_grpc
 
     status = TrainerStatusService()
     status.stop_requested.set()
     server = serve([(trainer_pb2_grpc.add_TrainerServicer_to_server, status, "overworld.v1.Trainer")])
-    status_channel = channel(server.address)
+    status_client = TrainerClient(server.address)
     try:
         learner = learner_starts(services)
-        learner._status = trainer_pb2_grpc.TrainerStub(status_channel)
+        learner._status = status_client
         learner.checkpoints = checkpoint_store(learner.config, learner.workdir)
         learner.train()  # no reader, no rollout manager: an iteration would fail
         assert learner.iteration == 0 and learner.updates == 0
         assert status.training_loop_started.is_set() and status.status.state == "finished"
     finally:
-        status_channel.close()
+        status_client.close()
         server.stop(0)

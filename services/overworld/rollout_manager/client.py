@@ -62,5 +62,10 @@ class RolloutManagerClient:
         return Retry(timeout, attempt=PERIODIC_TIMEOUT).unary(self.stub.GetFleetStatus, pb.GetFleetStatusRequest(),
                                                              "GetFleetStatus")
 
+    def fleet_status_future(self, timeout: float) -> grpc.Future:
+        """The fleet's status, asked now and answered while the caller works (waits up to `timeout` for
+        a manager that is restarting)."""
+        return self.stub.GetFleetStatus.future(pb.GetFleetStatusRequest(), timeout=timeout, wait_for_ready=True)
+
     def close(self) -> None:
         self._channel.close()

@@ -9,8 +9,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass
 
-from overworld.core.tls import aio_channel
-from overworld.v1 import trainer_pb2, trainer_pb2_grpc
+from overworld.trainer.client import read_status
 
 DEFAULT_ADDRESS = "{cluster}-head-svc.{namespace}.svc:{port}"
 
@@ -33,9 +32,7 @@ def trainer_address(cluster: str, namespace: str) -> str:
 async def read_progress(address: str, timeout: float = 5.0) -> Progress:
     """Ask the trainer for its status; raises grpc.aio.AioRpcError when it does not answer. Mutual TLS
     as the run-controller when $OVERWORLD_TLS_DIR names its credentials (the chart mounts them)."""
-    async with aio_channel(address) as channel:
-        stub = trainer_pb2_grpc.TrainerStub(channel)
-        status = await stub.GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=timeout)
+    status = await read_status(address, timeout)
     return Progress(
         state=status.state,
         model_version=int(status.model_version),

@@ -34,6 +34,7 @@ from overworld.policies.factory import run_spaces
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.trainer import checkpoint
 from overworld.trainer.builtin_hooks import register_builtin_hooks
+from overworld.trainer.client import TrainerClient
 from overworld.trainer.hooks import Hooks
 from overworld.trainer.placement import (
     local_mode_device,
@@ -46,9 +47,7 @@ from overworld.trainer.prefetch import ChunkReader
 from overworld.v1 import (
     replay_buffer_pb2,
     replay_buffer_pb2_grpc,
-    rollout_manager_pb2,
     trainer_pb2,
-    trainer_pb2_grpc,
 )
 
 log = logging.getLogger("overworld.trainer")
@@ -180,8 +179,7 @@ class TrainerRuntime:
         """The fleet's status, asked now and answered while the caller works (waits for a manager
         that is restarting, up to `timeout`)."""
         try:
-            return self.manager.stub.GetFleetStatus.future(rollout_manager_pb2.GetFleetStatusRequest(),
-                                                           timeout=timeout, wait_for_ready=True)
+            return self.manager.fleet_status_future(timeout)
         except Exception:  # statistics only: never stall training on the manager
             return None
 
@@ -257,7 +255,7 @@ class TrainerRuntime:
         self.manager = RolloutManagerClient(self.rollout_manager)
         self._buffer_channel = channel(self.replay_buffer)
         self.buffer = replay_buffer_pb2_grpc.ReplayBufferStub(self._buffer_channel)
-        self._status = trainer_pb2_grpc.TrainerStub(channel(self.status_address)) if self.status_address else None
+        self._status = TrainerClient(self.status_address) if self.status_address else None
         self.reader = ChunkReader(self.buffer, t.batch_size_per_gpu * t.batches_per_iteration, t.num_readers,
                                   t.prefetch_batches, t.sample_timeout, f"rank-{self.rank}", t.data_timeout)
         self.checkpoints = checkpoint.checkpoint_store(self.config, self.workdir)
@@ -387,13 +385,11 @@ class TrainerRuntime:
     def _report(self, state: str, metrics: dict[str, float]) -> bool:
         try:
             assert self._status is not None
-            reply = self._status.ReportProgress(trainer_pb2.TrainerStatus(
+            return self._status.report(trainer_pb2.TrainerStatus(
                 state=state, iteration=self.iteration, updates=self.updates, model_version=self.model_version,
                 samples_trained=self.samples_trained, metrics=metrics, resumed_from=self.resumed_from or "",
                 start_model_version=self.start["model_version"], start_env_steps=self.start["env_steps"],
-                start_rho=self.start["rho"], latest_checkpoint=self.latest_checkpoint, env_steps=self.env_steps),
-                timeout=10)
-            return bool(reply.stop)
+                start_rho=self.start["rho"], latest_checkpoint=self.latest_checkpoint, env_steps=self.env_steps))
         except Exception as err:  # the driver's status endpoint is advisory; training goes on
             log.warning("could not report progress: %s", err)
             return False

@@ -1,0 +1,33 @@
+"""The trainer driver's status endpoint, as its callers see it: rank 0 reports progress, `overworld
+run`, the MineStudio facade and the run-controller read it (and ask it to stop through the driver)."""
+
+from __future__ import annotations
+
+from overworld.core.grpc_util import channel
+from overworld.core.tls import aio_channel
+from overworld.v1 import trainer_pb2 as pb
+from overworld.v1 import trainer_pb2_grpc
+
+
+class TrainerClient:
+    def __init__(self, address: str) -> None:
+        self.address = address
+        self._channel = channel(address)
+        self._stub = trainer_pb2_grpc.TrainerStub(self._channel)
+
+    def status(self, timeout: float = 5.0) -> pb.TrainerStatus:
+        return self._stub.GetStatus(pb.GetTrainerStatusRequest(), timeout=timeout)
+
+    def report(self, status: pb.TrainerStatus, timeout: float = 10.0) -> bool:
+        """Rank 0's progress; True when the driver asks training to stop."""
+        return bool(self._stub.ReportProgress(status, timeout=timeout).stop)
+
+    def close(self) -> None:
+        self._channel.close()
+
+
+async def read_status(address: str, timeout: float = 5.0) -> pb.TrainerStatus:
+    """The trainer's status from asyncio code (the run-controller); raises grpc.aio.AioRpcError when it
+    does not answer."""
+    async with aio_channel(address) as ch:
+        return await trainer_pb2_grpc.TrainerStub(ch).GetStatus(pb.GetTrainerStatusRequest(), timeout=timeout)
