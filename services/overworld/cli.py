@@ -4,99 +4,41 @@ from __future__ import annotations
 
 import argparse
 import sys
-import threading
 from pathlib import Path
 
 from overworld.core.service import env_default
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
-    from overworld.services import BUILDERS, add_registry_flags
+    from overworld.services import MODULES
 
-    p = sub.add_parser("serve", help="run one service (the container entry point)")
-    p.add_argument("service", choices=[*BUILDERS, "run-controller"])
-    p.add_argument("--host", default=env_default("host", "0.0.0.0"))
-    p.add_argument("--port", type=int, default=env_default("port", 0), help="gRPC port (default: the service's)")
-    p.add_argument("--metrics-port", type=int, default=env_default("metrics-port", 9090))
-    p.add_argument("--config", default=env_default("config", ""))
-    p.add_argument("--set", action="append", default=[], metavar="dotted.key=value")
-    p.add_argument("--rollout-manager", default=env_default("rollout-manager", "127.0.0.1:50051"))
-    p.add_argument("--replay-buffer", default=env_default("replay-buffer", "127.0.0.1:50052"))
-    p.add_argument("--gae", default=env_default("gae", "127.0.0.1:50053"))
-    p.add_argument("--model-registry", default=env_default("model-registry", "127.0.0.1:50054"))
-    p.add_argument("--index", default=env_default("index", ""))
-    p.add_argument("--blobs", default=env_default("blobs", ""))
-    p.add_argument("--ray-address", default=env_default("ray-address", ""))
-    p.add_argument("--resume", default=env_default("resume", ""))
-    p.add_argument("--save-path", default=env_default("save-path", ""))
-    p.add_argument("--workdir", default=env_default("workdir", "."))
-    p.add_argument("--retain", type=int, default=env_default("retain", 20))
-    p.add_argument("--lease-seconds", type=float, default=env_default("lease-seconds", 15.0))
-    p.add_argument("--flush-timeout", type=float, default=env_default("flush-timeout", 30.0),
-                   help="rollout-worker: seconds its stop waits for the replay buffer to take what it holds")
-    p.add_argument("--fresh-state", action="store_true", default=env_default("fresh-state", False),
-                   help="rollout-manager: start a new fleet (counters from zero) instead of restoring the saved one")
-    add_registry_flags(p)
-    _tls_flags(p)
+    p = sub.add_parser("serve", help="run one service (the container entry point)",
+                       description="Run one service. `overworld serve SERVICE --help` lists the flags and "
+                                   "environment variables SERVICE reads.")
+    p.add_argument("service", choices=list(MODULES))
+    # Each service parses its own flags (overworld/services/<service>.py): what is left goes to it.
+    p.add_argument("flags", nargs=argparse.REMAINDER, help="SERVICE's flags")
 
 
 def serve_args(argv: list[str]) -> argparse.Namespace:
     """`overworld serve SERVICE ...`'s flags as parsed (defaults from the environment), for code that
     builds a service in its own process (services.BUILDERS)."""
-    parser = argparse.ArgumentParser(prog="overworld")
-    _serve_parser(parser.add_subparsers(dest="command", required=True))
-    return parser.parse_args(["serve", *argv])
+    from overworld.services import parse
 
-
-def _tls_flags(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--tls-dir", default=env_default("tls-dir", ""),
-                   help="this process's identity: a directory with tls.crt, tls.key and ca.crt (mutual TLS)")
-    p.add_argument("--insecure", action="store_true", default=env_default("insecure", False),
-                   help="plaintext gRPC, no authorization: for debugging only")
+    service, *flags = argv
+    return parse(service, flags)
 
 
 def use_tls_flags(args: argparse.Namespace, log: bool = True) -> None:
-    """--tls-dir / --insecure to this process's credentials (core/tls.py), through the environment so
-    that what it starts (the trainer's Ray workers) has the same identity."""
-    import logging
-    import os
+    from overworld.services import use_tls_flags as use
 
-    from overworld.core import tls
-
-    if args.tls_dir and args.insecure:
-        raise SystemExit("--tls-dir and --insecure exclude each other")
-    if args.tls_dir:
-        os.environ[tls.TLS_DIR_ENV] = str(Path(args.tls_dir).resolve())
-    else:
-        os.environ.pop(tls.TLS_DIR_ENV, None)
-    tls.reset()
-    if not args.tls_dir and log and not args.insecure:
-        logging.getLogger("overworld").warning(
-            "no --tls-dir (OVERWORLD_TLS_DIR): plaintext gRPC, any client may call every method")
+    use(args, log)
 
 
 def serve_main(args: argparse.Namespace) -> int:
-    from overworld.core.service import EXIT_CONFIG, run_until_signalled
-    from overworld.services import BUILDERS, DEFAULT_PORTS
+    from overworld.services import parse, serve
 
-    if args.service == "run-controller":
-        from overworld.run_controller import main as controller_main
-
-        return controller_main([])
-    if not args.port:
-        args.port = DEFAULT_PORTS[args.service]
-    use_tls_flags(args)
-    done = threading.Event()
-    handle: list = []
-
-    def start():  # type: ignore[no-untyped-def]
-        handle.append(BUILDERS[args.service](args, done))
-        return handle[0]
-
-    code = run_until_signalled(args.service, start, args.metrics_port, done)
-    if handle and getattr(handle[0], "config_error", False):
-        return EXIT_CONFIG
-    return 1 if handle and getattr(handle[0], "failed", False) else code
+    return serve(args.service, parse(args.service, args.flags))
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -123,7 +65,9 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--workdir", default=None,
                    help="the workdir of an `overworld run`: its services, their restarts, and its rollout-manager "
                         "(as the run's operator, <workdir>/tls/operator, unless --tls-dir or --insecure)")
-    _tls_flags(s)
+    from overworld.services import add_tls_flags
+
+    add_tls_flags(s)
     c = sub.add_parser("certs", help="make a CA and a certificate for every identity of a run (kustomize, "
                                      "hand-started services)")
     c.add_argument("out", help="directory: OUT/<identity>/{tls.crt,tls.key,ca.crt}")

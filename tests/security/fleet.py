@@ -30,11 +30,13 @@ SERVICES = ("rollout-manager", "model-registry", "gae", "replay-buffer", "traine
 def _args(service: str, workdir: Path, addresses: dict[str, str]) -> argparse.Namespace:
     from overworld.cli import serve_args
 
-    args = serve_args([service, "--host", "127.0.0.1", "--config", str(CONFIG), "--workdir", str(workdir),
-                       "--index", "memory", "--fresh-state"])
+    own = {"rollout-manager": ["--config", str(CONFIG), "--index", "memory", "--fresh-state"],
+           "replay-buffer": ["--index", "memory"]}.get(service, [])
+    args = serve_args([service, "--host", "127.0.0.1", "--workdir", str(workdir), *own])
     args.port = 0
     for name in ("rollout-manager", "replay-buffer", "gae", "model-registry"):
-        setattr(args, name.replace("-", "_"), addresses.get(name, ""))
+        if hasattr(args, name.replace("-", "_")):
+            setattr(args, name.replace("-", "_"), addresses.get(name, ""))
     return args
 
 

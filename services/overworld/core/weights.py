@@ -2,16 +2,15 @@
 
 `to_bytes` / `from_bytes` are the plain conversions. `from_buffer` and `from_pieces` read a
 safetensors payload without copying it: every tensor is a view into the given buffer (or into the
-received message that holds it), which the tensors keep alive. `convert` casts the floating tensors of a payload to bfloat16 or float16 (the registry's
+received message that holds it), which the tensors keep alive. `convert` (core/safetensors_format.py,
+without torch) casts the floating tensors of a payload to bfloat16 or float16 (the registry's
 half-precision transfer); the receiver casts them back with `from_buffer(..., like=model_state)`.
 """
 
 from __future__ import annotations
 
 import bisect
-import json
 import math
-import struct
 import warnings
 from collections.abc import Iterator
 from typing import Any
@@ -19,6 +18,13 @@ from typing import Any
 import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
+
+# torch-free (the registry's half-precision transfer in the services image): core/safetensors_format.py
+from overworld.core import safetensors_format
+from overworld.core.safetensors_format import MAX_HEADER_BYTES, convert, payload_dtype, read_header
+
+__all__ = ["DTYPES", "HALF_PRECISIONS", "MAX_HEADER_BYTES", "convert", "dtype_name", "from_buffer", "from_bytes",
+           "from_pieces", "half_dtype", "payload_dtype", "read_header", "tensor_entries", "to_bytes"]
 
 # safetensors dtype names -> torch dtypes
 DTYPES: dict[str, torch.dtype] = {
@@ -28,11 +34,8 @@ DTYPES: dict[str, torch.dtype] = {
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
 # names accepted for half-precision transfer -> torch dtype
-HALF_PRECISIONS: dict[str, torch.dtype] = {
-    "bfloat16": torch.bfloat16, "bf16": torch.bfloat16, "float16": torch.float16, "fp16": torch.float16,
-    "half": torch.float16,
-}
-MAX_HEADER_BYTES = 100 << 20
+HALF_PRECISIONS: dict[str, torch.dtype] = {name: getattr(torch, dtype)
+                                            for name, dtype in safetensors_format.HALF_PRECISIONS.items()}
 
 
 def half_dtype(precision: str | bool) -> torch.dtype | None:
@@ -69,38 +72,6 @@ def from_bytes(data: bytes, like: dict[str, torch.Tensor] | None = None) -> dict
     if like is not None:
         tensors = {k: v.to(like[k].dtype) if k in like else v for k, v in tensors.items()}
     return tensors
-
-
-def read_header(buf: bytes | bytearray | memoryview) -> tuple[dict[str, Any], int]:
-    """The safetensors header (name -> {dtype, shape, data_offsets}, plus `__metadata__`) and the
-    offset where the tensor data starts."""
-    view = memoryview(buf)
-    if len(view) < 8:
-        raise ValueError("not a safetensors payload: shorter than its header length")
-    (n,) = struct.unpack("<Q", view[:8])
-    if n > MAX_HEADER_BYTES or 8 + n > len(view):
-        raise ValueError(f"not a safetensors payload: header length {n} for {len(view)} bytes")
-    try:
-        header = json.loads(bytes(view[8:8 + n]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"not a safetensors payload: {err}") from None
-    if not isinstance(header, dict):
-        raise ValueError("not a safetensors payload: the header is not an object")
-    return header, 8 + n
-
-
-def payload_dtype(buf: bytes | bytearray | memoryview) -> str:
-    """The dtype of the floating tensors of a payload ('float32', 'bfloat16', 'mixed'; '' if none or
-    not safetensors), for the registry manifest."""
-    try:
-        header, _ = read_header(buf)
-    except ValueError:
-        return ""
-    names = {DTYPES[m["dtype"]] for k, m in header.items()
-             if k != "__metadata__" and m.get("dtype") in DTYPES and DTYPES[m["dtype"]].is_floating_point}
-    if not names:
-        return ""
-    return dtype_name(names.pop()) if len(names) == 1 else "mixed"
 
 
 def tensor_entries(header: dict[str, Any], start: int, total: int
@@ -199,18 +170,3 @@ def from_pieces(pieces: list[tuple[int, memoryview]], like: dict[str, torch.Tens
                 tensor = tensor.to(like[name].dtype)
             out[name] = tensor
     return out
-
-
-def convert(data: bytes | bytearray | memoryview, precision: str) -> bytes:
-    """The payload with every floating tensor cast to `precision` ('bfloat16' / 'float16'); other
-    tensors and the metadata unchanged."""
-    target = half_dtype(precision)
-    if target is None:
-        return bytes(data)
-    header, _ = read_header(data)
-    metadata = header.get("__metadata__")
-    buf = bytearray(data)  # from_buffer needs a writable buffer; freed with the tensors
-    tensors = from_buffer(buf)
-    out = {k: v.to(target) if v.is_floating_point() else v for k, v in tensors.items()}
-    del tensors, buf
-    return st_save(out, metadata=metadata)

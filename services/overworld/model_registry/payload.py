@@ -12,7 +12,7 @@ from collections.abc import Callable
 
 import grpc
 
-from overworld.core import weights
+from overworld.core import safetensors_format
 from overworld.model_registry import wire
 from overworld.v1 import model_registry_pb2 as pb
 
@@ -41,12 +41,12 @@ def message_bounds(head: bytes | bytearray | memoryview, size: int, target: int,
     if len(view) < 8:
         return None if len(view) < size else fixed
     n = int.from_bytes(view[:8], "little")
-    if n > weights.MAX_HEADER_BYTES or 8 + n > size:
+    if n > safetensors_format.MAX_HEADER_BYTES or 8 + n > size:
         return fixed
     if len(view) < 8 + n:
         return None
     try:
-        header, data_start = weights.read_header(view[:8 + n])
+        header, data_start = safetensors_format.read_header(view[:8 + n])
         spans = sorted((data_start + int(m["data_offsets"][0]), data_start + int(m["data_offsets"][1]))
                        for k, m in header.items() if k != "__metadata__")
     except (ValueError, KeyError, TypeError, IndexError):
@@ -113,7 +113,7 @@ class Payload:
             self._pending_len += len(data)
         if self.bounds is None:
             n = int.from_bytes(self._prefix(8), "little") if self._pending_len >= 8 else 0
-            head = self._prefix(8 + n if n <= weights.MAX_HEADER_BYTES else 8)
+            head = self._prefix(8 + n if n <= safetensors_format.MAX_HEADER_BYTES else 8)
             bounds = message_bounds(head, self.size, self.chunk_size, self.largest)
             if bounds is None and self._pending_len < self.size:
                 return  # the header is not complete yet
@@ -233,13 +233,13 @@ class Payload:
             found = self.variants.get(precision)
             if found is None:
                 try:
-                    data = weights.convert(self.data(), precision)
+                    data = safetensors_format.convert(self.data(), precision)
                 except ValueError as err:
                     raise PayloadFailed(grpc.StatusCode.FAILED_PRECONDITION,
                                         f"cannot send version {self.info.version} as {precision}: {err}") from None
                 info = pb.VersionInfo()
                 info.CopyFrom(self.info)
                 info.sha256, info.size_bytes = hashlib.sha256(data).hexdigest(), len(data)
-                info.dtype = weights.payload_dtype(data)
+                info.dtype = safetensors_format.payload_dtype(data)
                 found = self.variants[precision] = Payload(info, self.chunk_size, self.largest).complete(data)
             return found

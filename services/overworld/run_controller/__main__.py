@@ -1,5 +1,6 @@
-import sys
+"""`python -m overworld.run_controller`: the same flags and code as `overworld serve run-controller`
+(overworld/services/run_controller.py)."""
 
-from overworld.run_controller.operator import main
+from overworld.services import main
 
-sys.exit(main())
+raise SystemExit(main("run-controller"))

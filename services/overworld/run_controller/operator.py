@@ -20,6 +20,11 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         prog="overworld serve run-controller",
         description="Kubernetes operator for TrainingRun (trainingruns.overworld.dev): makes the trainer's RayJobs.",
     )
+    add_flags(parser)
+    return parser.parse_args(argv)
+
+
+def add_flags(parser: argparse.ArgumentParser) -> None:
     parser.add_argument(
         "--namespace",
         default=os.environ.get("OVERWORLD_NAMESPACE", ""),
@@ -37,12 +42,15 @@ def parse_args(argv: Sequence[str] | None = None) -> argparse.Namespace:
         help="serve Prometheus metrics on this port (env OVERWORLD_METRICS_PORT); 0: off",
     )
     parser.add_argument("--verbose", action="store_true", help="debug logging")
-    return parser.parse_args(argv)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     """Serve TrainingRuns until SIGTERM/SIGINT; returns the exit status."""
-    args = parse_args(argv)
+    return run(parse_args(argv))
+
+
+def run(args: argparse.Namespace) -> int:
+    """main() with its flags parsed (`overworld serve run-controller`)."""
     logging.basicConfig(
         level=logging.DEBUG if args.verbose else logging.INFO,
         format="%(asctime)s %(levelname)s %(name)s: %(message)s",

@@ -1,0 +1,81 @@
+"""`overworld serve replay-buffer` / `python -m overworld.replay_buffer`: a front of the replay buffer
+(its index in memory or Redis, its fragments in a blob store)."""
+
+from __future__ import annotations
+
+import argparse
+import os
+import threading
+from pathlib import Path
+from typing import Any
+
+from overworld.services import (
+    REDIS_ENVIRONMENT,
+    S3_ENVIRONMENT,
+    SERVER_ENVIRONMENT,
+    Served,
+    add_server_flags,
+    env_flag,
+)
+
+SUMMARY = "A replay-buffer front: validates, stores and indexes fragments; hands out chunks to the trainer."
+DEFAULT_PORT = 50052
+ENVIRONMENT = {**SERVER_ENVIRONMENT, **REDIS_ENVIRONMENT, **S3_ENVIRONMENT}
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    add_server_flags(p, DEFAULT_PORT)
+    env_flag(p, "--rollout-manager", "127.0.0.1:50051",
+             "host:port of the rollout-manager (the run config and spaces)")
+    env_flag(p, "--index", "",
+             "memory or redis://HOST:PORT/DB; default: the run config's database_config.index")
+    env_flag(p, "--blobs", "",
+             "fragment store: a directory or s3://BUCKET/PREFIX; default: the run config's, else "
+             "database_config.path under --workdir")
+    env_flag(p, "--workdir", ".", "where a local fragment store goes")
+
+
+def build(args: argparse.Namespace, done: threading.Event) -> Any:
+    from overworld.core.blobs import open_blob_store
+    from overworld.core.config import config_hash
+    from overworld.core.grpc_util import FRONT_MAX_CONNECTION_AGE_S, serve
+    from overworld.replay_buffer.index import MemoryIndex
+    from overworld.replay_buffer.rate_limiter import RateLimiter
+    from overworld.replay_buffer.server import ReplayBufferService, add_to_server
+    from overworld.rollout_manager.client import RolloutManagerClient
+
+    manager = RolloutManagerClient(args.rollout_manager)
+    config = manager.run_config()
+    rb = config.rollout_config.replay_buffer_config
+    db = rb.database_config
+    index_url = args.index or db.index
+    blobs_url = args.blobs or db.blobs or str(Path(args.workdir) / db.path)
+    limiter = RateLimiter.create(rb.samples_per_insert, rb.samples_per_insert_error, rb.min_size_to_sample,
+                                 rb.max_reuse)
+    if index_url == "memory":
+        index: Any = MemoryIndex(rb.max_chunks, rb.max_reuse, rb.max_staleness, rb.fragments_per_chunk, limiter,
+                                 seed=config.seed)
+    else:
+        from overworld.replay_buffer.redis_index import RedisIndex
+
+        # The password from a Secret, apart from the URL: the URL may then sit in a ConfigMap or a log.
+        index = RedisIndex.from_url(index_url, config.run_id, rb, limiter,
+                                    password=os.environ.get("OVERWORLD_REDIS_PASSWORD") or None)
+    cached: list[Any] = []
+
+    def spaces() -> Any:
+        if not cached:
+            found = manager.spaces()
+            if found is not None:
+                cached.append(found)
+        return cached[0] if cached else None
+
+    service = ReplayBufferService(index, open_blob_store(blobs_url), config.run_id, config.rollout_config.fragment_length,
+                                  rb.fragments_per_chunk, rb.max_chunks, spaces, rb.max_fragment_bytes,
+                                  fragments_per_report=rb.fragments_per_report)
+    if not rb.keep_on_resume:
+        # Replicas started together clear once; a plain restart of one front clears nothing.
+        service.discard_buffered(token=f"{config_hash(config)}:{config.train_config.resume or ''}")
+    # add_to_server: the same wire protocol, fragments stored as received and sent as stored.
+    return Served(serve([(add_to_server, service, "overworld.v1.ReplayBuffer")], args.host, args.port,
+                        max_connection_age=FRONT_MAX_CONNECTION_AGE_S), service.stop, index.close)

@@ -1,0 +1,40 @@
+"""`overworld serve rollout-worker` / `python -m overworld.rollout_worker`: environments, batched
+inference, fragments to the replay buffer, and the weights relay."""
+
+from __future__ import annotations
+
+import argparse
+import threading
+from typing import Any
+
+from overworld.services import SERVER_ENVIRONMENT, accept_workdir, add_server_flags, env_flag
+
+SUMMARY = ("A rollout worker: steps the run's environments, runs batched inference, streams fragments to the "
+           "replay buffer, swaps in each new model version and relays it to other workers.")
+DEFAULT_PORT = 50056
+ENVIRONMENT = {
+    **SERVER_ENVIRONMENT,
+    "OVERWORLD_WEIGHTS_PRECISION": "fetch weights in bfloat16 / float16 (default: as published)",
+    "OVERWORLD_WEIGHTS_VERIFY": "1: check the sha256 of versions fetched from the registry too",
+    "OVERWORLD_RELAY_STALL_SECONDS": "a relay that sends nothing for this long is given up for the registry (10)",
+    "OVERWORLD_POD_IP": "where the other workers reach its weights relay (default: the address the registry sees)",
+    "OVERWORLD_ACK_LOG": "a file each acknowledgement from the replay buffer is appended to (default: none)",
+    "OVERWORLD_ENV_BACKEND": "subprocess (default) or inprocess; overrides worker_config.env_backend",
+}
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    add_server_flags(p, DEFAULT_PORT)
+    env_flag(p, "--rollout-manager", "127.0.0.1:50051", "host:port")
+    env_flag(p, "--replay-buffer", "127.0.0.1:50052", "host:port")
+    env_flag(p, "--model-registry", "127.0.0.1:50054", "host:port")
+    env_flag(p, "--flush-timeout", 30.0,
+             "seconds its stop waits for the replay buffer to take the fragments it holds")
+    accept_workdir(p)
+
+
+def build(args: argparse.Namespace, done: threading.Event) -> Any:
+    from overworld.rollout_worker.service import RolloutWorkerProcess
+
+    return RolloutWorkerProcess(args.rollout_manager, args.replay_buffer, args.model_registry, args.host,
+                                args.port, done, flush_timeout=args.flush_timeout)

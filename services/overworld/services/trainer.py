@@ -1,0 +1,40 @@
+"""`overworld serve trainer` / `python -m overworld.trainer`: the trainer's driver (Ray, Ray Train, its
+status service)."""
+
+from __future__ import annotations
+
+import argparse
+import threading
+from pathlib import Path
+from typing import Any
+
+from overworld.services import S3_ENVIRONMENT, SERVER_ENVIRONMENT, add_server_flags, env_flag
+
+SUMMARY = ("The trainer's driver: starts (or joins) Ray, runs the learners with Ray Train, publishes each "
+           "version, checkpoints, and serves Trainer/GetStatus.")
+DEFAULT_PORT = 50055
+ENVIRONMENT = {
+    **SERVER_ENVIRONMENT, **S3_ENVIRONMENT,
+    "POD_IP": "the address the learners reach the driver's status service at (default: this host's)",
+}
+
+
+def add_flags(p: argparse.ArgumentParser) -> None:
+    add_server_flags(p, DEFAULT_PORT)
+    env_flag(p, "--config", "", "the trainer's own run config (default: the rollout-manager's)")
+    env_flag(p, "--rollout-manager", "127.0.0.1:50051", "host:port")
+    env_flag(p, "--replay-buffer", "127.0.0.1:50052", "host:port")
+    env_flag(p, "--gae", "127.0.0.1:50053", "host:port")
+    env_flag(p, "--model-registry", "127.0.0.1:50054", "host:port")
+    env_flag(p, "--ray-address", "", "empty: start a local Ray; auto: join the cluster (RayJob)")
+    env_flag(p, "--resume", "", "latest, auto, a checkpoint id, or a MineStudio checkpoint directory")
+    env_flag(p, "--save-path", "", "replaces train_config.save_path")
+    env_flag(p, "--workdir", ".", "checkpoints and logs when local")
+
+
+def build(args: argparse.Namespace, done: threading.Event) -> Any:
+    from overworld.trainer.service import TrainerDriver
+
+    return TrainerDriver(args.rollout_manager, args.replay_buffer, args.gae, args.model_registry, args.host,
+                         args.port, args.ray_address, str(Path(args.workdir).resolve()), args.resume, done,
+                         config_path=args.config, save_path=args.save_path)
