@@ -3,11 +3,12 @@
 1. CartPole-v1 to a 100-episode mean return of 450, seed by seed, alternating: Stable-Baselines3's PPO
    with rl-zoo's tuned hyperparameters (bench/sb3_cartpole.py, in .venv-sb3: `make .venv-sb3`) and
    `overworld run examples/cartpole.yaml`. Env steps and wall time from process start, and the ratios.
-2. From the same Overworld runs' logs, the startup timeline (seconds from `overworld run` to each
-   service started, the first version published, the first version swapped in at the workers, Ray
-   started (none: examples/cartpole.yaml trains in Ray Train's local mode), the first update) and the iteration timeline (sample -> values -> gae -> PPO epochs ->
-   publish, from the trainer's per-iteration timings; publish -> swapped in at the workers, from the
-   registry's push latency).
+2. From the same Overworld runs' summaries, never from their logs' wording: the startup timeline
+   (seconds from `overworld run` to each of the launcher's startup milestones, overworld/launch/
+   milestones.py: each service serving, a worker registered, the first version published, the first
+   version swapped in at a worker, the trainer training, its first update) and the iteration timeline
+   (sample -> values -> gae -> PPO epochs -> publish, from the trainer's per-iteration timings on the
+   learning curve; publish -> swapped in at the workers, from the registry's push status there).
 3. The Crafter cow task: env steps/s through the whole pipeline (learner included, once training
    runs) next to bare Crafter processes stepping random actions on the same cores.
 4. CartPole stepped in a bare loop with random actions, for scale.
@@ -22,12 +23,10 @@ from __future__ import annotations
 
 import json
 import os
-import re
 import statistics
 import subprocess
 import tempfile
 import time
-from datetime import datetime
 from pathlib import Path
 from typing import Any
 
@@ -35,23 +34,10 @@ import gymnasium as gym
 import numpy as np
 
 from bench.runs import ROOT, overworld_run, write
+from overworld.launch.milestones import STARTUP_MILESTONES
 
 NUM_ENVS = 8  # as examples/cartpole.yaml and rl-zoo
-STAMP = re.compile(r"(\d{4}-\d\d-\d\d \d\d:\d\d:\d\d,\d{3})")
-# (milestone, log file, text in the line): the first such line's time
-MILESTONES = [
-    ("rollout_manager_started", "rollout-manager.log", "rollout-manager started"),
-    ("model_registry_started", "model-registry.log", "model-registry started"),
-    ("replay_buffer_started", "replay-buffer.log", "replay-buffer started"),
-    ("trainer_started", "trainer.log", "trainer started"),
-    ("worker_registered", "rollout-worker#0.log", "registered as"),
-    ("first_version_published", "model-registry.log", "published version 1 "),
-    ("first_version_swapped_in_at_workers", "rollout-worker#0.log", "swapped in model version"),
-    ("ray_started", "trainer.log", "Ray started in"),
-    ("first_update", "trainer.log", "first update done"),
-]
 TIMINGS = ("sample", "values", "gae", "update", "publish", "post_iteration", "iteration")
-PUSH = re.compile(r"version \d+ reached \d+/\d+ watchers in ([0-9.]+)s")
 
 
 def bare_loop_steps_per_second(seconds: float = 10.0) -> float:
@@ -66,36 +52,23 @@ def bare_loop_steps_per_second(seconds: float = 10.0) -> float:
     return steps / (time.monotonic() - started)
 
 
-def log_time(line: str) -> float | None:
-    found = STAMP.search(line)
-    return datetime.strptime(found.group(1), "%Y-%m-%d %H:%M:%S,%f").timestamp() if found else None
+def startup_timeline(summary: dict[str, Any], spawned: float) -> dict[str, float | None]:
+    """Seconds from `overworld run` being started (`spawned`, unix) to each startup milestone the run's
+    summary records (None: not reached)."""
+    reached = summary.get("milestones") or {}
+    return {name: round(reached[name] - spawned, 2) if reached.get(name) else None for name in STARTUP_MILESTONES}
 
 
-def startup_timeline(logs: Path, spawned: float, curve: list[dict[str, Any]] | None = None
-                     ) -> dict[str, float | None]:
-    """Seconds from `overworld run` being started to each milestone (None: not in the logs). A Ray
-    worker's line may come without a time: the first update is then the first progress point with an
-    update (the launcher's clock, which starts about a second after the command)."""
-    out: dict[str, float | None] = {}
-    for name, file, text in MILESTONES:
-        path = logs / file
-        lines = path.read_text(errors="replace").splitlines() if path.exists() else []
-        at = next((log_time(line) for line in lines if text in line and log_time(line)), None)
-        out[name] = round(at - spawned, 2) if at else None
-    if out["first_update"] is None and curve:
-        out["first_update"] = next((p["wall_seconds"] for p in curve if p.get("updates")), None)
-    return out
-
-
-def iteration_timeline(summary: dict[str, Any], logs: Path) -> dict[str, float | None]:
+def iteration_timeline(summary: dict[str, Any]) -> dict[str, float | None]:
     """Median seconds of each part of an iteration over the run's progress samples (each one the last
-    iteration's timings), and the median push latency publish -> every worker swapped the version in."""
-    points = [p for p in summary.get("curve", []) if p.get("trainer/iteration_seconds")]
+    iteration's timings), and the median push latency publish -> every worker swapped the version in
+    (each sample the registry's latest complete push)."""
+    curve = summary.get("curve", [])
+    points = [p for p in curve if p.get("trainer/iteration_seconds")]
     out: dict[str, float | None] = {
         part: round(statistics.median(p[f"trainer/{part}_seconds"] for p in points), 4) if points else None
         for part in TIMINGS if all(f"trainer/{part}_seconds" in p for p in points)}
-    registry = logs / "model-registry.log"
-    pushes = [float(m.group(1)) for m in PUSH.finditer(registry.read_text())] if registry.exists() else []
+    pushes = [p["registry/push_seconds"] for p in curve if p.get("registry/push_seconds") is not None]
     out["publish_to_swapped_in_at_workers"] = round(statistics.median(pushes), 4) if pushes else None
     out["iterations_sampled"] = len(points)
     return out
@@ -123,8 +96,8 @@ def overworld_seed(seed: int, target: float, max_steps: int, tmp: Path) -> dict[
             "wall_seconds_to_target": round(summary["target_reached_unix"] - spawned, 2) if reached else None,
             "status": summary.get("status"), "env_steps": summary.get("env_steps"),
             "mean_return_last_100": summary.get("mean_return_last_100"),
-            "startup": startup_timeline(workdir / "logs", spawned, summary.get("curve", [])),
-            "iteration": iteration_timeline(summary, workdir / "logs"), "curve": summary.get("curve", [])}
+            "startup": startup_timeline(summary, spawned), "iteration": iteration_timeline(summary),
+            "curve": summary.get("curve", [])}
 
 
 def crafter_pipeline(max_steps: int, tmp: Path) -> dict[str, Any]:
@@ -138,7 +111,7 @@ def crafter_pipeline(max_steps: int, tmp: Path) -> dict[str, Any]:
     return {"status": summary.get("status"), "env_steps": summary.get("env_steps"),
             "env_steps_per_second_training": round(rate, 1) if rate else None,
             "env_steps_per_second_with_startup": summary.get("env_steps_per_second"),
-            "updates": summary.get("updates"), "startup": startup_timeline(tmp / "crafter" / "logs", spawned)}
+            "updates": summary.get("updates"), "startup": startup_timeline(summary, spawned)}
 
 
 def ratio(a: float | None, b: float | None) -> float | None:
@@ -159,7 +132,7 @@ def summarize(sb3: dict[str, Any], overworld: dict[str, Any], seeds: int) -> dic
         "sb3_env_steps_to_target_median": median_of(sb3_runs, "env_steps_to_target"),
         "seeds_reaching_target": {"overworld": sum(r["reached"] for r in ow_runs),
                                   "sb3": sum(r["reached"] for r in sb3_runs), "of": seeds},
-        "startup_median": {k: median_of([r["startup"] for r in ow_runs], k) for k, _, _ in MILESTONES},
+        "startup_median": {k: median_of([r["startup"] for r in ow_runs], k) for k in STARTUP_MILESTONES},
         "iteration_median": {k: median_of([r["iteration"] for r in ow_runs], k)
                              for k in [*TIMINGS, "publish_to_swapped_in_at_workers"]},
     }

@@ -14,7 +14,8 @@ import pytest
 from overworld.core import tls
 from overworld.core.config import load_config, to_yaml
 from overworld.core.grpc_util import wait_healthy
-from overworld.launcher import Launcher, RunSecurity
+from overworld.launch.credentials import RunSecurity
+from overworld.launch.supervisor import Supervisor
 from overworld.restarts import RestartPolicy, read_services
 from overworld.status import print_status
 
@@ -36,7 +37,7 @@ def launcher(tmp_path: Path):
     path.write_text(to_yaml(config))
     security = RunSecurity.create(tmp_path, config.run_id)  # mutual TLS, as `overworld run`
     tls.use(security.identities["operator"])
-    launcher = Launcher(config, tmp_path, path, security, RestartPolicy(max_restarts=2, backoff_cap=1))
+    launcher = Supervisor(config, tmp_path, path, security, RestartPolicy(max_restarts=2, backoff_cap=1))
     yield launcher
     launcher.stop()
     tls.reset()
@@ -47,7 +48,7 @@ def tls_dir_of(pid: int) -> str:
     return next(v.split(b"=", 1)[1].decode() for v in environ if v.startswith(tls.TLS_DIR_ENV.encode() + b"="))
 
 
-def supervise_until(launcher: Launcher, ready, timeout: float = 60.0) -> None:
+def supervise_until(launcher: Supervisor, ready, timeout: float = 60.0) -> None:
     deadline = time.monotonic() + timeout
     while not ready():
         assert time.monotonic() < deadline, "timed out"
@@ -56,7 +57,7 @@ def supervise_until(launcher: Launcher, ready, timeout: float = 60.0) -> None:
 
 
 @pytest.mark.slow
-def test_a_killed_service_comes_back_on_its_address_and_status_shows_it(launcher: Launcher, tmp_path: Path,
+def test_a_killed_service_comes_back_on_its_address_and_status_shows_it(launcher: Supervisor, tmp_path: Path,
                                                                        capsys: pytest.CaptureFixture[str]) -> None:
     launcher.start("rollout-manager", "--config", str(launcher.config_path))
     launcher.start("gae")
@@ -79,7 +80,7 @@ def test_a_killed_service_comes_back_on_its_address_and_status_shows_it(launcher
 
 
 @pytest.mark.slow
-def test_a_crash_loop_backs_off_and_ends_the_run_at_the_limit(launcher: Launcher, tmp_path: Path) -> None:
+def test_a_crash_loop_backs_off_and_ends_the_run_at_the_limit(launcher: Supervisor, tmp_path: Path) -> None:
     launcher.start("rollout-manager", "--config", str(tmp_path / "missing.yaml"))  # exits at once, every time
     started = time.monotonic()
     with pytest.raises(RuntimeError, match="rollout-manager exited with code 1, 3 times in a row"):

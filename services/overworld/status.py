@@ -1,9 +1,19 @@
 """`overworld status`: the fleet as the rollout-manager sees it, and, for a run started by
-`overworld run` (`--workdir`), every service of the run with its restarts."""
+`overworld run` (`--workdir`), every service of the run with its restarts and the run's status file.
+
+`<workdir>/status.json` is the run's progress as data, rewritten by `overworld run` at every progress
+tick and at its end: its state, the latest figures (env steps, iteration, return, model version, the
+budget and the time left) and its startup milestones (unix times). Scripts and benchmarks read it (or
+the summary, which holds the same milestones) instead of the printed lines or the services' logs."""
 
 from __future__ import annotations
 
+import contextlib
+import json
+import os
 import sys
+import time
+from pathlib import Path
 from typing import Any
 
 import grpc
@@ -12,6 +22,36 @@ from overworld.core import tls
 from overworld.restarts import read_services
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.v1 import rollout_manager_pb2 as pb
+
+RUN_STATUS_FILE = "status.json"
+
+
+def write_run_status(workdir: Path, status: dict[str, Any]) -> None:
+    """`<workdir>/status.json`, replaced atomically (a reader never sees half a file)."""
+    path = workdir / RUN_STATUS_FILE
+    tmp = path.with_name(f".{path.name}.{os.getpid()}.tmp")
+    tmp.write_text(json.dumps({**status, "updated_unix": round(time.time(), 3)}, indent=1))
+    os.replace(tmp, path)
+
+
+def read_run_status(workdir: str | Path) -> dict[str, Any]:
+    """The status file of the run in `workdir` (FileNotFoundError before its first tick)."""
+    return json.loads((Path(workdir) / RUN_STATUS_FILE).read_text())
+
+
+def format_run_status(status: dict[str, Any]) -> str:
+    """One line: the run's state and where it stands against its budget."""
+    p = status.get("progress") or {}
+    budget = status.get("budget") or {}
+    ret = p.get("mean_return_last_100")
+    left = p.get("seconds_left")
+    return (f"run {status.get('run_id')}: {status.get('state')}, {p.get('env_steps', 0):,}"
+            + (f"/{budget['max_env_steps']:,}" if budget.get("max_env_steps") else "")
+            + f" env steps, iteration {p.get('iteration', 0):,}"
+            + (f"/{budget['iterations']:,}" if budget.get("iterations") else "")
+            + f", return(100) {'n/a' if ret is None else f'{ret:.2f}'}"
+            + (f"/{budget['target_return']:g}" if budget.get("target_return") is not None else "")
+            + (f", about {left:.0f}s left" if left is not None else ""))
 
 
 def format_status(fleet: pb.FleetStatus, videos: list[pb.VideoInfo] | None = None) -> str:
@@ -61,6 +101,8 @@ def print_status(address: str, workdir: str | None = None) -> int:
             return 1
         address = services["services"]["rollout-manager"]["address"]
         print(format_services(services))
+        with contextlib.suppress(OSError, ValueError):  # none before the run's first progress tick
+            print(format_run_status(read_run_status(workdir)))
     client = RolloutManagerClient(address)
     try:
         fleet = client.fleet_status()

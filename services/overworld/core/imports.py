@@ -62,9 +62,30 @@ def call_generator(fn: Any, user_kwargs: dict[str, Any], **context: Any) -> Any:
     takes_any = any(p.kind is inspect.Parameter.VAR_KEYWORD for p in params.values())
     unknown = [k for k in user_kwargs if k not in params and not takes_any]
     if unknown:
-        raise ValueError(f"{fn.__module__}.{fn.__qualname__} does not accept {', '.join(sorted(unknown))}")
+        raise UserCodeError(_name_of(fn), f"does not accept {', '.join(sorted(unknown))}")
     accepted = {k: v for k, v in context.items() if takes_any or k in params}
-    return fn(**accepted, **user_kwargs)
+    try:
+        return fn(**accepted, **user_kwargs)
+    except Exception as err:
+        raise UserCodeError(_name_of(fn), f"raised {type(err).__name__}: {err}") from err
+
+
+class UserCodeError(Exception):
+    """A generator of the run's config (env_generator, policy_generator: the user's code, or Overworld's
+    with the user's kwargs) raised, or cannot take the config's kwargs. Starting the service again would
+    fail the same way: it exits with EXIT_CONFIG (core/service.py), the user's traceback in `__cause__`."""
+
+    def __init__(self, generator: str, problem: str) -> None:
+        super().__init__(f"{generator} {problem}")
+        self.generator = generator
+
+
+def _name_of(fn: Any) -> str:
+    """A generator as the user knows it: module and name, or the file it was loaded from by path."""
+    module = getattr(fn, "__module__", "") or ""
+    if module.startswith("_overworld_user_"):
+        module = str(_file_of(fn) or module)
+    return f"{module}:{getattr(fn, '__qualname__', repr(fn))}"
 
 
 class GeneratorError(TypeError):

@@ -11,10 +11,13 @@ import signal
 import sys
 import threading
 import time
+import traceback
 from collections.abc import Callable
 from typing import Protocol
 
 from prometheus_client import start_http_server
+
+from overworld.core.imports import UserCodeError
 
 
 class Stoppable(Protocol):
@@ -81,13 +84,31 @@ def stop_with_parent() -> None:
 # would fail the same way, so `overworld run` does not restart it.
 EXIT_CONFIG = 78
 
+# The first words of the one record a service logs before it exits EXIT_CONFIG because of the user's
+# code: `overworld run` shows the user that record (overworld/launch/service_logs.py).
+REFUSAL_RECORD = "cannot run as configured"
+
+
+def log_refusal(log: logging.Logger, err: UserCodeError) -> None:
+    """The user's error, once: which generator, and the user's own traceback (from the generator's
+    frame down; its message is said only on the traceback's last line)."""
+    cause = err.__cause__
+    if cause is None:
+        log.error("%s (exit code %d, not restarted): %s", REFUSAL_RECORD, EXIT_CONFIG, err)
+        return
+    below_call = cause.__traceback__.tb_next if cause.__traceback__ else None  # not Overworld's calling frame
+    log.error("%s (exit code %d, not restarted): %s raised %s\n%s", REFUSAL_RECORD, EXIT_CONFIG, err.generator,
+              type(cause).__name__, "".join(traceback.format_exception(type(cause), cause, below_call)).rstrip())
+
+
 # A service that takes longer than this to stop writes every thread's stack to its log.
 STOP_STACKS_AFTER_SECONDS = 30.0
 
 
 def run_until_signalled(service: str, start: Callable[[], Stoppable], metrics_port: int,
                         done: threading.Event | None = None) -> int:
-    """Start the service, serve /metrics, and block until SIGTERM/SIGINT (or `done` is set)."""
+    """Start the service, serve /metrics, and block until SIGTERM/SIGINT (or `done` is set). EXIT_CONFIG
+    when starting it raised the user's error (UserCodeError)."""
     log = setup_logging(service)
     stop_requested = done or threading.Event()
 
@@ -104,7 +125,11 @@ def run_until_signalled(service: str, start: Callable[[], Stoppable], metrics_po
     stop_with_parent()
     if metrics_port:
         start_http_server(metrics_port)
-    handle = start()
+    try:
+        handle = start()
+    except UserCodeError as err:
+        log_refusal(log, err)
+        return EXIT_CONFIG
     log.info("%s started (pid %d)", service, os.getpid())
     # Python runs signal handlers on the main thread, when it runs Python: a wait without a timeout
     # never sees a signal the kernel handed to another thread (a gRPC thread, say).

@@ -17,6 +17,9 @@ import gymnasium as gym
 import numpy as np
 from crafter import objects
 
+from overworld.envs.crafter_score import score_summary
+from overworld.envs.task_metrics import TaskMetrics
+
 
 class CrafterCow(gym.Env):
     metadata = {"render_modes": ["rgb_array"]}
@@ -87,3 +90,8 @@ class CrafterCow(gym.Env):
 
 def make_env(**kwargs: Any) -> CrafterCow:
     return CrafterCow(**kwargs)
+
+
+# What `overworld run` reports of this task beyond return and length (overworld.envs.task_metrics):
+# these extras on the learning curve, and Crafter's score over all the run's episodes.
+TASK_METRICS = TaskMetrics(curve_extras=("cows_eaten", "achievement_eat_cow"), scores={"crafter": score_summary})

@@ -16,6 +16,9 @@ import crafter
 import gymnasium as gym
 import numpy as np
 
+from overworld.envs.crafter_score import score_summary
+from overworld.envs.task_metrics import TaskMetrics
+
 
 class CrafterTask(gym.Env):
     metadata = {"render_modes": ["rgb_array"]}
@@ -43,3 +46,8 @@ class CrafterTask(gym.Env):
 
 def make_env(seed: int | None = None) -> CrafterTask:
     return CrafterTask(seed)
+
+
+# What `overworld run` reports of this task beyond return and length (overworld.envs.task_metrics):
+# these extras on the learning curve, and Crafter's score over all the run's episodes.
+TASK_METRICS = TaskMetrics(curve_extras=("achievement_eat_cow",), scores={"crafter": score_summary})

@@ -196,7 +196,7 @@ class RolloutWorker:
         version, state = pending
         self.policy.load_state_dict(state)
         if self.model_version == 0:
-            log.info("swapped in model version %d, the first", version)  # bench/bench_e2e.py's timeline
+            log.info("swapped in model version %d, the first", version)
         self.model_version = version
         MODEL_VERSION.labels(self.worker_id).set(version)
         self.watcher.ack(version)

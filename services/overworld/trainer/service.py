@@ -16,7 +16,8 @@ from prometheus_client import Counter, Gauge
 
 from overworld.core.config import RunConfig, load_config
 from overworld.core.grpc_util import Server, serve
-from overworld.core.imports import import_object
+from overworld.core.imports import UserCodeError, import_object
+from overworld.core.service import log_refusal
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.trainer.placement import PlacementError
 from overworld.trainer.runtime import TrainerRuntime
@@ -232,6 +233,10 @@ class TrainerDriver:
             log.info("training finished")
         except PlacementError as err:
             log.error("the trainer's workers cannot be placed: %s", err)
+            self.failed = self.config_error = True
+            self.status.set_state("failed", str(err)[:2000])
+        except UserCodeError as err:  # the user's generator: a restart would raise it again
+            log_refusal(log, err)
             self.failed = self.config_error = True
             self.status.set_state("failed", str(err)[:2000])
         except Exception as err:
