@@ -1,6 +1,6 @@
 # Overworld: `make run` trains the default task on this machine, `make test` runs the tests.
 # Both create .venv and install what is missing on first use; the tests fetch the servers they need
-# (redis-server, promtool) when the system has none (services/overworld/server_binaries.py).
+# (redis-server, promtool) when the system has none (tests/server_binaries.py).
 
 PYTHON ?= python3
 VENV := .venv
@@ -18,7 +18,8 @@ $(STAMP): pyproject.toml
 	$(PY) -m pip install -q --upgrade pip
 	# torch first, pinned: an unpinned torch pulled in by another package would be a multi-GB CUDA build.
 	$(PY) -m pip install -q torch==2.13.0
-	$(PY) -m pip install -q -e '.[dev]'
+	# every role's dependencies (pyproject.toml: services, rollout-worker, trainer) and the tools
+	$(PY) -m pip install -q -e '.[all,dev]'
 	rm -f $(VENV)/.installed-*
 	touch $(STAMP)
 
@@ -27,18 +28,21 @@ install: $(STAMP)
 run: $(STAMP)
 	$(VENV)/bin/overworld run $(CONFIG) --summary runs/last-summary.json
 
-# pytest exits 5 when it collected no test: that must fail, not pass quietly.
+# $(call pytest,PYTHON,ARGS): pytest exits 5 when it collected no test: that must fail, not pass quietly.
+pytest = $(1) -m pytest -q $(2) $(PYTEST_ARGS); rc=$$?; \
+	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+
 test: $(STAMP)
-	$(PY) -m pytest -q $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+	$(call pytest,$(PY),)
 
 test-fast: $(STAMP)
-	$(PY) -m pytest -q -m "not slow" $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+	$(call pytest,$(PY),-m "not slow")
 
 # The cluster rehearsal (tests/cluster, also part of `make test`): the rendered chart as pods, each in
 # network, PID, mount and UTS namespaces of its own on a bridge; pods deleted, workers scaled and cut
 # off, a kubectl resume. Needs root (ip netns); docs/operations.md says what it covers.
 rehearsal: $(STAMP)
-	$(PY) -m pytest -q tests/cluster $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+	$(call pytest,$(PY),tests/cluster)
 
 bench: $(STAMP) $(SB3_STAMP)
 	mkdir -p bench/results
@@ -92,7 +96,7 @@ minestudio-venv:
 	fi
 
 test-minestudio: minestudio-venv
-	.venv-minestudio/bin/python -m pytest -q -m minestudio tests/minestudio $(PYTEST_ARGS); rc=$$?; if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
+	$(call pytest,.venv-minestudio/bin/python,-m minestudio tests/minestudio)
 
 # The GPU check (bench/gpu/check.py, issue 24): every CUDA path and the published Crafter recipe on a GPU box
 # without network, in commands of at most 10 minutes: run it again until it says done (exit 75: not yet);

@@ -16,7 +16,9 @@ WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY proto ./proto
 COPY services ./services
-RUN pip install . && overworld --help >/dev/null
+# The rollout-worker role of the local package (its pins in pyproject.toml): no Ray, W&B or kopf.
+# hadolint ignore=DL3013
+RUN pip install ".[rollout-worker]" && overworld --help >/dev/null
 # Compile Crafter's world generation (numba, cache=True) now, into the image's read-only
 # site-packages: a worker pod never compiles it at start.
 RUN SDL_VIDEODRIVER=dummy python -c "from overworld.envs.crafter_cow import make_env; make_env().reset(seed=0)"
@@ -56,7 +58,7 @@ RUN apt-get update \
 COPY --from=build /src /src
 RUN python -m venv /opt/minestudio \
  && /opt/minestudio/bin/pip install --no-cache-dir "torch==${TORCH_VERSION}" \
- && /opt/minestudio/bin/pip install --no-cache-dir "/src[minestudio]" ${MINESTUDIO_VERSION:+"minestudio==${MINESTUDIO_VERSION}"} \
+ && /opt/minestudio/bin/pip install --no-cache-dir "/src[rollout-worker,minestudio]" ${MINESTUDIO_VERSION:+"minestudio==${MINESTUDIO_VERSION}"} \
  && rm -rf /src
 # MinecraftSim downloads the engine on first construction and asks yes/no on stdin: answer
 # once here (a finite answer, so pipefail holds), under a virtual display, into a directory the non-root user can read.

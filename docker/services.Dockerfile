@@ -4,21 +4,20 @@
 ARG PYTHON_VERSION=3.11
 
 FROM python:${PYTHON_VERSION}-slim-bookworm AS build
-# Pinned versions come from pyproject.toml through docker/images.mk (make images).
-ARG TORCH_VERSION=2.13.0
-ARG KOPF_VERSION=1.45.2
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 RUN python -m venv /opt/overworld
 ENV PATH=/opt/overworld/bin:$PATH
-# The CPU build of torch first: PyPI's default Linux wheel carries CUDA (gigabytes) that these
-# services never use. `torch==X` in pyproject.toml is satisfied by X+cpu.
-RUN pip install --index-url https://download.pytorch.org/whl/cpu "torch==${TORCH_VERSION}"
 WORKDIR /src
 COPY pyproject.toml README.md ./
 COPY proto ./proto
 COPY services ./services
-# The package (with its pinned dependencies) and the run-controller's operator framework.
-RUN pip install . "kopf==${KOPF_VERSION}" && overworld --help >/dev/null
+# The services role only (pyproject.toml: the dependencies every role has, + the run-controller's
+# kopf): no torch, Ray or W&B; the registry's half-precision cast is numpy's (core/safetensors_format.py).
+# The local package: its dependencies are pinned in pyproject.toml.
+# hadolint ignore=DL3013
+RUN pip install ".[services]" \
+ && overworld --help >/dev/null \
+ && python -c "import importlib.util as u; assert not [m for m in ('torch', 'ray', 'wandb') if u.find_spec(m)]"
 
 FROM python:${PYTHON_VERSION}-slim-bookworm
 LABEL org.opencontainers.image.title="overworld-services" \

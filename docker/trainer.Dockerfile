@@ -17,11 +17,11 @@ WORKDIR /home/ray/overworld
 COPY --chown=1000:100 pyproject.toml README.md ./
 COPY --chown=1000:100 proto ./proto
 COPY --chown=1000:100 services ./services
-# Ray itself must stay the image's version: installing the package with that pin as a
-# constraint fails loudly instead of swapping Ray underneath KubeRay.
+# Ray itself must stay the image's version: installing the package (the trainer role of
+# pyproject.toml) with that pin as a constraint fails loudly instead of swapping Ray underneath KubeRay.
 RUN echo "ray==${RAY_VERSION}" > /tmp/constraints.txt \
  && pip install "torch==${TORCH_VERSION}" -c /tmp/constraints.txt \
- && pip install . -c /tmp/constraints.txt \
+ && pip install ".[trainer]" -c /tmp/constraints.txt \
  && python -c "import ray, overworld; assert ray.__version__ == '${RAY_VERSION}', ray.__version__" \
  && rm -rf /home/ray/overworld /tmp/constraints.txt
 WORKDIR /home/ray

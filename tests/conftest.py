@@ -2,7 +2,7 @@
 started per test session and stopped by PID.
 
 `redis-server` and `promtool` are the system's or the project's pinned copies, fetched on first use
-(overworld/server_binaries.py). Before any test runs, the binaries the selected tests need are located;
+(tests/server_binaries.py). Before any test runs, the binaries the selected tests need are located;
 one that can be neither found nor fetched ends the session with one message, not an error per test.
 """
 

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from overworld.core.net import free_port, wait_port  # noqa: F401 (re-exported for tests)
-from overworld.server_binaries import ServerBinaryUnavailable, locate
+from tests.server_binaries import ServerBinaryUnavailable, locate
 
 
 @functools.cache

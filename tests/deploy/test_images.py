@@ -59,11 +59,19 @@ def test_pins_match_pyproject(dockerfile: Path) -> None:
     versions = pins()
     text = dockerfile.read_text()
     defaults = dict(re.findall(r"^ARG ([A-Z_]+)=(\S+)", text, flags=re.M))
-    assert defaults.get("TORCH_VERSION") == versions["torch"]
-    assert re.search(r'"torch==\$\{TORCH_VERSION\}"', text), "torch is not installed at the pinned version"
-    assert re.search(r"pip install (--no-cache-dir )?(\.|\"/src\[minestudio\]\")", text), (
-        "the package is not installed"
+    role = dockerfile.stem  # each image installs its role's extra of pyproject.toml
+    assert re.search(rf'pip install (--no-cache-dir )?"(\.|/src)\[([a-z-]+,)*{role}(,[a-z-]+)*\]"', text), (
+        f"the package is not installed with its role's dependencies (.[{role}])"
     )
+    if role == "services":
+        installs = " ".join(line for line in text.splitlines() if "pip install" in line)
+        assert not re.search(r"torch|\bray\b|wandb", installs), "the services image needs no torch, Ray or W&B"
+    else:
+        assert defaults.get("TORCH_VERSION") == versions["torch"]
+        assert re.search(r'"torch==\$\{TORCH_VERSION\}"', text), "torch is not installed at the pinned version"
+    pinned = dict(re.findall(r'"([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?==([^"]+)"', (REPO / "pyproject.toml").read_text()))
+    for name, version in re.findall(r'"([A-Za-z0-9_.-]+)==([^"$]+)"', text):
+        assert pinned.get(name) == version, f"{dockerfile.name} pins {name}=={version}, pyproject.toml {pinned.get(name)}"
     if dockerfile.stem == "trainer":
         assert defaults.get("RAY_VERSION") == versions["ray"]
         assert "FROM rayproject/ray:${RAY_VERSION}" in text

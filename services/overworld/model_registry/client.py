@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 
-from overworld.core import weights
+from overworld.core import safetensors_format
 from overworld.core.grpc_util import Retry, channel
 from overworld.model_registry import wire
 from overworld.v1 import model_registry_pb2 as pb
@@ -55,7 +55,7 @@ class ModelRegistryClient:
         same bytes again is idempotent. `dtype` defaults to the payload's floating dtype."""
         view = memoryview(data)
         manifest = pb.VersionInfo(version=version, parent=parent, size_bytes=len(view),
-                                  dtype=dtype or weights.payload_dtype(view), counters=counters or {},
+                                  dtype=dtype or safetensors_format.payload_dtype(view), counters=counters or {},
                                   config_hash=config_hash, tags=tags or [])
 
         def messages() -> Iterator[bytes]:
@@ -169,6 +169,8 @@ class ModelRegistryClient:
         """Fetch a version as a state dict. The registry cuts its messages at tensor boundaries, so a
         tensor is a view into the message it arrived in (no copy; treat it as read-only); tensors
         are cast to like's dtypes where they differ."""
+        from overworld.core import weights  # torch: the learners' and workers' side only
+
         info, pieces = self.fetch_pieces(version, tag, precision, verify, timeout, stop)
         return info, weights.from_pieces(pieces, like)
 
