@@ -30,7 +30,7 @@ def snapshot(trainer_version: int = 5, worker_versions: tuple[int, ...] = (3, 4)
     fleet = SimpleNamespace(env_steps=env_steps, episodes=10, mean_return_last_100=21.5,
                             workers=[SimpleNamespace(model_version=v) for v in worker_versions])
     trainer = SimpleNamespace(model_version=trainer_version, updates=7, iteration=iteration)
-    return Snapshot.of(fleet, trainer, elapsed=10.0, offset=offset)
+    return Snapshot.of(fleet, trainer, wall_seconds=10.0, offset=offset)
 
 
 def test_lag_counts_the_versions_the_workers_run_behind() -> None:

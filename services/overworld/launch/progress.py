@@ -30,7 +30,7 @@ class Budget:
 class Snapshot:
     """The run at one moment, as the rollout-manager and the trainer report it."""
 
-    elapsed: float
+    wall_seconds: float  # since `overworld run` started the services
     env_steps: int
     iteration: int
     episodes: int
@@ -41,12 +41,12 @@ class Snapshot:
     workers: int
 
     @classmethod
-    def of(cls, fleet: Any, trainer: Any, elapsed: float, offset: int = 0) -> Snapshot:
+    def of(cls, fleet: Any, trainer: Any, wall_seconds: float, offset: int = 0) -> Snapshot:
         """From a FleetStatus and a TrainerStatus; `offset`: the env steps before a resumed run started."""
         versions = [w.model_version for w in fleet.workers]
         # Workers can be ahead of the trainer's last status: they read a version from the registry first.
         lag = max(0.0, trainer.model_version - sum(versions) / len(versions)) if versions else 0.0
-        return cls(elapsed, offset + fleet.env_steps, getattr(trainer, "iteration", 0), fleet.episodes,
+        return cls(round(wall_seconds, 2), offset + fleet.env_steps, getattr(trainer, "iteration", 0), fleet.episodes,
                    fleet.mean_return_last_100 if fleet.episodes else None, trainer.model_version, trainer.updates,
                    lag, len(fleet.workers))
 
@@ -106,10 +106,12 @@ def format_progress(snapshot: Snapshot, budget: Budget, steps_per_second: float 
     target = "" if budget.target_return is None else f"/{budget.target_return:g}"
     rate = "" if steps_per_second is None else f" {steps_per_second:,.0f}/s"
     left = time_left(s, budget, steps_per_second, iterations_per_second)
-    return (f"[{format_duration(s.elapsed):>7}] env steps {s.env_steps:,}{of_total(s.env_steps, budget.max_env_steps)}"
-            f"{rate}  iteration {s.iteration:,}{of_total(s.iteration, budget.iterations)}  "
-            f"return(100) {ret}{target}  left {format_duration(left)}  episodes {s.episodes:,}  "
-            f"model v{s.model_version} updates {s.updates:,} lag {s.lag:.1f}  workers {s.workers}")
+    # Most telling first: a terminal narrower than the line cuts its end.
+    return (f"[{format_duration(s.wall_seconds):>7}] left {format_duration(left)}  "
+            f"env steps {s.env_steps:,}{of_total(s.env_steps, budget.max_env_steps)}{rate}  "
+            f"iteration {s.iteration:,}{of_total(s.iteration, budget.iterations)}  return(100) {ret}{target}  "
+            f"episodes {s.episodes:,}  model v{s.model_version} updates {s.updates:,} lag {s.lag:.1f}  "
+            f"workers {s.workers}")
 
 
 class ProgressDisplay:

@@ -138,11 +138,12 @@ class RunFollower:
                 return "completed"
             reached = (self.budget.target_return is not None and self.fleet.episodes >= 100
                        and self.fleet.mean_return_last_100 >= self.budget.target_return)
-            self.tick(time.monotonic(), force=reached)
+            out_of_steps = self.budget.max_env_steps is not None and self.env_steps() >= self.budget.max_env_steps
+            self.tick(time.monotonic(), force=reached or out_of_steps)  # the curve's last point
             if reached:
                 self.outcome.update(steps_to_target=self.env_steps(), target_reached_unix=time.time())
                 return "target_reached"
-            if self.budget.max_env_steps is not None and self.env_steps() >= self.budget.max_env_steps:
+            if out_of_steps:
                 return "max_env_steps"
 
     def trainer_exited_finished(self) -> bool:
