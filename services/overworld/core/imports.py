@@ -66,14 +66,17 @@ def call_generator(fn: Any, user_kwargs: dict[str, Any], **context: Any) -> Any:
     accepted = {k: v for k, v in context.items() if takes_any or k in params}
     try:
         return fn(**accepted, **user_kwargs)
+    except (OSError, MemoryError):
+        raise  # the machine's state (a file, a port, a game that did not start, memory): a restart may heal it
     except Exception as err:
         raise UserCodeError(_name_of(fn), f"raised {type(err).__name__}: {err}") from err
 
 
 class UserCodeError(Exception):
     """A generator of the run's config (env_generator, policy_generator: the user's code, or Overworld's
-    with the user's kwargs) raised, or cannot take the config's kwargs. Starting the service again would
-    fail the same way: it exits with EXIT_CONFIG (core/service.py), the user's traceback in `__cause__`."""
+    with the user's kwargs) raised an error of its code (anything but OSError and MemoryError), or
+    cannot take the config's kwargs. Starting the service again would fail the same way: it exits with
+    EXIT_CONFIG (core/service.py), the user's traceback in `__cause__`."""
 
     def __init__(self, generator: str, problem: str) -> None:
         super().__init__(f"{generator} {problem}")
