@@ -211,7 +211,8 @@ class RunFollower:
         record: dict[str, Any] = {"run_id": self.config.run_id, "state": state,
                                   "budget": asdict(self.budget), "milestones": dict(self.milestones.reached)}
         if snapshot is not None:
-            left = time_left(snapshot, self.budget, self.steps_rate.per_second(), self.iterations_rate.per_second())
+            left = (time_left(snapshot, self.budget, self.steps_rate.per_second(), self.iterations_rate.per_second())
+                    if state == "running" else None)
             record["progress"] = {**asdict(snapshot), "seconds_left": None if left is None else round(left, 1)}
         return record
 
