@@ -1,6 +1,6 @@
 """The chart and every kustomize overlay point the trainer's save_path at the object store
-(OVERWORLD_SAVE_PATH, the same s3:// location as OVERWORLD_BLOBS), on the RayJob's head and on
-every Ray worker: checkpoints and TensorBoard/W&B files never live on a pod's emptyDir."""
+(OVERWORLD_SAVE_PATH, the same s3:// location as the services' OVERWORLD_BLOBS), on the RayJob's head
+and on every Ray worker: checkpoints and TensorBoard/W&B files never live on a pod's emptyDir."""
 
 from __future__ import annotations
 
@@ -15,13 +15,15 @@ from tests.deploy.test_kustomize import OVERLAYS, built  # noqa: F401 (the tree 
 
 def assert_trainer_saves_to_the_object_store(objects: list[dict[str, Any]]) -> None:
     (training_run,) = by_kind(objects, "TrainingRun").values()
+    registry = by_kind(objects, "Deployment")["overworld-model-registry"]["spec"]["template"]["spec"]["containers"][0]
+    blobs = next(e["value"] for e in registry["env"] if e["name"] == "OVERWORLD_BLOBS")
     rayjob = build_rayjob(training_run, attempt=1)
     cluster = rayjob["spec"]["rayClusterSpec"]
     pods = [cluster["headGroupSpec"]["template"]] + [g["template"] for g in cluster["workerGroupSpecs"]]
     for pod in pods:
         env = {e["name"]: e.get("value") for e in pod["spec"]["containers"][0]["env"]}
         assert env["OVERWORLD_SAVE_PATH"].startswith("s3://")
-        assert env["OVERWORLD_SAVE_PATH"] == env["OVERWORLD_BLOBS"]
+        assert env["OVERWORLD_SAVE_PATH"] == blobs
         assert "OVERWORLD_S3_ENDPOINT" in env
 
 

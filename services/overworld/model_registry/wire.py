@@ -6,8 +6,8 @@ classes every chunk is copied three times in Python (slice, message construction
 the sending side and twice (parse, `.data`) on the receiving side. Here the registry encodes each
 chunk of a version once and sends the same `bytes` to every watcher, and a receiver gets a
 `memoryview` into the message gRPC handed it. The bytes on the wire are exactly what the generated
-classes produce (tests/model_registry/test_registry.py checks it), so a client or server built from the
-generated stubs alone talks to these unchanged.
+classes produce (tests/model_registry/test_registry.py, `test_hand_encoded_messages_are_what_protobuf_makes`,
+checks it), so a client or server built from the generated stubs alone talks to these unchanged.
 """
 
 from __future__ import annotations

@@ -147,11 +147,16 @@ Secret holding the S3 credentials, and its keys.
 {{- end -}}
 
 {{/*
-Environment of the services that touch the object store.
+Environment of the services that keep their data in the object store (--blobs), and the S3
+endpoint and credentials alone for the trainer (its save_path is s3://, it takes no --blobs).
 */}}
 {{- define "overworld.env.objectStore" -}}
 - name: OVERWORLD_BLOBS
   value: {{ printf "s3://%s/%s" .Values.objectStore.bucket .Values.objectStore.prefix | quote }}
+{{ include "overworld.env.s3" . }}
+{{- end -}}
+
+{{- define "overworld.env.s3" -}}
 - name: OVERWORLD_S3_ENDPOINT
   value: {{ include "overworld.s3Endpoint" . | quote }}
 - name: OVERWORLD_S3_ACCESS_KEY
@@ -240,7 +245,7 @@ The environment of the trainer (in the RayJob's head and worker pods).
 {{ include "overworld.env.replayBuffer" . }}
 {{ include "overworld.env.gae" . }}
 {{ include "overworld.env.modelRegistry" . }}
-{{ include "overworld.env.objectStore" . }}
+{{ include "overworld.env.s3" . }}
 - name: OVERWORLD_SAVE_PATH
   value: {{ printf "s3://%s/%s" .Values.objectStore.bucket .Values.objectStore.prefix | quote }}
 - name: OVERWORLD_WORKDIR
