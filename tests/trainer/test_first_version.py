@@ -13,13 +13,13 @@ import torch
 
 from overworld.core.blobs import LocalBlobStore
 from overworld.core.config import load_config
-from overworld.core.grpc_util import channel, serve
+from overworld.core.grpc_util import serve
 from overworld.model_registry.client import ModelRegistryClient
 from overworld.model_registry.server import ModelRegistryService, registration
+from overworld.replay_buffer.client import ReplayBufferClient
 from overworld.replay_buffer.index import MemoryIndex
 from overworld.replay_buffer.server import ReplayBufferService, add_to_server
 from overworld.trainer.learner import PPOLearner
-from overworld.v1 import replay_buffer_pb2, replay_buffer_pb2_grpc
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -31,10 +31,10 @@ def services(tmp_path: Path) -> Iterator[dict[str, Any]]:
     index = MemoryIndex(64, 1, 2, 1, None)
     buffer = ReplayBufferService(index, LocalBlobStore(tmp_path / "blobs"), "run", 32, 1, 64, lambda: None)
     buffer_server = serve([(add_to_server, buffer, "overworld.v1.ReplayBuffer")])
-    buffer_channel = channel(buffer_server.address)
-    yield {"registry": registry_server.address, "buffer": replay_buffer_pb2_grpc.ReplayBufferStub(buffer_channel),
+    buffer_client = ReplayBufferClient(buffer_server.address)
+    yield {"registry": registry_server.address, "buffer": buffer_client,
            "workdir": str(tmp_path)}
-    buffer_channel.close()
+    buffer_client.close()
     buffer.stop()
     buffer_server.stop(0)
     registry.stop()
@@ -80,7 +80,7 @@ def test_the_driver_publishes_version_1_and_the_learner_adopts_it(services) -> N
     learner = learner_starts(services, "train_config.kl_divergence_coef_rho=0.1")
     assert learner.model_version == 1
     assert [v.version for v in client.list_versions()] == [1]  # not published twice
-    stats = services["buffer"].GetStats(replay_buffer_pb2.GetStatsRequest(), timeout=5)
+    stats = services["buffer"].stats(5.0)
     assert stats.model_version == 1
     client.close()
 

@@ -206,9 +206,8 @@ def start_trainer(policy_generator: Any, env_generator: Any, online_cfg: Mapping
     if _in_service():
         return None
     from overworld.core import tls
-    from overworld.core.grpc_util import channel
     from overworld.launcher import Launcher, RunSecurity
-    from overworld.v1 import trainer_pb2, trainer_pb2_grpc
+    from overworld.trainer.client import TrainerClient
 
     work = _workdir(workdir)
     side = read_state(work)
@@ -233,7 +232,7 @@ def start_trainer(policy_generator: Any, env_generator: Any, online_cfg: Mapping
     launcher.services_file = "services-trainer.json"  # the rollout side's launcher writes services.json
     child = launcher.start_trainer(None, "--config", str(trainer_yaml))
     write_state(work, {"pid": child.proc.pid, "pid_started": process_start_time(child.proc.pid)}, TRAINER_FILE)
-    stub = trainer_pb2_grpc.TrainerStub(channel(child.address))
+    trainer = TrainerClient(child.address)
     status: Any = None
     try:
         while True:
@@ -246,12 +245,12 @@ def start_trainer(policy_generator: Any, env_generator: Any, online_cfg: Mapping
                 restarted = next(c for c in launcher.children if c.name == "trainer")
                 if restarted is not child:
                     child = restarted
-                    stub = trainer_pb2_grpc.TrainerStub(channel(child.address))
+                    trainer = TrainerClient(child.address)
                     write_state(work, {"pid": child.proc.pid, "pid_started": process_start_time(child.proc.pid)},
                                 TRAINER_FILE)
                 continue
             try:
-                status = stub.GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=5)
+                status = trainer.status(timeout=5)
             except Exception:  # noqa: BLE001 - not serving yet
                 continue
             if status.state == "finished":

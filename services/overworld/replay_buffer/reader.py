@@ -103,13 +103,9 @@ class ChunkReader:
     """Batches of `chunks_per_batch` sampled chunks, `next()` one at a time (made by
     `ReplayBufferClient.reader`)."""
 
-    def __init__(self, client: ReplayBufferClient | replay_buffer_pb2_grpc.ReplayBufferStub, chunks_per_batch: int,
-                 num_readers: int, prefetch_batches: int, timeout: float, name: str,
-                 data_timeout: float | None = None) -> None:
-        from overworld.replay_buffer.client import ReplayBufferClient  # (client.py imports this module)
-
-        # A stub: trainer/base.py until it holds a ReplayBufferClient.
-        self.client = client if isinstance(client, ReplayBufferClient) else ReplayBufferClient(client)
+    def __init__(self, client: ReplayBufferClient, chunks_per_batch: int, num_readers: int, prefetch_batches: int,
+                 timeout: float, name: str, data_timeout: float | None = None) -> None:
+        self.client = client
         self.n = chunks_per_batch
         self.readers = max(1, min(num_readers, chunks_per_batch))
         self.timeout = timeout

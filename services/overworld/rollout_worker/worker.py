@@ -158,7 +158,7 @@ class RolloutWorker:
                     self.video.requested(reply.video_request_id)
             else:
                 log.warning("lease expired (worker too slow, or the manager lost its state); registering again")
-                again = self.manager.stub.Register(self._register_request(), timeout=PERIODIC_TIMEOUT)
+                again = self.manager.register(self._register_request(), timeout=PERIODIC_TIMEOUT)
                 self.worker_id = again.worker_id
                 self.watcher.watcher_id = self.worker_id  # push acknowledgements follow the new id
                 self._counted = self._acked  # the old id's record keeps what it was told

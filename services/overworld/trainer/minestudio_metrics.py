@@ -22,7 +22,6 @@ from typing import Any
 
 from overworld.core.config import RunConfig
 from overworld.envs.crafter_score import score_summary
-from overworld.v1 import replay_buffer_pb2
 
 log = logging.getLogger("overworld.trainer")
 
@@ -49,7 +48,7 @@ class MineStudioMetrics:
             return
         try:
             fleet = trainer.manager.fleet_status(timeout=5)
-            stats = trainer.buffer.GetStats(replay_buffer_pb2.GetStatsRequest(), timeout=5)
+            stats = trainer.buffer.stats(5.0)
         except Exception as err:  # statistics only: never stall training on them
             log.warning("MineStudio metrics skipped this iteration: %s", err)
             return

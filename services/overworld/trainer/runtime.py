@@ -24,13 +24,13 @@ import torch
 import torch.distributed as dist
 
 from overworld.core.config import RunConfig, config_hash, from_yaml, learner_ranks, to_yaml
-from overworld.core.grpc_util import channel, retry
 from overworld.core.imports import generator_ref, import_object, lazy_import
 from overworld.core.weights import to_bytes
 from overworld.gae.client import GaeClient
 from overworld.model_registry.client import ModelRegistryClient
 from overworld.policies.base import Policy
 from overworld.policies.factory import run_spaces
+from overworld.replay_buffer.client import ReplayBufferClient
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.trainer import checkpoint
 from overworld.trainer.builtin_hooks import register_builtin_hooks
@@ -43,10 +43,7 @@ from overworld.trainer.placement import (
     torch_trainer_class,
     worker_resources,
 )
-from overworld.trainer.prefetch import ChunkReader
 from overworld.v1 import (
-    replay_buffer_pb2,
-    replay_buffer_pb2_grpc,
     trainer_pb2,
 )
 
@@ -253,11 +250,10 @@ class TrainerRuntime:
         self.registry = ModelRegistryClient(self.model_registry)
         self.gae_client = GaeClient(self.gae)
         self.manager = RolloutManagerClient(self.rollout_manager)
-        self._buffer_channel = channel(self.replay_buffer)
-        self.buffer = replay_buffer_pb2_grpc.ReplayBufferStub(self._buffer_channel)
+        self.buffer = ReplayBufferClient(self.replay_buffer)
         self._status = TrainerClient(self.status_address) if self.status_address else None
-        self.reader = ChunkReader(self.buffer, t.batch_size_per_gpu * t.batches_per_iteration, t.num_readers,
-                                  t.prefetch_batches, t.sample_timeout, f"rank-{self.rank}", t.data_timeout)
+        self.reader = self.buffer.reader(t.batch_size_per_gpu * t.batches_per_iteration, t.num_readers,
+                                         t.prefetch_batches, t.sample_timeout, f"rank-{self.rank}", t.data_timeout)
         self.checkpoints = checkpoint.checkpoint_store(self.config, self.workdir)
 
     # -- the model -------------------------------------------------------------------------------
@@ -313,12 +309,8 @@ class TrainerRuntime:
         self.registry.publish(version, data, parent=self.model_version, counters=counters,
                               config_hash=config_hash(self.config))
         self.model_version = version
-        self._tell_buffer_the_version(version)
+        self.buffer.set_model_version(version)
         self.timings["publish"] = time.monotonic() - started
-
-    def _tell_buffer_the_version(self, version: int) -> None:
-        retry(lambda: self.buffer.SetModelVersion(
-            replay_buffer_pb2.SetModelVersionRequest(model_version=version), timeout=30), "SetModelVersion", 60)
 
     def publish_first_version(self) -> None:
         """On the driver, while Ray starts: a fresh run's starting weights as version 1, tagged
@@ -352,7 +344,7 @@ class TrainerRuntime:
             data = to_bytes(self.unwrapped_model.state_dict())
             if next(v for v in versions if v.version == 1).sha256 == hashlib.sha256(data).hexdigest():
                 self.model_version = 1
-                self._tell_buffer_the_version(1)
+                self.buffer.set_model_version(1)
                 return
             log.warning("version 1 in the registry is not this learner's starting weights: publishing them anew")
         self.model_version = max(latest, self.model_version)
