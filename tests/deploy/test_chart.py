@@ -529,7 +529,7 @@ def test_images_and_naming_overrides() -> None:
     )
     worker = containers(deployments["lab-rollout-worker"])[0]
     assert worker["image"] == "registry.internal:5000/overworld-rl/overworld-rollout-worker:0.1.0-cuda"
-    assert worker["args"] == ["serve", "rollout-worker", "--num-envs", "32"]
+    assert worker["args"] == ["serve", "rollout-worker", "--flush-timeout", "10"]
     for obj in objects:
         assert obj["metadata"]["labels"]["team"] == "rl", obj["metadata"]["name"]
     (training_run,) = by_kind(objects, "TrainingRun").values()

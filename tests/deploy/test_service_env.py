@@ -9,6 +9,7 @@ from __future__ import annotations
 import argparse
 import os
 import re
+import shlex
 from typing import Any
 from unittest import mock
 
@@ -122,3 +123,23 @@ def test_the_chart_gives_each_service_only_what_it_reads(values_file: Any) -> No
         assert all(given[s] for s in ALL_SERVICES), given
     for service, variables in given.items():
         assert variables <= reads(service), f"the chart gives {service} {sorted(variables - reads(service))}"
+
+
+@pytest.mark.parametrize("values_file", [None, *CI_VALUES], ids=["defaults", *(p.stem for p in CI_VALUES)])
+def test_the_chart_gives_each_service_flags_it_has(values_file: Any) -> None:
+    """Each Deployment's `serve SERVICE ...` arguments (extraArgs included) and the trainer's RayJob
+    entrypoint parse with that service's parser."""
+    objects = render(values_from_files([values_file]) if values_file else None)
+    for deployment in by_kind(objects, "Deployment").values():
+        component = deployment["metadata"]["labels"].get("app.kubernetes.io/component")
+        for container in containers(deployment):
+            if component in GRPC_SERVICES:
+                assert container["args"][:2] == ["serve", component]
+                services.parse(component, container["args"][2:])
+            elif component == "run-controller":
+                assert container["command"] == ["python", "-m", "overworld.run_controller"]
+                services.parse(component, container["args"])
+    for training_run in by_kind(objects, "TrainingRun").values():
+        entrypoint = shlex.split(build_rayjob(training_run, attempt=1)["spec"]["entrypoint"])
+        assert entrypoint[:4] == ["exec", "overworld", "serve", "trainer"], entrypoint
+        services.parse("trainer", entrypoint[4:])
