@@ -16,6 +16,7 @@ import argparse
 import importlib
 import logging
 import os
+import sys
 import textwrap
 import threading
 from collections.abc import Callable, Iterator, Mapping
@@ -130,12 +131,6 @@ def parser(service: str, prog: str | None = None, local: bool = False) -> argpar
     """`service`'s own parser. `local` (`python -m overworld.SERVICE`): on loopback and without a
     metrics port unless told otherwise, for tests and benches on one machine."""
     p = argparse.ArgumentParser(prog=prog or f"overworld serve {service}")
-    fill(service, p, local)
-    return p
-
-
-def fill(service: str, p: argparse.ArgumentParser, local: bool = False) -> None:
-    """Add `service`'s flags, summary and environment to `p` (also a subparser of `overworld serve`)."""
     builder(service).add_flags(p)
     describe(service, p)
     if local:
@@ -144,12 +139,11 @@ def fill(service: str, p: argparse.ArgumentParser, local: bool = False) -> None:
             p.set_defaults(host=env_default("host", "127.0.0.1"))
         if "--metrics-port" in flags:
             p.set_defaults(metrics_port=env_default("metrics-port", 0))
+    return p
 
 
 def parse(service: str, argv: list[str], prog: str | None = None, local: bool = False) -> argparse.Namespace:
-    args = parser(service, prog, local).parse_args(argv)
-    args.service = service
-    return args
+    return parser(service, prog, local).parse_args(argv)
 
 
 def serve(service: str, args: argparse.Namespace) -> int:
@@ -179,14 +173,8 @@ def main(service: str, argv: list[str] | None = None) -> int:
     """`python -m overworld.SERVICE`: the same flags and code as `overworld serve SERVICE`, on loopback
     and without a metrics port by default."""
     package = MODULES[service].rsplit(".", 1)[1]
-    return serve(service, parse(service, argv if argv is not None else _argv(), f"python -m overworld.{package}",
-                                local=True))
-
-
-def _argv() -> list[str]:
-    import sys
-
-    return sys.argv[1:]
+    args = parse(service, sys.argv[1:] if argv is None else argv, f"python -m overworld.{package}", local=True)
+    return serve(service, args)
 
 
 class _Builders(Mapping[str, Callable[[argparse.Namespace, threading.Event], Any]]):
