@@ -40,14 +40,8 @@ HALF_PRECISIONS: dict[str, torch.dtype] = {name: getattr(torch, dtype)
 
 def half_dtype(precision: str | bool) -> torch.dtype | None:
     """The torch dtype for a precision name ('' / False: None, True: bfloat16); ValueError if unknown."""
-    if precision is True:
-        return torch.bfloat16
-    if not precision:
-        return None
-    try:
-        return HALF_PRECISIONS[str(precision).lower()]
-    except KeyError:
-        raise ValueError(f"unknown precision {precision!r}: use one of {sorted(HALF_PRECISIONS)}") from None
+    name = safetensors_format.half_precision(precision)
+    return None if name is None else getattr(torch, name)
 
 
 def dtype_name(dtype: torch.dtype) -> str:
