@@ -734,3 +734,15 @@ def test_replicated_fronts_are_reached_through_headless_services() -> None:
             assert service["spec"]["clusterIP"] == "None", host
             labels = deployments[f"overworld-{component}"]["spec"]["template"]["metadata"]["labels"]
             assert all(labels.get(k) == v for k, v in service["spec"]["selector"].items())
+
+
+def test_a_container_that_exits_shows_its_last_log_lines_in_its_status(default_objects: list[dict[str, Any]]) -> None:
+    """A service that refuses to run (exit 78: the user's generator raised) logs the user's traceback
+    once; `kubectl describe pod` shows it as the container's termination message."""
+    containers = [(obj["metadata"]["name"], c) for obj in default_objects
+                  if obj["kind"] in ("Deployment", "StatefulSet")
+                  and obj["metadata"].get("labels", {}).get("app.kubernetes.io/name") == "overworld"
+                  for c in obj["spec"]["template"]["spec"]["containers"]]
+    assert len(containers) >= 5
+    assert {name: c.get("terminationMessagePolicy") for name, c in containers} == {
+        name: "FallbackToLogsOnError" for name, _ in containers}

@@ -160,6 +160,8 @@ def test_every_pod_of_the_rayjob_is_restricted_and_pulls_with_the_secrets() -> N
         assert template["spec"]["imagePullSecrets"] == [{"name": "regcred"}], where
         assert template["spec"]["containers"][0]["image"] == job_image(job), where
         assert template["metadata"]["labels"]["app.kubernetes.io/instance"] == "overworld", where
+        # a trainer that refuses to run (exit 78) shows the user's traceback in the pod's status
+        assert template["spec"]["containers"][0]["terminationMessagePolicy"] == "FallbackToLogsOnError", where
     submitter = templates["submitterPodTemplate"]["spec"]
     assert submitter["restartPolicy"] == "Never"
     assert "command" not in submitter["containers"][0]  # KubeRay fills in `ray job submit ...`

@@ -141,6 +141,8 @@ def _ray_pod_template(
         "name": container_name,
         "image": spec["image"],
         "imagePullPolicy": spec.get("imagePullPolicy", "IfNotPresent"),
+        # a trainer that refuses to run (exit 78) logged the user's traceback once: the pod's status shows it
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         "env": env,
         "ports": ports,
         "resources": _resources(group.get("resources"), gpus),
@@ -188,6 +190,7 @@ def _submitter_pod_template(spec: Mapping[str, Any], labels: Mapping[str, str]) 
         "name": "ray-job-submitter",
         "image": spec["image"],
         "imagePullPolicy": spec.get("imagePullPolicy", "IfNotPresent"),
+        "terminationMessagePolicy": "FallbackToLogsOnError",
         # The Ray CLI writes to $HOME; the image's home is not ours to write in a restricted pod.
         "env": [{"name": "HOME", "value": "/tmp"}],
         "resources": {"requests": {"cpu": "100m", "memory": "256Mi"}, "limits": {"memory": "1Gi"}},

@@ -78,6 +78,9 @@ spec:
         - name: {{ .component }}
           image: {{ include "overworld.image" (dict "image" .image "context" $) }}
           imagePullPolicy: {{ .image.pullPolicy }}
+          # A service that refuses to run (exit 78: the user's generator raised) logged the traceback
+          # once: the pod's status shows it.
+          terminationMessagePolicy: FallbackToLogsOnError
           # No command: the image's entrypoint runs (`overworld`, or `xvfb-run -a overworld` in the
           # Minecraft worker image, which needs a display for the game).
           args:
