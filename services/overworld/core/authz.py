@@ -99,7 +99,8 @@ class Authorizer(grpc.ServerInterceptor):
                 else "stream_unary" if handler.stream_unary else "stream_stream")
         behaviour = getattr(handler, kind)
         def checked(request: Any, context: grpc.ServicerContext) -> Any:
-            run, identity = peer_identity(context.auth_context())
+            # types-grpcio's auth_context() says str -> bytes; grpc gives str -> list of bytes
+            run, identity = peer_identity(context.auth_context())  # type: ignore[arg-type]
             if run and self.run and run != self.run:
                 context.abort(grpc.StatusCode.PERMISSION_DENIED,
                               f"{identity or 'caller'} of run {run!r} may not call {method} of run {self.run!r}")

@@ -7,7 +7,7 @@ import ast
 import runpy
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -56,7 +56,9 @@ def _run_config_file(path: Path) -> dict[str, Any]:
     if "online_dict" not in namespace:
         raise ConfigError(f"{path} defines no `online_dict`")
     online = namespace["online_dict"]
-    data = dict(OmegaConf.to_container(online, resolve=True) if isinstance(online, DictConfig) else online)
+    if isinstance(online, DictConfig):
+        online = OmegaConf.to_container(online, resolve=True)
+    data = dict(online)
     # MineStudio quick starts define the generators next to online_dict.
     for key in GENERATORS:
         if callable(namespace.get(key)) and key not in data:
@@ -68,7 +70,7 @@ def read_user_config(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     """The run configuration as the user gave it: a mapping, an OmegaConf DictConfig, a YAML file, or a
     MineStudio config file (.py) defining `online_dict` (and perhaps the generators next to it)."""
     if isinstance(source, DictConfig):  # what a MineStudio user holds as online_cfg
-        return OmegaConf.to_container(source, resolve=True)  # type: ignore[return-value]
+        return cast(dict[str, Any], OmegaConf.to_container(source, resolve=True))  # a DictConfig's is a dict
     if isinstance(source, Mapping):
         return dict(source)
     path = Path(source)
@@ -79,4 +81,4 @@ def read_user_config(source: str | Path | Mapping[str, Any]) -> dict[str, Any]:
     loaded = OmegaConf.to_container(OmegaConf.load(path), resolve=True)
     if not isinstance(loaded, dict):
         raise ConfigError(f"{path} must hold a mapping at the top level")
-    return loaded
+    return cast(dict[str, Any], loaded)  # YAML mapping keys: names, as a run config's are

@@ -55,7 +55,7 @@ class Fragment:
     def slot_key(self) -> str:
         return f"{self.worker_id}/{self.env_slot}"
 
-    def to_proto(self, compression: int = common_pb2.COMPRESSION_NONE) -> common_pb2.Fragment:
+    def to_proto(self, compression: common_pb2.Compression = common_pb2.COMPRESSION_NONE) -> common_pb2.Fragment:
         header = common_pb2.FragmentHeader(
             run_id=self.run_id,
             worker_id=self.worker_id,

@@ -103,7 +103,8 @@ class RequestValidation(grpc.ServerInterceptor):
                 else "stream_unary" if handler.stream_unary else "stream_stream")
         behaviour = getattr(handler, kind)
         if handler.request_streaming:
-            def checked(requests: Any, context: grpc.ServicerContext) -> Any:
+            # positional-only (grpc passes both so): the two variants differ only in a parameter's name
+            def checked(requests: Any, context: grpc.ServicerContext, /) -> Any:
                 def parsed() -> Any:
                     for request in requests:
                         if isinstance(request, _Malformed):
@@ -111,7 +112,7 @@ class RequestValidation(grpc.ServerInterceptor):
                         yield request
                 return behaviour(parsed(), context)
         else:
-            def checked(request: Any, context: grpc.ServicerContext) -> Any:
+            def checked(request: Any, context: grpc.ServicerContext, /) -> Any:
                 if isinstance(request, _Malformed):
                     reject(context, request)
                 return behaviour(request, context)

@@ -96,7 +96,7 @@ class S3BlobStore:
             size = int(response.headers.get("content-length") or -1)
             # urllib3's underlying http.client response reads straight into a buffer (urllib3's own
             # readinto reads into a new bytes object first); anything unusual takes the plain path.
-            fp = getattr(response, "_fp", None)
+            fp: Any = getattr(response, "_fp", None)  # a private attribute: no type to rely on
             if size < 0 or response.headers.get("content-encoding") or not hasattr(fp, "readinto"):
                 data = response.read()
                 size = len(data)

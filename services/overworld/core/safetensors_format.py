@@ -104,7 +104,7 @@ def convert(data: bytes | bytearray | memoryview, precision: str) -> bytes:
         if meta["dtype"] in FLOATING and dtype != target:
             array = _cast(_as_float32(raw, meta["dtype"]), target)
             keep_alive.append(array)
-            dtype, raw = target, memoryview(array).cast("B")
+            dtype, raw = target, array.data.cast("B")  # array.data is memoryview(array)
         else:
             raw = memoryview(bytes(raw))  # safetensors reads it through a pointer: a buffer of its own
             keep_alive.append(raw)

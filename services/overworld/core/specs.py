@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import gymnasium as gym
@@ -39,8 +40,8 @@ class Spaces:
 
     @staticmethod
     def from_proto(msg: common_pb2.Spaces) -> Spaces:
-        def specs(items) -> dict[str, TensorSpec]:  # type: ignore[no-untyped-def]
-            out = {}
+        def specs(items: Iterable[common_pb2.TensorSpec]) -> dict[str, TensorSpec]:
+            out: dict[str, TensorSpec] = {}
             for s in items:
                 np.dtype(s.dtype)  # raises TypeError on an unknown dtype
                 out[s.name] = TensorSpec(tuple(int(d) for d in s.shape), s.dtype)

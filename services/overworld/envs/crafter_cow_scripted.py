@@ -13,7 +13,7 @@ from typing import Any
 import numpy as np
 from crafter import objects
 
-MOVES = {(-1, 0): 1, (1, 0): 2, (0, -1): 3, (0, 1): 4}  # move_left, move_right, move_up, move_down
+MOVES: dict[tuple[int, ...], int] = {(-1, 0): 1, (1, 0): 2, (0, -1): 3, (0, 1): 4}  # move_left, move_right, move_up, move_down
 DO = 5
 THIRSTY_BELOW = 5
 
@@ -25,7 +25,7 @@ class ScriptedCowHunter:
         self.last_move: tuple[int, int] | None = None
         self.wander = 0  # random moves left after getting stuck
 
-    def _nearest(self, world: Any, pos: np.ndarray, kind: type, within: int = 10**6) -> np.ndarray | None:
+    def _nearest(self, world: Any, pos: np.ndarray, kind: type[Any], within: int = 10**6) -> np.ndarray | None:
         found = [obj.pos for obj in world.objects if isinstance(obj, kind) and np.abs(obj.pos - pos).sum() <= within]
         if not found:
             return None

@@ -21,7 +21,7 @@ from __future__ import annotations
 
 import inspect
 import logging
-from typing import Any
+from typing import Any, TypeGuard
 
 import gymnasium as gym
 import numpy as np
@@ -46,7 +46,7 @@ def task_label(task: Any) -> str | None:
     return None
 
 
-def _one_slot_multidiscrete(space: gym.Space) -> bool:
+def _one_slot_multidiscrete(space: gym.Space) -> TypeGuard[gym.spaces.MultiDiscrete]:
     return isinstance(space, gym.spaces.MultiDiscrete) and space.shape == (1,)
 
 
@@ -59,7 +59,7 @@ def adapt_action_space(space: gym.Space) -> gym.Space:
 
 def adapt_observation_space(space: gym.Space) -> gym.Space:
     if isinstance(space, gym.spaces.Dict):
-        kept = {k: s for k, s in space.spaces.items() if isinstance(s, gym.spaces.Box | gym.spaces.Discrete)}
+        kept: dict[str, gym.Space] = {k: s for k, s in space.spaces.items() if isinstance(s, gym.spaces.Box | gym.spaces.Discrete)}
         if len(kept) != len(space.spaces):
             return gym.spaces.Dict(kept)
     return space

@@ -42,10 +42,10 @@ class ModelRegistryClient:
         # Publish and Fetch through hand-encoded messages (same bytes on the wire): one copy per chunk
         self._publish = self._channel.stream_unary(
             _SERVICE + "Publish", request_serializer=_identity, response_deserializer=pb.VersionInfo.FromString,
-            _registered_method=True)
+            _registered_method=True)  # type: ignore[call-arg]  # grpc's own keyword; types-grpcio lacks it
         self._fetch = self._channel.unary_stream(
             _SERVICE + "Fetch", request_serializer=pb.FetchRequest.SerializeToString,
-            response_deserializer=wire.decode_chunk, _registered_method=True)
+            response_deserializer=wire.decode_chunk, _registered_method=True)  # type: ignore[call-arg]  # grpc keyword, as above
 
     # -- publish -------------------------------------------------------------------------------
     def publish(self, version: int, data: bytes | bytearray | memoryview, parent: int = 0,

@@ -8,6 +8,7 @@ import hashlib
 import re
 import time
 from collections.abc import Callable, Iterator
+from typing import NoReturn
 
 import grpc
 from prometheus_client import Counter, Histogram
@@ -62,7 +63,7 @@ class Publishing(RegistryStore):
         finally:
             self._publish_lock.release()
 
-    def _refuse(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> None:
+    def _refuse(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
         PUBLISH_FAILURES.labels(code.name.lower()).inc()
         abort(context, code, message)
 

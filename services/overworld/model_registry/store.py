@@ -132,7 +132,7 @@ class RegistryStore:
         buf = spare if spare is not None and len(spare) == payload.size else bytearray(payload.size)
         for start, view in zip(payload.starts, payload.data_views(), strict=True):
             buf[start:start + len(view)] = view
-        self.blobs.put(key, buf)  # type: ignore[arg-type]  # any bytes-like object
+        self.blobs.put(key, buf)
         self._spare = buf
 
     def _retain(self) -> None:

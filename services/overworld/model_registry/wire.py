@@ -26,7 +26,8 @@ _PUBLISH_CHUNK = 2 << 3 | 2  # PublishRequest.chunk (bytes)
 def _fields(raw: bytes | memoryview) -> list[tuple[int, int | memoryview]]:
     """(field number, value) of each field: an int for varints and fixed ints, a memoryview for bytes."""
     buf = memoryview(raw)
-    pos, out = 0, []
+    pos = 0
+    out: list[tuple[int, int | memoryview]] = []
     while pos < len(buf):
         key, pos = read_varint(buf, pos)
         field, kind = key >> 3, key & 7
