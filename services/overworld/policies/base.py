@@ -9,6 +9,7 @@ With `use_normalized_vf` the value head predicts in normalised space; `value()` 
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import cast
 
 import torch
 from torch import nn
@@ -26,6 +27,11 @@ class PolicyOutput:
 class ValueNormalizer(nn.Module):
     """EWMA mean and variance of value targets (MineStudio's normalised value function): VPT's
     NormalizeEwma, with moments that start at zero and a variance floor of 1e-2 (std >= 0.1)."""
+
+    # the buffers registered below (nn.Module's __getattr__ finds them): their type, for the type checker
+    mean: torch.Tensor
+    mean_sq: torch.Tensor
+    debias: torch.Tensor
 
     def __init__(self, beta: float = 0.99999, enabled: bool = False) -> None:
         super().__init__()
@@ -94,21 +100,21 @@ def distributions(logits: dict[str, torch.Tensor]) -> dict[str, Categorical]:
 
 
 def log_prob(logits: dict[str, torch.Tensor], action: dict[str, torch.Tensor]) -> torch.Tensor:
-    return sum(d.log_prob(action[k]) for k, d in distributions(logits).items())  # type: ignore[return-value]
+    return sum(d.log_prob(action[k]) for k, d in distributions(logits).items())
 
 
 def entropy(logits: dict[str, torch.Tensor]) -> torch.Tensor:
-    return sum(d.entropy() for d in distributions(logits).values())  # type: ignore[return-value]
+    return sum(d.entropy() for d in distributions(logits).values())
 
 
 def kl_divergence(p_logits: dict[str, torch.Tensor], q_logits: dict[str, torch.Tensor]) -> torch.Tensor:
     """KL(p || q), summed over action components."""
-    total = 0
+    terms: list[torch.Tensor] = []
     for k, p in p_logits.items():
         logp = torch.log_softmax(p, -1)
         logq = torch.log_softmax(q_logits[k], -1)
-        total = total + (logp.exp() * (logp - logq)).sum(-1)
-    return total  # type: ignore[return-value]
+        terms.append((logp.exp() * (logp - logq)).sum(-1))
+    return cast(torch.Tensor, sum(terms))  # sum's 0 only for no action components: no policy has none
 
 
 def sample(logits: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
@@ -117,5 +123,7 @@ def sample(logits: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
 
 def reset_state(state: State, first: torch.Tensor) -> State:
     """Zero the state of the batch entries whose step starts an episode. first: (B,)."""
-    keep = (~first).to(next(iter(state.values())).dtype) if state else None
-    return {k: v * keep.view(-1, *([1] * (v.dim() - 1))) for k, v in state.items()}  # type: ignore[union-attr]
+    if not state:
+        return {}
+    keep = (~first).to(next(iter(state.values())).dtype)
+    return {k: v * keep.view(-1, *([1] * (v.dim() - 1))) for k, v in state.items()}

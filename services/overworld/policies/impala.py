@@ -27,7 +27,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from overworld.core.specs import dict_space
-from overworld.policies.nets import ActorCritic, _layer
+from overworld.policies.nets import ActorCritic, _layer, _shape
 
 
 class ResidualBlock(nn.Module):
@@ -132,7 +132,7 @@ class ImpalaPolicy(ActorCritic):
                  blocks: int, hidden: int, recurrent: bool = False, dense: int | None = None, norm: bool = False,
                  value_norm_beta: float | None = None) -> None:
         image = dict_space(observation_space, "obs")[key]
-        h, w, c = image.shape
+        h, w, c = _shape(image, key)
         encoder = impala_encoder((c, h, w), channels, blocks, hidden, dense, norm)
         super().__init__(encoder, hidden, action_space, hidden, recurrent)
         if norm:

@@ -53,6 +53,10 @@ def _has_vpt_body(mine: nn.Module) -> bool:
 
 
 class MinePolicyAdapter(Policy):
+    # a MineStudio MinePolicy (an nn.Module, checked by is_mine_policy): its methods, heads and body are
+    # found by duck typing (minestudio is not imported here), so the type checker takes it as Any
+    mine: Any
+
     def __init__(self, mine: nn.Module, action_keys: list[str] | None = None) -> None:
         super().__init__()
         if not is_mine_policy(mine):

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from typing import cast
+
 import gymnasium as gym
 import numpy as np
 import torch
@@ -16,6 +18,13 @@ def _layer(inp: int, out: int, gain: float = float(np.sqrt(2))) -> nn.Linear:
     nn.init.orthogonal_(layer.weight, gain)
     nn.init.zeros_(layer.bias)
     return layer
+
+
+def _shape(space: gym.Space, what: str) -> tuple[int, ...]:
+    """The shape of an observation's space: a space without one (a nested Dict, a Text) is no tensor."""
+    if space.shape is None:
+        raise TypeError(f"observation {what!r}: a {type(space).__name__} space has no shape")
+    return space.shape
 
 
 def _mlp(sizes: list[int], activation: type[nn.Module]) -> nn.Sequential:
@@ -52,7 +61,9 @@ class ActorCritic(Policy):
         self.encoder = encoder
         self.core = RecurrentCore(feature_size) if recurrent else None
         self.policy_head = nn.ModuleDict({
-            k: _layer(feature_size, int(s.n), gain=0.01) for k, s in dict_space(action_space, "action").items()
+            # every action component is Discrete (a space without n fails here, as it always did)
+            k: _layer(feature_size, int(cast(gym.spaces.Discrete, s).n), gain=0.01)
+            for k, s in dict_space(action_space, "action").items()
         })
         self.value_head = _layer(feature_size, 1, gain=1.0)
         self.hidden = hidden
@@ -85,7 +96,7 @@ class MLPPolicy(ActorCritic):
     def __init__(self, observation_space: gym.Space, action_space: gym.Space, hidden_sizes: list[int],
                  recurrent: bool = False, activation: str = "tanh") -> None:
         obs_spaces = dict_space(observation_space, "obs")
-        inp = sum(int(np.prod(s.shape)) for s in obs_spaces.values())
+        inp = sum(int(np.prod(_shape(s, k))) for k, s in obs_spaces.items())
         act = {"tanh": nn.Tanh, "relu": nn.ReLU}[activation]
         encoder = _mlp([inp, *hidden_sizes], act)
         super().__init__(encoder, hidden_sizes[-1], action_space, hidden_sizes[-1], recurrent)
@@ -117,7 +128,7 @@ class CNNPolicy(ActorCritic):
     def __init__(self, observation_space: gym.Space, action_space: gym.Space, key: str, channels: list[int],
                  hidden: int, recurrent: bool = False) -> None:
         image = dict_space(observation_space, "obs")[key]
-        h, w, c = image.shape
+        h, w, c = _shape(image, key)
         convs: list[nn.Module] = []
         inp = c
         for i, ch in enumerate(channels):
