@@ -112,7 +112,7 @@ def test_replay_buffer_and_sps_metrics_from_the_services() -> None:
             return _fleet(env_steps=self.steps)
 
     stats = SimpleNamespace(inserted_fragments=10, chunks=4, model_version=3, mean_reuse=0.5, mean_staleness=1.0)
-    buffer = SimpleNamespace(GetStats=lambda request, timeout: stats)
+    buffer = SimpleNamespace(stats=lambda timeout: stats)  # ReplayBufferClient.stats
     trainer = SimpleNamespace(rank=0, manager=Manager(), buffer=buffer, env_steps=0,
                               config=load_config({}))
     hook = MineStudioMetrics()

@@ -11,10 +11,10 @@ from overworld.trainer.checkpoint import checkpoint_store
 from tests.trainer.helpers import flat_params, make_trainer
 
 
-def _trainer(tmp_path: Path, *overrides: str, **extra: object):  # type: ignore[no-untyped-def]
+def _trainer(tmp_path: Path, *overrides: str, continue_run: bool = False):  # type: ignore[no-untyped-def]
     trainer = make_trainer("run_id=r1", *overrides)
     trainer.workdir = str(tmp_path)
-    trainer.extra.update(extra)
+    trainer.continue_run = continue_run  # a restarted trainer (the driver's --resume auto)
     trainer.checkpoints = checkpoint_store(trainer.config, trainer.workdir)
     return trainer
 
