@@ -99,8 +99,7 @@ class Authorizer(grpc.ServerInterceptor):
                 else "stream_unary" if handler.stream_unary else "stream_stream")
         behaviour = getattr(handler, kind)
         def checked(request: Any, context: grpc.ServicerContext) -> Any:
-            # types-grpcio's auth_context() says str -> bytes; grpc gives str -> list of bytes
-            run, identity = peer_identity(context.auth_context())  # type: ignore[arg-type]
+            run, identity = peer_identity(context.auth_context())  # type: ignore[arg-type]  # types-grpcio: str -> bytes; grpc gives str -> list of bytes
             if run and self.run and run != self.run:
                 context.abort(grpc.StatusCode.PERMISSION_DENIED,
                               f"{identity or 'caller'} of run {run!r} may not call {method} of run {self.run!r}")

@@ -49,7 +49,9 @@ def process_start_time(pid: int) -> str | None:
 
 def alive(record: dict[str, Any] | None) -> bool:
     """The process a state record names is still that process (not a reused pid)."""
-    return bool(record) and process_start_time(int(record["pid"])) == record.get("pid_started")
+    if not record:
+        return False
+    return process_start_time(int(record["pid"])) == record.get("pid_started")
 
 
 def read_state(workdir: Path, name: str = STATE_FILE) -> dict[str, Any] | None:

@@ -26,7 +26,7 @@ import sys
 import time
 from collections.abc import Callable, Mapping
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 
@@ -81,7 +81,11 @@ def _service_env(parent_pid: int | None = None) -> dict[str, str]:
 
 def online_config(policy_generator: Any, env_generator: Any, online_cfg: Mapping[str, Any] | DictConfig) -> RunConfig:
     """MineStudio's (policy_generator, env_generator, online_cfg) as a validated RunConfig."""
-    data = OmegaConf.to_container(online_cfg, resolve=True) if isinstance(online_cfg, DictConfig) else dict(online_cfg)
+    data: dict[str, Any]
+    if isinstance(online_cfg, DictConfig):
+        data = cast(dict[str, Any], OmegaConf.to_container(online_cfg, resolve=True))  # a DictConfig's is a dict
+    else:
+        data = dict(online_cfg)
     assert isinstance(data, dict)
     data["policy_generator"] = generator_ref(policy_generator, "policy_generator")
     data["env_generator"] = generator_ref(env_generator, "env_generator")

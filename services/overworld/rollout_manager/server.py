@@ -20,6 +20,7 @@ import threading
 import time
 import uuid
 from collections import deque
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -208,10 +209,10 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             self._departed_steps += w.env_steps
             self._departed_fragments += w.fragments_sent
 
-    def GetRunConfig(self, request, context):  # type: ignore[no-untyped-def]
+    def GetRunConfig(self, request, context):
         return rollout_manager_pb2.RunConfig(run_id=self.run_id, config_yaml=self._yaml, config_hash=self._hash)
 
-    def Register(self, request, context):  # type: ignore[no-untyped-def]
+    def Register(self, request, context):
         if request.num_envs == 0:
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, "num_envs must be > 0")
         try:
@@ -239,7 +240,7 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         return rollout_manager_pb2.RegisterResponse(worker_id=worker_id, lease_seconds=self.lease_seconds,
                                                     run_id=self.run_id, worker_index=worker_index)
 
-    def Heartbeat(self, request, context):  # type: ignore[no-untyped-def]
+    def Heartbeat(self, request, context):
         with self._lock:
             self._expire()
             w = self._workers.get(request.worker_id)
@@ -262,7 +263,7 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         return rollout_manager_pb2.HeartbeatResponse(lease_valid=True, record_video=bool(video),
                                                      video_request_id=video)
 
-    def Deregister(self, request, context):  # type: ignore[no-untyped-def]
+    def Deregister(self, request, context):
         with self._lock:
             self._depart(request.worker_id)
             WORKERS.set(len(self._workers))
@@ -270,7 +271,7 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         log.info("worker %s left the fleet", request.worker_id)
         return rollout_manager_pb2.DeregisterResponse()
 
-    def ReportEpisodes(self, request, context):  # type: ignore[no-untyped-def]
+    def ReportEpisodes(self, request, context):
         for ep in request.episodes:
             values = [ep.sum_reward, ep.discounted_reward, *ep.extras.values()]
             if not np.all(np.isfinite(values)):
@@ -314,13 +315,13 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         except StateUnavailable as err:
             abort(context, grpc.StatusCode.UNAVAILABLE, f"rollout-manager state store unavailable ({err}); retry")
 
-    def GetSpaces(self, request, context):  # type: ignore[no-untyped-def]
+    def GetSpaces(self, request, context):
         with self._lock:
             if self._spaces_proto is None:
                 abort(context, grpc.StatusCode.FAILED_PRECONDITION, "no rollout worker has declared the run's spaces yet")
             return self._spaces_proto
 
-    def GetFleetStatus(self, request, context):  # type: ignore[no-untyped-def]
+    def GetFleetStatus(self, request, context):
         now = time.monotonic()
         with self._lock:
             self._expire()
@@ -353,10 +354,11 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                 mean_return_last_100=float(np.mean(self._all_returns)) if self._all_returns else 0.0,
                 tasks=tasks, videos=len(self.videos.list()), pending_video_requests=self.videos.pending())
 
-    def RequestVideo(self, request, context):  # type: ignore[no-untyped-def]
+    def RequestVideo(self, request, context):
         return rollout_manager_pb2.RequestVideoResponse(request_id=self.videos.request(request.iteration))
 
-    def UploadVideo(self, request_iterator, context):  # type: ignore[no-untyped-def]
+    def UploadVideo(self, request_iterator: Iterator[rollout_manager_pb2.VideoChunk],
+                    context: grpc.ServicerContext) -> rollout_manager_pb2.VideoInfo:
         info: rollout_manager_pb2.VideoInfo | None = None
         parts: list[bytes] = []
         for chunk in request_iterator:
@@ -375,11 +377,11 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         except OSError as err:
             abort(context, grpc.StatusCode.UNAVAILABLE, f"video store {self.videos.store_url}: {err}")
 
-    def ListVideos(self, request, context):  # type: ignore[no-untyped-def]
+    def ListVideos(self, request, context):
         return rollout_manager_pb2.ListVideosResponse(videos=self.videos.list())
 
 
-def _load(store: StateStore, wait: float = STATE_WAIT_SECONDS) -> dict[str, Any] | None:
+def _load(store: StateStore, wait: float = STATE_WAIT_SECONDS) -> dict[str, Any]:
     """The saved state, waiting out a store that is down (Redis restarting) for up to `wait` seconds;
     then StateUnavailable, and the manager does not start (its supervisor restarts it)."""
     end = time.monotonic() + wait

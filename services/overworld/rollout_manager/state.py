@@ -20,7 +20,7 @@ import re
 import uuid
 from collections.abc import Iterable
 from pathlib import Path
-from typing import Any, Protocol
+from typing import Any, Protocol, cast
 
 _UNSAFE = re.compile(r"[^A-Za-z0-9._-]")
 
@@ -83,7 +83,8 @@ class RedisState:
 
     def load(self) -> dict[str, Any]:
         try:
-            raw = self.client.hgetall(self.key)
+            # no decode_responses: names and values come as bytes
+            raw = cast(dict[bytes, bytes], self.client.hgetall(self.key))
         except self._errors as err:
             raise StateUnavailable(f"Redis {self.where}: {err}") from err
         return {name.decode(): json.loads(value) for name, value in raw.items()}

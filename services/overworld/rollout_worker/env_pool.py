@@ -53,7 +53,7 @@ MAX_DEATHS_BEFORE_HELLO = 5
 class GroupResult:
     group: int
     stepped: list[int] = field(default_factory=list)
-    ended: dict[int, dict[str, float]] = field(default_factory=dict)
+    ended: dict[int, dict[str, Any]] = field(default_factory=dict)  # episode_extras: numbers, and the task
     failed: dict[int, str] = field(default_factory=dict)  # slot -> reason; its episode is lost
     joined: list[int] = field(default_factory=list)  # slots starting an episode (obs written)
     recycled: list[int] = field(default_factory=list)

@@ -193,7 +193,7 @@ class EnvRunner:
         """Step the slots among `slots` that the worker marked in `act`. Returns the reply:
         stepped, ended {slot: extras}, errors {slot: reason}, recycled, joined (inline resets)."""
         stepped: list[int] = []
-        ended: dict[int, dict[str, float]] = {}
+        ended: dict[int, dict[str, Any]] = {}  # episode_extras: numbers, and the task label
         errors: dict[int, str] = {}
         recycled: list[int] = []
         a = self.a

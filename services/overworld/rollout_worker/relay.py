@@ -214,7 +214,7 @@ class RelayClient:
         self.address = address
         self._channel = channel(address)
         self._fetch = self._channel.unary_stream(_FETCH_WEIGHTS, request_serializer=pb.FetchRequest.SerializeToString,
-                                                 response_deserializer=wire.decode_chunk, _registered_method=True)
+                                                 response_deserializer=wire.decode_chunk, _registered_method=True)  # type: ignore[call-arg]  # grpc's own keyword; types-grpcio lacks it
 
     def fetch_chunks(self, request: pb.FetchRequest, timeout: float) -> Any:
         return self._fetch(request, timeout=timeout)

@@ -62,7 +62,7 @@ def encode_mp4(frames: list[np.ndarray], fps: int) -> bytes:
                 if frame.shape[-1] == 1:
                     frame = np.repeat(frame, 3, axis=-1)
                 h, w = frame.shape[:2]
-                writer.append_data(np.ascontiguousarray(frame[: h - h % 2, : w - w % 2]))
+                writer.append_data(np.ascontiguousarray(frame[: h - h % 2, : w - w % 2]))  # type: ignore[attr-defined]  # imageio's stub: __enter__ gives the base class, no append_data
         return path.read_bytes()
 
 

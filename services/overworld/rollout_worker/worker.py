@@ -312,13 +312,13 @@ class RolloutWorker:
             if not flying:
                 self.pool.idle_wait(0.05)
                 continue
-            g = self.pool.wait_any(flying, 0.05, self.stop_event)
-            if g is None or self.stop_event.is_set():
+            done = self.pool.wait_any(flying, 0.05, self.stop_event)
+            if done is None or self.stop_event.is_set():
                 continue
-            STEP_LATENCY.observe(time.monotonic() - sent_at[g])
-            self.pipeline.update("env_step", time.monotonic() - sent_at[g])
-            self._consume(self.pool.take(g))
-            sent_at[g] = self._act_on(g)
+            STEP_LATENCY.observe(time.monotonic() - sent_at[done])
+            self.pipeline.update("env_step", time.monotonic() - sent_at[done])
+            self._consume(self.pool.take(done))
+            sent_at[done] = self._act_on(done)
             if self.pipeline.log_interval is not None:
                 self.pipeline.update("queue_size_after_inference", sum(int(self.pool.ready(x).size) for x in groups))
                 self.pipeline.maybe_log()

@@ -184,7 +184,7 @@ class _Builders(Mapping[str, Callable[[argparse.Namespace, threading.Event], Any
         module = builder(service)
         if not hasattr(module, "build"):
             raise KeyError(service)
-        return module.build  # type: ignore[no-any-return]
+        return module.build
 
     def __iter__(self) -> Iterator[str]:
         return iter(name for name in MODULES if name != "run-controller")
