@@ -30,6 +30,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from concurrent.futures import ThreadPoolExecutor
+from typing import Any
 
 import grpc
 
@@ -259,7 +260,7 @@ def add_to_server(service: ReplayBufferService, server: grpc.Server) -> None:
     and a sampled chunk is sent exactly as stored, never parsed into protobuf objects and serialized
     again. Same wire protocol; use it wherever the service is served."""
     pb = replay_buffer_pb2
-    handlers = {
+    handlers: dict[str, grpc.RpcMethodHandler[Any, Any]] = {
         "Insert": grpc.stream_stream_rpc_method_handler(
             service.insert_raw, request_deserializer=None, response_serializer=pb.InsertResponse.SerializeToString),
         "Sample": grpc.unary_stream_rpc_method_handler(

@@ -64,7 +64,7 @@ def run(args: argparse.Namespace) -> int:
     asyncio.run(
         kopf.operator(
             standalone=True,
-            identity=f"overworld-run-controller@{socket.gethostname()}/{os.getpid()}",
+            identity=f"overworld-run-controller@{socket.gethostname()}/{os.getpid()}",  # type: ignore[arg-type]  # kopf wants its Identity, a NewType of str it does not export
             namespaces=[args.namespace] if args.namespace else [],
             clusterwide=not args.namespace,
             liveness_endpoint=args.liveness or None,
