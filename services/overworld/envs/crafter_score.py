@@ -7,6 +7,7 @@ with an offset of 1%, `exp(mean(ln(1 + s_i))) - 1`; a method's score is the mean
 from __future__ import annotations
 
 from collections.abc import Mapping
+from typing import TypedDict
 
 import numpy as np
 
@@ -48,7 +49,13 @@ def crafter_score(rates_percent: Mapping[str, float]) -> float:
     return float(np.exp(np.mean(np.log1p(rates))) - 1.0)
 
 
-def score_summary(total_extras: Mapping[str, float], episodes: int) -> dict[str, object] | None:
+class ScoreSummary(TypedDict):
+    score: float
+    success_rates: dict[str, float]  # achievement -> percent
+    episodes: int
+
+
+def score_summary(total_extras: Mapping[str, float], episodes: int) -> ScoreSummary | None:
     """The benchmark's view of a task's statistics (the sums of its episodes' `achievement_*` flags
     over all `episodes` of the run), or None for a task that reports no Crafter achievements."""
     if episodes <= 0 or not any(k.startswith("achievement_") for k in total_extras):

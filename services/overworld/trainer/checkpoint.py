@@ -9,6 +9,7 @@ for good, exactly (MineStudio's off-by-one kept the wrong ones); of the others o
 
 from __future__ import annotations
 
+import builtins
 import io
 import json
 import logging
@@ -91,7 +92,8 @@ class CheckpointStore:
             raise ValueError(f"checkpoint {which!r} does not exist; committed checkpoints: {ids[-10:] or 'none'}")
         return which
 
-    def load(self, ckpt_id: str, names: list[str]) -> Checkpoint:
+    # builtins.list from here on: inside the class, `list` is the method above
+    def load(self, ckpt_id: str, names: builtins.list[str]) -> Checkpoint:
         state = json.loads(self.blobs.get(self._key(ckpt_id, "state.json")))
         files = {}
         for name in names:
@@ -101,7 +103,7 @@ class CheckpointStore:
                 continue
         return Checkpoint(ckpt_id, state, files)
 
-    def prune(self, keep_interval: int, newest: str) -> list[str]:
+    def prune(self, keep_interval: int, newest: str) -> builtins.list[str]:
         """Delete every checkpoint that is neither a keep_interval-th one nor the newest."""
         removed = []
         for ckpt_id in self.list():
@@ -176,6 +178,8 @@ def restore_rng(trainer: Any, rng: dict[str, Any]) -> None:
     """This rank's own RNG state. A checkpoint from a smaller world has none for the new ranks:
     they draw a fresh, rank-specific seed (and say so)."""
     states = rng.get("torch")
+    if states is None:  # every rng.pt holds it (rng_states)
+        raise ValueError("the checkpoint's rng.pt holds no torch RNG state")
     if isinstance(states, torch.Tensor):  # checkpoints written before RNG states were per rank
         states = [states]
     if trainer.rank < len(states):

@@ -6,6 +6,7 @@ minibatch) to the learner's device."""
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import numpy as np
 import torch
@@ -44,24 +45,28 @@ class Batch:
         return int(self.reward.shape[1])
 
     def select(self, index: torch.Tensor | slice, t: slice = slice(None)) -> Batch:
+        def take(x: torch.Tensor) -> torch.Tensor:
+            return x[index][:, t]
+
         def pick(x: torch.Tensor | None) -> torch.Tensor | None:
-            return None if x is None else x[index][:, t]
+            return None if x is None else take(x)
 
         return Batch(
             obs={k: v[index][:, t] for k, v in self.obs.items()},
             next_obs={k: v[index] for k, v in self.next_obs.items()},
             action={k: v[index][:, t] for k, v in self.action.items()},
             state={k: v[index] for k, v in self.state.items()},
-            reward=pick(self.reward), terminated=pick(self.terminated), truncated=pick(self.truncated),  # type: ignore[arg-type]
-            first=pick(self.first), behaviour_logp=pick(self.behaviour_logp),  # type: ignore[arg-type]
-            behaviour_value=pick(self.behaviour_value), bootstrap_value=pick(self.bootstrap_value),  # type: ignore[arg-type]
-            model_version=pick(self.model_version),  # type: ignore[arg-type]
+            reward=take(self.reward), terminated=take(self.terminated), truncated=take(self.truncated),
+            first=take(self.first), behaviour_logp=take(self.behaviour_logp),
+            behaviour_value=take(self.behaviour_value), bootstrap_value=take(self.bootstrap_value),
+            model_version=take(self.model_version),
             advantage=pick(self.advantage), value_target=pick(self.value_target), old_vpred=pick(self.old_vpred))
 
     def to(self, device: torch.device) -> Batch:
         fields = {f: getattr(self, f) for f in self.__dataclass_fields__}
-        return Batch(**{f: to_device(v, device) if isinstance(v, dict) else None if v is None
-                        else v.to(device, non_blocking=True) for f, v in fields.items()})
+        moved: dict[str, Any] = {f: to_device(v, device) if isinstance(v, dict) else None if v is None
+                                 else v.to(device, non_blocking=True) for f, v in fields.items()}
+        return Batch(**moved)
 
 
 def to_device(tensors: dict[str, torch.Tensor], device: torch.device, rows: slice | None = None,

@@ -74,7 +74,7 @@ class MineStudioMetrics:
             now = (t.episodes, t.total_return, t.total_discounted_return, t.total_length)
             self.tasks[t.task] = now
             if now[0] > before[0]:
-                new[t.task] = tuple(a - b for a, b in zip(now, before, strict=True))  # type: ignore[assignment]
+                new[t.task] = tuple(a - b for a, b in zip(now, before, strict=True))
         count = sum(n for n, *_ in new.values())
         if not count:
             return out

@@ -58,7 +58,7 @@ def torch_trainer_class(own_ray: bool) -> type:
 
     class OwnRayTorchTrainer(TorchTrainer):
         def _create_default_callbacks(self) -> list:
-            return [c for c in super()._create_default_callbacks()
+            return [c for c in super()._create_default_callbacks()  # type: ignore[misc]  # typed as Train v1's TorchTrainer; v2's has it
                     if not isinstance(c, PlacementGroupCleanerCallback)]
 
     return OwnRayTorchTrainer
@@ -103,7 +103,7 @@ def require_usable_cuda() -> dict[str, Any]:
 
     node_id = ray.get_runtime_context().get_node_id()
     ip = next((n["NodeManagerAddress"] for n in ray.nodes() if n["NodeID"] == node_id), "?")
-    seen = {"node_id": node_id, "ip": ip, "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
+    seen: dict[str, Any] = {"node_id": node_id, "ip": ip, "gpu_ids": [str(g) for g in ray.get_gpu_ids()],
             "cuda": torch.cuda.is_available(), "torch": torch.__version__, "torch_cuda": torch.version.cuda}
     if seen["gpu_ids"] and not seen["cuda"]:
         build = f"torch {seen['torch']}" + ("" if seen["torch_cuda"] else ", a CPU-only build")

@@ -17,7 +17,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any
+from typing import Any, TypedDict
 
 import grpc
 import torch
@@ -50,6 +50,13 @@ from overworld.v1 import (
 log = logging.getLogger("overworld.trainer")
 
 
+class StartPoint(TypedDict):
+    """Where this trainer's run (re)started: a checkpoint's model version, env steps and rho (or zeros)."""
+    model_version: int
+    env_steps: int
+    rho: float
+
+
 class TrainerRuntime:
     """One learner's state and everything it talks to. A subclass supplies the algorithm:
     `setup_model_and_optimizer()` and `train_iteration()` (trainer/learner.py's PPOLearner)."""
@@ -74,7 +81,7 @@ class TrainerRuntime:
         self.env_steps = 0
         self.rho = config.train_config.kl_divergence_coef_rho
         self.resumed_from: str | None = None
-        self.start = {"model_version": 0, "env_steps": 0, "rho": self.rho}
+        self.start: StartPoint = {"model_version": 0, "env_steps": 0, "rho": self.rho}
         self.latest_checkpoint = ""
         self.timings: dict[str, float] = {}  # seconds of each part of the last iteration (trainer/*_seconds)
         # How long fit() waits for the cluster to offer the workers' resources (train_config.
@@ -260,7 +267,7 @@ class TrainerRuntime:
     @property
     def unwrapped_model(self) -> Policy:
         model = self.model
-        return model.module if hasattr(model, "module") else model  # type: ignore[no-any-return]
+        return model.module if hasattr(model, "module") else model
 
     def build_policy(self) -> Policy:
         _, policy, _, _ = run_spaces(self.config)

@@ -11,6 +11,7 @@ import socket
 import sys
 import threading
 import time
+from typing import Any
 
 from prometheus_client import Counter, Gauge
 
@@ -67,7 +68,7 @@ class TrainerStatusService(trainer_pb2_grpc.TrainerServicer):
         self.final_state_read = threading.Event()  # someone has read "finished" or "failed"
         self._lock = threading.Lock()
 
-    def GetStatus(self, request, context):  # type: ignore[no-untyped-def]
+    def GetStatus(self, request, context):
         with self._lock:
             out = pb.TrainerStatus()
             out.CopyFrom(self.status)
@@ -75,7 +76,7 @@ class TrainerStatusService(trainer_pb2_grpc.TrainerServicer):
             self.final_state_read.set()
         return out
 
-    def ReportProgress(self, request, context):  # type: ignore[no-untyped-def]
+    def ReportProgress(self, request, context):
         with self._lock:
             UPDATES.inc(max(0, request.updates - self.status.updates))
             SAMPLES.inc(max(0, request.samples_trained - self.status.samples_trained))
@@ -108,8 +109,8 @@ LOCAL_RAY_ENV = {
     "RAY_TRAIN_ENABLE_PREEMPTION_WATCHER": "0",
     "RAY_TRAIN_METRICS_ENABLED": "0",
 }
-LOCAL_RAY_INIT = {"include_dashboard": False, "object_store_memory": 128 * 2**20,
-                  "_system_config": {"enable_metrics_collection": False}}
+LOCAL_RAY_INIT: dict[str, Any] = {"include_dashboard": False, "object_store_memory": 128 * 2**20,
+                                  "_system_config": {"enable_metrics_collection": False}}
 
 
 def start_ray(address: str) -> None:
@@ -134,7 +135,7 @@ def start_ray(address: str) -> None:
             if address:
                 ray.init(address=address, log_to_driver=True)
             else:
-                ray.init(log_to_driver=True, configure_logging=False, **LOCAL_RAY_INIT)  # type: ignore[arg-type]
+                ray.init(log_to_driver=True, configure_logging=False, **LOCAL_RAY_INIT)
             log.info("Ray started in %.1fs", time.monotonic() - started)
             return
         except Exception as err:
@@ -173,7 +174,8 @@ class TrainerDriver:
         self.status = TrainerStatusService()
         self.server: Server = serve([(trainer_pb2_grpc.add_TrainerServicer_to_server, self.status,
                                       "overworld.v1.Trainer")], host, port)
-        self.addresses = {"rollout_manager": rollout_manager, "replay_buffer": replay_buffer, "gae": gae,
+        # TrainerRuntime.from_config's keyword arguments
+        self.addresses: dict[str, Any] = {"rollout_manager": rollout_manager, "replay_buffer": replay_buffer, "gae": gae,
                           "model_registry": model_registry, "status_address": f"{advertised_host(host)}:{self.server.port}",
                           "workdir": workdir}
         if resume == "auto":  # a restarted trainer: this run's latest checkpoint, else the config's `resume`
