@@ -13,7 +13,7 @@ import logging
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 from omegaconf import DictConfig, OmegaConf
 from omegaconf.errors import OmegaConfBaseException
@@ -253,7 +253,7 @@ def load_config(source: str | Path | Mapping[str, Any], overrides: list[str] | N
     except OmegaConfBaseException as err:
         msg = str(err).splitlines()[0]
         raise ConfigError(f"config key {_dotted_key(err)}: {msg}") from None
-    config: RunConfig = OmegaConf.to_object(merged)  # type: ignore[assignment]
+    config = cast(RunConfig, OmegaConf.to_object(merged))  # merged onto RunConfig's schema: a RunConfig
     if config.logger_config.wandb is None:
         config.logger_config.wandb = False
     validate(config)
@@ -380,7 +380,8 @@ def to_yaml(config: RunConfig) -> str:
 
 
 def from_yaml(text: str) -> RunConfig:
-    return load_config(OmegaConf.to_container(OmegaConf.create(text), resolve=True))  # type: ignore[arg-type]
+    # what to_yaml wrote: a mapping (anything else fails in load_config, as it always did)
+    return load_config(cast(dict[str, Any], OmegaConf.to_container(OmegaConf.create(text), resolve=True)))
 
 
 def config_hash(config: RunConfig) -> str:
@@ -388,4 +389,4 @@ def config_hash(config: RunConfig) -> str:
 
 
 def as_dict(config: RunConfig | DictConfig) -> dict[str, Any]:
-    return OmegaConf.to_container(OmegaConf.structured(config), resolve=True)  # type: ignore[return-value]
+    return cast(dict[str, Any], OmegaConf.to_container(OmegaConf.structured(config), resolve=True))  # a dict: a config is a mapping

@@ -183,13 +183,14 @@ class CredentialFiles:
         if signature is None or signature == self._signature:
             return False
         try:
-            pems = tuple((self.directory / n).read_bytes() for n in (CERT, KEY, CA))
+            cert, key, ca = ((self.directory / n).read_bytes() for n in (CERT, KEY, CA))
         except OSError:
             return False
+        pems = (cert, key, ca)
         if not all(pems):
             return False
         with self._lock:
-            self._signature, self._pems = signature, pems  # type: ignore[assignment]
+            self._signature, self._pems = signature, pems
         return True
 
     @property
