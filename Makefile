@@ -68,8 +68,10 @@ $(SB3_STAMP):
 
 sb3: $(SB3_STAMP)
 
+# ruff, then mypy over services/overworld ([tool.mypy] in pyproject.toml): any error fails.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check services tests bench
+	$(PY) -m mypy
 
 protos: $(STAMP)
 	$(PY) -m grpc_tools.protoc -Iproto --python_out=services --pyi_out=services --grpc_python_out=services proto/overworld/v1/*.proto
