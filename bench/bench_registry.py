@@ -130,7 +130,7 @@ def raw_server_main(port_file: str, receivers: int) -> None:
 def worker_main(registry: str, raw: str, worker_id: str, verify: bool, swap: str) -> None:
     import torch
 
-    from overworld.rollout_worker.weights import WeightsWatcher
+    from overworld.model_registry.watcher import WeightsWatcher
 
     torch.set_num_threads(1)
     watcher = WeightsWatcher(registry, worker_id, {}, verify=verify)

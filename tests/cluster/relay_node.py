@@ -36,9 +36,9 @@ def watcher(registry: str, name: str, out: Path) -> None:
     from prometheus_client import REGISTRY
 
     from overworld.core.grpc_util import serve
-    from overworld.rollout_worker.relay import RelayShelf
+    from overworld.model_registry.relay import RelayShelf
+    from overworld.model_registry.watcher import WeightsWatcher
     from overworld.rollout_worker.service import WorkerService, add_to_server
-    from overworld.rollout_worker.weights import WeightsWatcher
 
     shelf = RelayShelf()
     server = serve([(add_to_server, WorkerService(shelf, threading.Event()), "overworld.v1.RolloutWorker")],

@@ -30,7 +30,7 @@ WATCHERS = 8
 # "version checksum" for each swap, and acknowledges it.
 WATCHER = """
 import sys, time, torch
-from overworld.rollout_worker.weights import WeightsWatcher
+from overworld.model_registry.watcher import WeightsWatcher
 address, watcher_id, out = sys.argv[1:4]
 model = {"w": torch.zeros(4096), "b": torch.zeros(16, dtype=torch.float64)}
 watcher = WeightsWatcher(address, watcher_id, model)

@@ -21,7 +21,7 @@ import torch
 from overworld.core import weights
 from overworld.core.grpc_util import wait_healthy
 from overworld.model_registry.client import ModelRegistryClient
-from overworld.rollout_worker.weights import WeightsWatcher
+from overworld.model_registry.watcher import WeightsWatcher
 from tests.support import free_port
 
 

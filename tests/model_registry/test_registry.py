@@ -30,7 +30,7 @@ from overworld.model_registry.server import (
     registration,
     weights_key,
 )
-from overworld.rollout_worker.weights import WeightsWatcher
+from overworld.model_registry.watcher import WeightsWatcher
 from overworld.v1 import model_registry_pb2 as pb
 
 

@@ -19,10 +19,10 @@ from overworld.core import weights
 from overworld.core.blobs import LocalBlobStore
 from overworld.core.grpc_util import Server, serve
 from overworld.model_registry.client import ModelRegistryClient
+from overworld.model_registry.relay import RelayShelf, serve_relayed
 from overworld.model_registry.server import ModelRegistryService, registration
-from overworld.rollout_worker.relay import RelayShelf, serve_relayed
+from overworld.model_registry.watcher import WeightsWatcher
 from overworld.rollout_worker.service import WorkerService, add_to_server
-from overworld.rollout_worker.weights import WeightsWatcher
 from overworld.v1 import model_registry_pb2 as pb
 
 

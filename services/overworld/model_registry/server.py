@@ -51,7 +51,7 @@ BYTES_PUSHED = Counter("overworld_registry_bytes_pushed_total", "Weight bytes se
 FETCHES = Counter("overworld_registry_fetches_total", "Fetch streams started", ["precision"])
 
 DEFAULT_RELAY_FANOUT = 2
-MAX_RELAY_FANOUT = 64  # the stripes a worker takes (rollout_worker.relay.MAX_STRIPES)
+MAX_RELAY_FANOUT = 64  # the stripes a worker takes (model_registry.relay.MAX_STRIPES)
 
 __all__ = ["DEFAULT_CHUNK", "LARGEST_MESSAGE", "ModelRegistryService", "Payload", "message_bounds", "registration",
            "weights_key"]

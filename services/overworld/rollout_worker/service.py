@@ -12,7 +12,7 @@ from typing import Any
 import grpc
 
 from overworld.core.grpc_util import Server, abort, add_overriding, serve
-from overworld.rollout_worker.relay import RelayShelf, serve_relayed
+from overworld.model_registry.relay import RelayShelf, serve_relayed
 from overworld.rollout_worker.worker import RolloutWorker
 from overworld.v1 import model_registry_pb2, rollout_worker_pb2_grpc
 from overworld.v1 import rollout_worker_pb2 as pb

@@ -17,6 +17,8 @@ import torch
 from overworld.core.config import RunConfig
 from overworld.core.fragment import Fragment
 from overworld.core.specs import Spaces
+from overworld.model_registry.relay import RelayShelf
+from overworld.model_registry.watcher import WeightsWatcher
 from overworld.policies.factory import run_spaces
 from overworld.replay_buffer.client import ReplayBufferClient
 from overworld.rollout_manager.client import PERIODIC_TIMEOUT, RolloutManagerClient
@@ -36,9 +38,7 @@ from overworld.rollout_worker.metrics import (
     STEP_LATENCY,
 )
 from overworld.rollout_worker.pipeline_report import PipelineReport
-from overworld.rollout_worker.relay import RelayShelf
 from overworld.rollout_worker.video import VideoRecorder, image_key
-from overworld.rollout_worker.weights import WeightsWatcher
 from overworld.v1 import common_pb2
 from overworld.v1 import rollout_manager_pb2 as mpb
 

@@ -42,7 +42,7 @@ import torch
 from overworld.core import weights
 from overworld.core.grpc_util import Backoff
 from overworld.model_registry.client import FetchBroken, ModelRegistryClient
-from overworld.rollout_worker.relay import (
+from overworld.model_registry.relay import (
     MAX_CHUNK,
     MAX_STRIPES,
     MIN_CHUNK,
@@ -53,7 +53,7 @@ from overworld.rollout_worker.relay import (
 )
 from overworld.v1 import model_registry_pb2 as pb
 
-log = logging.getLogger("overworld.rollout_worker.weights")
+log = logging.getLogger("overworld.model_registry.watcher")
 DROP = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ABORTED,
         grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.INVALID_ARGUMENT)
 

@@ -29,7 +29,7 @@ from overworld.model_registry.client import FetchBroken, ModelRegistryClient
 from overworld.model_registry.relay_plan import REGISTRY, stripe_bounds
 from overworld.v1 import model_registry_pb2 as pb
 
-log = logging.getLogger("overworld.rollout_worker.relay")
+log = logging.getLogger("overworld.model_registry.relay")
 
 RELAY_BYTES_SERVED = Counter("overworld_relay_bytes_served_total", "Weight bytes this worker relayed to others")
 RELAY_BYTES_RECEIVED = Counter("overworld_relay_bytes_received_total",
