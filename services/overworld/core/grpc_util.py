@@ -211,21 +211,24 @@ def channel(address: str) -> grpc.Channel:
     return tls.ReloadingChannel(address, files, CHANNEL_OPTIONS)
 
 
+def serving(ch: grpc.Channel, service: str = "", timeout: float = 1.0) -> bool:
+    """One health check on `ch`: SERVING or not (not yet listening, starting, failed)."""
+    try:
+        reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+    except grpc.RpcError:
+        return False
+    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+
+
 def wait_healthy(address: str, timeout: float = 30.0, service: str = "") -> None:
     """Block until the server at `address` reports SERVING, or raise TimeoutError."""
     deadline = time.monotonic() + timeout
-    last: Exception | None = None
     with channel(address) as ch:
-        stub = health_pb2_grpc.HealthStub(ch)
         while time.monotonic() < deadline:
-            try:
-                reply = stub.Check(health_pb2.HealthCheckRequest(service=service), timeout=2.0)
-                if reply.status == health_pb2.HealthCheckResponse.SERVING:
-                    return
-            except grpc.RpcError as err:
-                last = err
+            if serving(ch, service, timeout=2.0):
+                return
             time.sleep(0.1)
-    raise TimeoutError(f"{address} not healthy after {timeout}s ({last})")
+    raise TimeoutError(f"{address} not healthy after {timeout}s")
 
 
 def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:

@@ -13,7 +13,7 @@ import grpc
 
 from overworld.launch.supervisor import Child
 from overworld.model_registry.client import ModelRegistryClient
-from overworld.v1 import rollout_worker_pb2, rollout_worker_pb2_grpc
+from overworld.rollout_worker.client import RolloutWorkerClient
 
 STARTUP_POLL_SECONDS = 0.25
 # Answering its health check as SERVING, per service.
@@ -59,7 +59,7 @@ class StartupMilestones:
         elif trainer.updates > self._updates_before:
             self.note("first_update", now_unix)
 
-    def poll(self, registry: ModelRegistryClient, worker: rollout_worker_pb2_grpc.RolloutWorkerStub | None,
+    def poll(self, registry: ModelRegistryClient, worker: RolloutWorkerClient | None,
              now_unix: float) -> None:
         """Ask the registry and the first worker for what is still missing (one short call each)."""
         with contextlib.suppress(grpc.RpcError):
@@ -68,6 +68,6 @@ class StartupMilestones:
                 if own:
                     self.note("first_version_published", min(own))
             if worker is not None and "first_version_swapped_in_at_workers" not in self.reached:
-                status = worker.GetStatus(rollout_worker_pb2.GetWorkerStatusRequest(), timeout=1.0)
+                status = worker.status(timeout=1.0)
                 if status.model_version > 0:
                     self.note("first_version_swapped_in_at_workers", now_unix)

@@ -17,7 +17,6 @@ import grpc
 
 from overworld.core import tls
 from overworld.core.config import ConfigError, RunConfig, check_generators, load_config, to_yaml
-from overworld.core.grpc_util import channel
 from overworld.core.imports import import_object
 from overworld.core.service import EXIT_CONFIG
 from overworld.envs.task_metrics import declared_task_metrics
@@ -29,9 +28,10 @@ from overworld.launch.supervisor import Supervisor
 from overworld.model_registry.client import ModelRegistryClient
 from overworld.replay_buffer.client import ReplayBufferClient
 from overworld.rollout_manager.client import RolloutManagerClient
+from overworld.rollout_worker.client import RolloutWorkerClient
 from overworld.status import write_run_status
 from overworld.trainer.client import TrainerClient
-from overworld.v1 import replay_buffer_pb2, rollout_worker_pb2_grpc
+from overworld.v1 import replay_buffer_pb2
 
 POLL_SECONDS = 0.5
 
@@ -63,15 +63,14 @@ class RunClients:
         self.registry = ModelRegistryClient(addresses["model-registry"])
         self.trainer = TrainerClient(addresses["trainer"])
         worker = addresses.get("rollout-worker#0")
-        self._worker_channel = channel(worker) if worker else None
-        self.first_worker = rollout_worker_pb2_grpc.RolloutWorkerStub(self._worker_channel) if worker else None
+        self.first_worker = RolloutWorkerClient(worker) if worker else None
 
     def close(self) -> None:
         self.manager.close()
         self.registry.close()
         self.trainer.close()
-        if self._worker_channel is not None:
-            self._worker_channel.close()
+        if self.first_worker is not None:
+            self.first_worker.close()
 
 
 class RunFollower:

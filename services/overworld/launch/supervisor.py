@@ -17,12 +17,9 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-import grpc
-from grpc_health.v1 import health_pb2, health_pb2_grpc
-
 from overworld.core import tls
 from overworld.core.config import RunConfig
-from overworld.core.grpc_util import channel
+from overworld.core.grpc_util import channel, serving
 from overworld.core.net import free_port, reserve_port
 from overworld.core.service import EXIT_CONFIG, PARENT_PID_ENV
 from overworld.launch.credentials import RunSecurity
@@ -298,15 +295,6 @@ class Supervisor:
                 c.proc.wait()
                 c.log_file.close()
             self.write_services(running=False)
-
-
-def serving(ch: grpc.Channel) -> bool:
-    """One health check on `ch`: SERVING or not (not yet listening, starting, failed)."""
-    try:
-        reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=1.0)
-    except grpc.RpcError:
-        return False
-    return reply.status == health_pb2.HealthCheckResponse.SERVING
 
 
 def port_of(address: str) -> int:
