@@ -260,7 +260,13 @@ class ChaosRun:
 
     def progress(self) -> list[dict[str, Any]]:
         path = self.workdir / "progress.jsonl"
-        return [json.loads(line) for line in path.read_text().splitlines()] if path.exists() else []
+        points = []
+        for line in path.read_text().splitlines() if path.exists() else []:
+            try:
+                points.append(json.loads(line))
+            except json.JSONDecodeError:  # the line being written
+                break
+        return points
 
     def close(self) -> None:
         self._stop.set()

@@ -1,10 +1,11 @@
 """Chaos: CartPole through every service, and every service killed with SIGKILL once, in a seeded
 random order at seeded random moments inside the windows that matter (chaos_run.wait_for_moment),
 while it trains; on the Redis + S3 backends (Redis itself killed too) and on the embedded ones. The
-launcher restarts each on its address, the run completes and learns, env steps and model version
-never go back. Loss is counted exactly: every worker appends each acknowledgement it receives to a
-durable log (OVERWORLD_ACK_LOG), and on Redis every acknowledged (worker, slot, sequence) must be
-among the index writes Redis made durable (its append-only file), each written once.
+launcher restarts each on its address; the run learns (a return of 450 after the last kill, then it is
+stopped as an operator stops it); env steps and model version never go back. Loss is counted exactly:
+every worker appends each acknowledgement it receives to a durable log (OVERWORLD_ACK_LOG), and on
+Redis every acknowledged (worker, slot, sequence) must be among the index writes Redis made durable
+(its append-only file), each written once.
 
 OVERWORLD_CHAOS_SEED=N replays a run's order and moments (each run prints its seed)."""
 
@@ -12,6 +13,7 @@ from __future__ import annotations
 
 import os
 import random
+import signal
 import time
 import uuid
 from collections import Counter
@@ -25,8 +27,11 @@ from tests.e2e.test_cartpole import overworld_processes
 from tests.support import RedisServer
 
 SAVE_INTERVAL = 5
-# Lean: the run ends at the target; the kills come as soon as the run has gone on after the last one.
-ARGS = ["--target-return", "450", "--max-env-steps", "400000", "--set", f"train_config.save_interval={SAVE_INTERVAL}"]
+# The run cannot end by itself before the last kill (a fast machine reached the target first, and the last
+# service was never killed): no target, a cap far away; once every service was killed and the policy is
+# back at a return of 450, the test stops the run as an operator would (SIGTERM: graceful).
+TARGET = 450.0
+ARGS = ["--max-env-steps", "2000000", "--set", f"train_config.save_interval={SAVE_INTERVAL}"]
 Ack = tuple[str, int, int]  # worker_id, env_slot, sequence
 
 
@@ -64,7 +69,9 @@ def chaos(workdir: Path, args: list[str], env: dict[str, str] | None = None,
             recovery = run.kill_and_recover(service)
             print(f"{service}: killed {when}; answered {recovery.first_call_seconds:.2f}s after the kill, "
                   f"the run went on after {recovery.progress_seconds:.2f}s", flush=True)
-        summary = run.finish(900)
+        run.wait_for(lambda: learned(run.progress()), 900, f"a mean return of {TARGET:g} after the last kill")
+        run.proc.send_signal(signal.SIGTERM)
+        summary = run.finish(300)
     finally:
         run.close()
     assert overworld_processes(workdir) == []
@@ -72,9 +79,13 @@ def chaos(workdir: Path, args: list[str], env: dict[str, str] | None = None,
     return run, summary, acks
 
 
+def learned(curve: list[dict]) -> bool:
+    return bool(curve) and (curve[-1].get("mean_return_last_100") or 0.0) >= TARGET
+
+
 def check(run: ChaosRun, summary: dict, acks: list[Ack]) -> None:
-    assert summary["status"] == "target_reached", (summary, run.tail())
-    assert summary["mean_return_last_100"] >= 450
+    assert summary["status"] == "interrupted", (summary, run.tail())
+    assert summary["mean_return_last_100"] >= TARGET
     assert summary["restarts"] == {name: 1 for name in KILL_ORDER}
     # never back: as the operator watched it, and as the launcher recorded it
     seen = [o for o in run.observations if o.env_steps is not None]

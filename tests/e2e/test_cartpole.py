@@ -86,6 +86,7 @@ def test_sigterm_stops_the_run_and_leaves_no_process(tmp_path: Path) -> None:
     proc.communicate(timeout=300)
     summary = json.loads(summary_path.read_text())
     assert summary["status"] == "interrupted" and summary["env_steps"] > 0
+    assert summary["replay_buffer"]["inserted_fragments"] > 0  # read before the services stopped, as at an end
     time.sleep(1)
     alive = [pid for pid, started in family if (fields := _stat(pid)) is not None and fields[19] == started
              and fields[0] != "Z"]

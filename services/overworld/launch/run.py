@@ -282,6 +282,7 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
         status = follower.follow()
     except KeyboardInterrupt:
         status = "interrupted"
+        follower.buffer = follower.buffer_stats()  # the buffer's counters, read before it stops, as at an end
     except RuntimeError as err:  # ServiceFailed: a service refused its config, or crashed too often
         error = str(err)
         follower.display.message(f"error: {err}", sys.stderr)
