@@ -72,6 +72,17 @@ def env_flag(p: argparse.ArgumentParser, flag: str, default: Any, help: str, **k
     p.add_argument(flag, default=env_default(name, default), help=f"{help} (${variable})", **kwargs)
 
 
+# Where each service listens unless told otherwise, and where the others look for it on one machine.
+DEFAULT_PORTS = {"rollout-manager": 50051, "replay-buffer": 50052, "gae": 50053, "model-registry": 50054,
+                 "trainer": 50055, "rollout-worker": 50056}
+
+
+def address_flag(p: argparse.ArgumentParser, service: str, what: str = "") -> None:
+    """--SERVICE host:port, defaulting to this machine and the service's default port."""
+    env_flag(p, f"--{service}", f"127.0.0.1:{DEFAULT_PORTS[service]}",
+             f"host:port of the {service}" + (f" ({what})" if what else ""))
+
+
 def add_server_flags(p: argparse.ArgumentParser, port: int) -> None:
     """The flags of every gRPC service: where it listens, its metrics port, its identity."""
     env_flag(p, "--host", "0.0.0.0", "bind address")

@@ -6,10 +6,10 @@ import argparse
 import threading
 from typing import Any
 
-from overworld.services import SERVER_ENVIRONMENT, Served, accept_workdir, add_server_flags
+from overworld.services import DEFAULT_PORTS, SERVER_ENVIRONMENT, Served, accept_workdir, add_server_flags
 
 SUMMARY = "The gae service: GAE and V-trace over batches of chains (stateless)."
-DEFAULT_PORT = 50053
+DEFAULT_PORT = DEFAULT_PORTS["gae"]
 ENVIRONMENT = SERVER_ENVIRONMENT
 
 

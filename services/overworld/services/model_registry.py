@@ -8,11 +8,18 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from overworld.services import S3_ENVIRONMENT, SERVER_ENVIRONMENT, Served, add_server_flags, env_flag
+from overworld.services import (
+    DEFAULT_PORTS,
+    S3_ENVIRONMENT,
+    SERVER_ENVIRONMENT,
+    Served,
+    add_server_flags,
+    env_flag,
+)
 
 SUMMARY = ("The model-registry: versioned weights in a blob store, tags, retention, and the push of every new "
            "version to the rollout workers. Its index is the blob store's manifests: it takes no --index.")
-DEFAULT_PORT = 50054
+DEFAULT_PORT = DEFAULT_PORTS["model-registry"]
 ENVIRONMENT = {**SERVER_ENVIRONMENT, **S3_ENVIRONMENT}
 DEFAULT_MAX_RPCS = 1024
 

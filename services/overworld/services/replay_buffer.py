@@ -10,23 +10,24 @@ from pathlib import Path
 from typing import Any
 
 from overworld.services import (
+    DEFAULT_PORTS,
     REDIS_ENVIRONMENT,
     S3_ENVIRONMENT,
     SERVER_ENVIRONMENT,
     Served,
     add_server_flags,
+    address_flag,
     env_flag,
 )
 
 SUMMARY = "A replay-buffer front: validates, stores and indexes fragments; hands out chunks to the trainer."
-DEFAULT_PORT = 50052
+DEFAULT_PORT = DEFAULT_PORTS["replay-buffer"]
 ENVIRONMENT = {**SERVER_ENVIRONMENT, **REDIS_ENVIRONMENT, **S3_ENVIRONMENT}
 
 
 def add_flags(p: argparse.ArgumentParser) -> None:
     add_server_flags(p, DEFAULT_PORT)
-    env_flag(p, "--rollout-manager", "127.0.0.1:50051",
-             "host:port of the rollout-manager (the run config and spaces)")
+    address_flag(p, "rollout-manager", "the run config and spaces")
     env_flag(p, "--index", "",
              "memory or redis://HOST:PORT/DB; default: the run config's database_config.index")
     env_flag(p, "--blobs", "",

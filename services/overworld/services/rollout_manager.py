@@ -9,6 +9,7 @@ import threading
 from typing import Any
 
 from overworld.services import (
+    DEFAULT_PORTS,
     REDIS_ENVIRONMENT,
     S3_ENVIRONMENT,
     SERVER_ENVIRONMENT,
@@ -18,7 +19,7 @@ from overworld.services import (
 )
 
 SUMMARY = "The rollout-manager: hands out the run config, leases the fleet, keeps spaces and episode statistics."
-DEFAULT_PORT = 50051
+DEFAULT_PORT = DEFAULT_PORTS["rollout-manager"]
 ENVIRONMENT = {**SERVER_ENVIRONMENT, **REDIS_ENVIRONMENT, **S3_ENVIRONMENT}
 
 

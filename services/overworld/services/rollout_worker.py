@@ -7,11 +7,18 @@ import argparse
 import threading
 from typing import Any
 
-from overworld.services import SERVER_ENVIRONMENT, accept_workdir, add_server_flags, env_flag
+from overworld.services import (
+    DEFAULT_PORTS,
+    SERVER_ENVIRONMENT,
+    accept_workdir,
+    add_server_flags,
+    address_flag,
+    env_flag,
+)
 
 SUMMARY = ("A rollout worker: steps the run's environments, runs batched inference, streams fragments to the "
            "replay buffer, swaps in each new model version and relays it to other workers.")
-DEFAULT_PORT = 50056
+DEFAULT_PORT = DEFAULT_PORTS["rollout-worker"]
 ENVIRONMENT = {
     **SERVER_ENVIRONMENT,
     "OVERWORLD_WEIGHTS_PRECISION": "fetch weights in bfloat16 / float16 (default: as published)",
@@ -25,9 +32,9 @@ ENVIRONMENT = {
 
 def add_flags(p: argparse.ArgumentParser) -> None:
     add_server_flags(p, DEFAULT_PORT)
-    env_flag(p, "--rollout-manager", "127.0.0.1:50051", "host:port")
-    env_flag(p, "--replay-buffer", "127.0.0.1:50052", "host:port")
-    env_flag(p, "--model-registry", "127.0.0.1:50054", "host:port")
+    address_flag(p, "rollout-manager")
+    address_flag(p, "replay-buffer")
+    address_flag(p, "model-registry")
     env_flag(p, "--flush-timeout", 30.0,
              "seconds its stop waits for the replay buffer to take the fragments it holds")
     accept_workdir(p)

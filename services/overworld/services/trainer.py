@@ -8,11 +8,18 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from overworld.services import S3_ENVIRONMENT, SERVER_ENVIRONMENT, add_server_flags, env_flag
+from overworld.services import (
+    DEFAULT_PORTS,
+    S3_ENVIRONMENT,
+    SERVER_ENVIRONMENT,
+    add_server_flags,
+    address_flag,
+    env_flag,
+)
 
 SUMMARY = ("The trainer's driver: starts (or joins) Ray, runs the learners with Ray Train, publishes each "
            "version, checkpoints, and serves Trainer/GetStatus.")
-DEFAULT_PORT = 50055
+DEFAULT_PORT = DEFAULT_PORTS["trainer"]
 ENVIRONMENT = {
     **SERVER_ENVIRONMENT, **S3_ENVIRONMENT,
     "POD_IP": "the address the learners reach the driver's status service at (default: this host's)",
@@ -22,10 +29,10 @@ ENVIRONMENT = {
 def add_flags(p: argparse.ArgumentParser) -> None:
     add_server_flags(p, DEFAULT_PORT)
     env_flag(p, "--config", "", "the trainer's own run config (default: the rollout-manager's)")
-    env_flag(p, "--rollout-manager", "127.0.0.1:50051", "host:port")
-    env_flag(p, "--replay-buffer", "127.0.0.1:50052", "host:port")
-    env_flag(p, "--gae", "127.0.0.1:50053", "host:port")
-    env_flag(p, "--model-registry", "127.0.0.1:50054", "host:port")
+    address_flag(p, "rollout-manager")
+    address_flag(p, "replay-buffer")
+    address_flag(p, "gae")
+    address_flag(p, "model-registry")
     env_flag(p, "--ray-address", "", "empty: start a local Ray; auto: join the cluster (RayJob)")
     env_flag(p, "--resume", "", "latest, auto, a checkpoint id, or a MineStudio checkpoint directory")
     env_flag(p, "--save-path", "", "replaces train_config.save_path")
