@@ -8,7 +8,7 @@ from __future__ import annotations
 import json
 from pathlib import Path
 
-from bench.bench_e2e import iteration_timeline, startup_timeline, summarize
+from bench.bench_e2e import iteration_timeline, startup_timeline
 from bench.runs import read_run
 from overworld.launch.milestones import STARTUP_MILESTONES, StartupMilestones
 
@@ -50,13 +50,3 @@ def test_the_iteration_timeline_is_the_medians_of_the_curves_timings_and_push_la
     assert timeline["iteration"] == 0.2 and timeline["update"] == 0.1  # median of 0.2, 0.4, 0.2, 0.4, 0.2
     assert timeline["publish_to_swapped_in_at_workers"] == 0.025  # median of 0.01 ... 0.04
     assert timeline["iterations_sampled"] == 5
-
-
-def test_the_seed_medians_cover_every_milestone(tmp_path: Path) -> None:
-    summary = read_run(run_directory(tmp_path))
-    run = {"reached": True, "wall_seconds_to_target": 30.0, "env_steps_to_target": 1_000,
-           "startup": startup_timeline(summary, SPAWNED), "iteration": iteration_timeline(summary)}
-    medians = summarize({"0": {"reached": True, "wall_seconds_to_target": 25.0, "env_steps_to_target": 1_000}},
-                        {"0": run}, 1)
-    assert set(medians["startup_median"]) == set(STARTUP_MILESTONES)
-    assert medians["startup_median"]["first_version_swapped_in_at_workers"] is not None

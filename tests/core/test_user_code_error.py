@@ -34,9 +34,15 @@ def test_kwargs_the_generator_does_not_take_are_the_users_mistake() -> None:
         call_generator(buggy_policy, {"hidden_layers": [64]})
 
 
+def simulator_that_did_not_start() -> None:
+    raise RuntimeError("CUDA error: out of memory")  # torch's OOM and CUDA init errors, a game that failed to launch
+
+
 def test_an_error_of_the_machine_is_not() -> None:
     with pytest.raises(FileNotFoundError):
         call_generator(missing_weights, {})
+    with pytest.raises(RuntimeError):
+        call_generator(simulator_that_did_not_start, {})
 
 
 def test_the_refusal_is_one_record_with_the_users_traceback(caplog: pytest.LogCaptureFixture) -> None:

@@ -10,6 +10,8 @@ from pathlib import Path
 
 import pytest
 
+from overworld.launch.milestones import STARTUP_MILESTONES
+
 ROOT = Path(__file__).resolve().parents[2]
 
 
@@ -43,6 +45,10 @@ def test_cartpole_learns_through_all_services(tmp_path: Path) -> None:
     assert summary["env_steps"] <= 200_000
     assert summary["model_version"] > 1 and summary["updates"] > 0 and summary["episodes"] >= 100
     assert summary["env_steps_per_second"] > 0 and summary["wall_seconds"] > 0
+    # what bench/bench_e2e.py reads: every startup milestone, and push latencies on the curve
+    assert set(summary["milestones"]) == set(STARTUP_MILESTONES), summary["milestones"]
+    curve = [json.loads(line) for line in (workdir / "progress.jsonl").read_text().splitlines()]
+    assert any(p.get("registry/push_seconds") for p in curve)
     for name in ("model-registry", "gae", "rollout-manager", "replay-buffer", "trainer", "rollout-worker#0"):
         assert f"  {name}" in result.stdout, f"{name} was not announced"
     assert result.returncode == 0

@@ -18,7 +18,7 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from overworld.core import weights
+from overworld.core import safetensors_format, weights
 from overworld.core.blobs import BlobStore, LocalBlobStore, open_blob_store
 from overworld.core.grpc_util import Server, serve, wait_healthy
 from overworld.model_registry import wire
@@ -84,8 +84,8 @@ def test_weights_views_and_half_precision() -> None:
         assert got[k].dtype == v.dtype and torch.equal(got[k], v)
     got["a"][0, 0] = 42.0  # a view: writes land in the buffer
     assert weights.from_buffer(buf, size=len(data))["a"][0, 0] == 42.0
-    half = weights.convert(data, "float16")
-    assert weights.payload_dtype(half) == "float16" and weights.payload_dtype(data) == "mixed" and len(half) < len(data)
+    half = safetensors_format.convert(data, "float16")
+    assert safetensors_format.payload_dtype(half) == "float16" and safetensors_format.payload_dtype(data) == "mixed" and len(half) < len(data)
     back = weights.from_buffer(bytearray(half), like=state)
     assert back["a"].dtype == torch.float32 and torch.equal(back["a"], state["a"].half().float())
     assert torch.equal(back["i"], state["i"]) and back["m"].dtype == torch.bool
@@ -407,7 +407,7 @@ def test_messages_end_at_tensor_boundaries_so_tensors_arrive_as_views(tmp_path: 
     state = {"a_big": torch.rand(100_000), "b_small": torch.rand(10), "c_small": torch.rand(3).double(),
              "d_huge": torch.rand(300_000)}
     data = weights.to_bytes(state)
-    header, start = weights.read_header(data)
+    header, start = safetensors_format.read_header(data)
     ends = {start + m["data_offsets"][1] for k, m in header.items() if k != "__metadata__"}
     bounds = message_bounds(data, len(data), 1 << 16, 1 << 20)
     assert bounds is not None and bounds[-1] == len(data)

@@ -66,15 +66,20 @@ def call_generator(fn: Any, user_kwargs: dict[str, Any], **context: Any) -> Any:
     accepted = {k: v for k, v in context.items() if takes_any or k in params}
     try:
         return fn(**accepted, **user_kwargs)
-    except (OSError, MemoryError):
-        raise  # the machine's state (a file, a port, a game that did not start, memory): a restart may heal it
-    except Exception as err:
+    except CODE_ERRORS as err:
         raise UserCodeError(_name_of(fn), f"raised {type(err).__name__}: {err}") from err
+    # anything else (OSError, MemoryError, a RuntimeError such as CUDA's out of memory or a simulator that
+    # did not start) may be the machine's state, which a restart can heal: it propagates as it is
+
+
+# Errors of the code itself: a restart runs the same code into the same error.
+CODE_ERRORS = (TypeError, ValueError, NameError, AttributeError, LookupError, ImportError, AssertionError,
+               ArithmeticError, NotImplementedError, SyntaxError)
 
 
 class UserCodeError(Exception):
     """A generator of the run's config (env_generator, policy_generator: the user's code, or Overworld's
-    with the user's kwargs) raised an error of its code (anything but OSError and MemoryError), or
+    with the user's kwargs) raised an error of its code (CODE_ERRORS), or
     cannot take the config's kwargs. Starting the service again would fail the same way: it exits with
     EXIT_CONFIG (core/service.py), the user's traceback in `__cause__`."""
 

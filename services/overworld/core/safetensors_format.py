@@ -100,14 +100,11 @@ def convert(data: bytes | bytearray | memoryview, precision: str) -> bytes:
         if end - begin != math.prod(shape) * itemsize or begin < start or end > len(view):
             raise ValueError(f"bad safetensors offsets for {name!r}: {begin - start}..{end - start} "
                              f"for {math.prod(shape)} x {dtype}")
-        raw = view[begin:end]
+        raw = view[begin:end]  # safetensors reads it through a pointer: `data` outlives the serialize
         if meta["dtype"] in FLOATING and dtype != target:
-            array = _cast(_as_float32(raw, meta["dtype"]), target)
+            array = _cast(raw, meta["dtype"], target)
             keep_alive.append(array)
             dtype, raw = target, array.data.cast("B")  # array.data is memoryview(array)
-        else:
-            raw = memoryview(bytes(raw))  # safetensors reads it through a pointer: a buffer of its own
-            keep_alive.append(raw)
         address = np.frombuffer(raw, dtype=np.uint8).ctypes.data
         specs[name] = safetensors.TensorSpec(dtype=dtype, shape=shape, data_ptr=address, data_len=len(raw))
     serialized = bytes(safetensors.serialize(specs, metadata=metadata))
@@ -131,15 +128,33 @@ def _as_float32(raw: memoryview, dtype: str) -> np.ndarray:
     return _E4M3FN[np.frombuffer(raw, dtype=np.uint8)]
 
 
-def _cast(values: np.ndarray, target: str) -> np.ndarray:
+CAST_BLOCK = 1 << 20  # elements cast at a time: the temporaries stay a few MB, whatever the tensor's size
+
+
+def _cast(raw: memoryview, dtype: str, target: str) -> np.ndarray:
+    """A floating tensor's bytes cast to `target`, block by block into one output array."""
+    itemsize = DTYPES[dtype][1]
+    count = len(raw) // itemsize
+    out = np.empty(count, dtype="<f2" if target == "float16" else "<u2")
+    for first in range(0, count, CAST_BLOCK):
+        last = min(first + CAST_BLOCK, count)
+        _cast_block(_as_float32(raw[first * itemsize:last * itemsize], dtype), target, out[first:last])
+    return out
+
+
+def _cast_block(values: np.ndarray, target: str, out: np.ndarray) -> None:
     if target == "float16":
         with np.errstate(over="ignore"):  # beyond float16's range: infinity, as torch gives
-            return values.astype("<f2")
+            out[:] = values
+        return
     bits = values.view(np.uint32)
     # round to nearest, ties to even, on the upper 16 bits (c10::BFloat16's round_to_nearest_even)
-    rounded = ((bits + (((bits >> 16) & 1) + np.uint32(0x7FFF))) >> 16).astype("<u2")
-    rounded[np.isnan(values)] = 0x7FC0
-    return rounded
+    rounded = (bits >> 16) & 1
+    rounded += np.uint32(0x7FFF)
+    rounded += bits
+    rounded >>= 16
+    out[:] = rounded
+    out[np.isnan(values)] = 0x7FC0
 
 
 def _e4m3fn_values() -> np.ndarray:

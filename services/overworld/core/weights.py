@@ -21,10 +21,9 @@ from safetensors.torch import save as st_save
 
 # torch-free (the registry's half-precision transfer in the services image): core/safetensors_format.py
 from overworld.core import safetensors_format
-from overworld.core.safetensors_format import MAX_HEADER_BYTES, convert, payload_dtype, read_header
+from overworld.core.safetensors_format import MAX_HEADER_BYTES, read_header
 
-__all__ = ["DTYPES", "HALF_PRECISIONS", "MAX_HEADER_BYTES", "convert", "dtype_name", "from_buffer", "from_bytes",
-           "from_pieces", "half_dtype", "payload_dtype", "read_header", "tensor_entries", "to_bytes"]
+__all__ = ["DTYPES", "dtype_name", "from_buffer", "from_bytes", "from_pieces", "half_dtype", "tensor_entries", "to_bytes"]
 
 # safetensors dtype names -> torch dtypes
 DTYPES: dict[str, torch.dtype] = {
@@ -33,9 +32,6 @@ DTYPES: dict[str, torch.dtype] = {
     "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
     "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
 }
-# names accepted for half-precision transfer -> torch dtype
-HALF_PRECISIONS: dict[str, torch.dtype] = {name: getattr(torch, dtype)
-                                            for name, dtype in safetensors_format.HALF_PRECISIONS.items()}
 
 
 def half_dtype(precision: str | bool) -> torch.dtype | None:

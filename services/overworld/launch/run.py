@@ -122,7 +122,8 @@ class RunFollower:
 
     def _follow(self) -> str:
         while True:
-            time.sleep(STARTUP_POLL_SECONDS if self.milestones.missing() else POLL_SECONDS)
+            # fast until training runs (a milestone that cannot come, as with no workers, must not keep it fast)
+            time.sleep(STARTUP_POLL_SECONDS if "first_update" in self.milestones.missing() else POLL_SECONDS)
             if self.trainer_exited_finished():
                 return "completed"
             self.supervisor.supervise()  # restarts whatever exited (the trainer resumes from its checkpoint)

@@ -23,6 +23,7 @@ from typing import Any
 import grpc
 from prometheus_client import Counter
 
+from overworld.core import safetensors_format
 from overworld.core.grpc_util import Backoff, abort, channel, is_retryable
 from overworld.model_registry import wire
 from overworld.model_registry.client import FetchBroken, ModelRegistryClient
@@ -180,7 +181,11 @@ def serve_relayed(shelf: RelayShelf, request: pb.FetchRequest, context: grpc.Ser
         abort(context, grpc.StatusCode.NOT_FOUND,
               f"this worker does not hold version {request.version} (it holds {shelf.versions()}): fetch it "
               "from the registry")
-    if request.precision.lower() != held.precision:
+    try:
+        precision = safetensors_format.half_precision(request.precision) or ""
+    except ValueError as err:
+        abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"FetchRequest.precision: {err}")
+    if precision != held.precision:
         abort(context, grpc.StatusCode.FAILED_PRECONDITION,
               f"this worker holds version {held.version} as {held.precision or 'stored'}, not "
               f"{request.precision or 'stored'}")

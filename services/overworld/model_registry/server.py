@@ -79,9 +79,9 @@ class ModelRegistryService(Publishing, Watching, model_registry_pb2_grpc.ModelRe
         precision = request.precision
         try:
             payload = self._payload(version)
-            if precision:
-                safetensors_format.half_precision(precision)  # ValueError for unknown names
-                payload = payload.variant(precision.lower(), context.is_active)
+            half = safetensors_format.half_precision(precision)  # ValueError for unknown names
+            if half:
+                payload = payload.variant(half, context.is_active)
         except ValueError as err:
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(err))
         except PayloadFailed as err:

@@ -16,7 +16,7 @@ from prometheus_client import Gauge
 
 from overworld.core.blobs import BlobStore
 from overworld.core.grpc_util import abort
-from overworld.model_registry.payload import DEFAULT_CHUNK, LARGEST_MESSAGE, VERIFIED, Payload, PayloadFailed
+from overworld.model_registry.payload import VERIFIED, Payload, PayloadFailed
 from overworld.model_registry.pushes import PushTracker
 from overworld.model_registry.relay_plan import RelayPlan
 from overworld.v1 import model_registry_pb2 as pb
@@ -42,9 +42,8 @@ def manifest_key(version: int) -> str:
 class RegistryStore:
     """The versions, tags and cached payloads, and the locks that guard them (the service's base)."""
 
-    def __init__(self, blobs: BlobStore, retain: int = 20, max_model_bytes: int = 8 << 30,
-                 chunk_size: int = DEFAULT_CHUNK, largest_message: int = LARGEST_MESSAGE, publish_wait: float = 120.0,
-                 keepalive: float = 15.0, cut_through: bool = False, relay_fanout: int = 0) -> None:
+    def __init__(self, blobs: BlobStore, retain: int, max_model_bytes: int, chunk_size: int, largest_message: int,
+                 publish_wait: float, keepalive: float, cut_through: bool, relay_fanout: int) -> None:
         self.blobs = blobs
         self.retain = max(1, retain)
         self.max_model_bytes = max_model_bytes

@@ -59,8 +59,8 @@ class Watching(RegistryStore):
         watcher = request.watcher_id or context.peer()
         known = request.known_version
         try:
-            precision = request.precision.lower()
-            safetensors_format.half_precision(precision)
+            # one name per precision ('bf16' and 'bfloat16' share a variant and a relay plan)
+            precision = safetensors_format.half_precision(request.precision) or ""
         except ValueError as err:
             abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"WatchRequest.precision: {err}")
         if request.relay_port > 65535:

@@ -39,7 +39,7 @@ from typing import Any
 import grpc
 import torch
 
-from overworld.core import weights
+from overworld.core import safetensors_format, weights
 from overworld.core.grpc_util import Backoff
 from overworld.model_registry.client import FetchBroken, ModelRegistryClient
 from overworld.model_registry.relay import (
@@ -65,8 +65,9 @@ class WeightsWatcher:
         self.client = ModelRegistryClient(address)
         self.watcher_id = watcher_id
         self.like = {k: torch.empty(0, dtype=v.dtype) for k, v in like.items()}  # only the dtypes matter
-        self.precision = (os.environ.get("OVERWORLD_WEIGHTS_PRECISION", "") if precision is None else precision).lower()
-        weights.half_dtype(self.precision)  # ValueError early for an unknown name
+        # one name per precision ('bf16' -> 'bfloat16'), as the registry names them; ValueError if unknown
+        self.precision = safetensors_format.half_precision(
+            os.environ.get("OVERWORLD_WEIGHTS_PRECISION", "") if precision is None else precision) or ""
         self.relay_port = relay_port
         # where other workers reach this one's relay: its pod IP (the chart's OVERWORLD_POD_IP), else the
         # address the registry sees it at

@@ -88,8 +88,8 @@ class ReplayBufferClient:
         return self.stub.GetStats(request, timeout=timeout)
 
     def close(self) -> None:
-        """Stop the blob fetch threads and close the channel this client opened (writers and readers made
-        by it stop working)."""
+        """Stop the blob fetch threads and close the channel this client opened (its readers stop working;
+        a writer opens a channel of its own for each stream and must be closed apart)."""
         self.blob_refs.close()
         if self._channel is not None:
             self._channel.close()

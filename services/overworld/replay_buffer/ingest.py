@@ -136,7 +136,6 @@ class InsertStream:
         self._inbox: deque[tuple[float, bytes]] = deque()  # (received at, serialized InsertRequest)
         self._inflight: deque[_Pending] = deque()  # blob writes started, in arrival order
         self._reading_ended = False
-        self._read_error: Exception | None = None
         self._done = False  # the handler has finished: the reader stops
         self._over = False  # the stream has ended
 
@@ -165,8 +164,8 @@ class InsertStream:
                         self._wake.wait(IDLE_CHECK_SECONDS)  # the handler notifies when it takes one
                     if self._done:
                         return
-        except Exception as err:  # the client cancelled or the connection broke
-            self._read_error = err
+        except Exception:  # the client cancelled or the connection broke: the handler sees the reading end
+            pass
         finally:
             with self._wake:
                 self._reading_ended = True

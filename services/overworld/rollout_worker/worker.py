@@ -116,8 +116,8 @@ class RolloutWorker:
         self._report_sequence = 0
         self._unacked_report: mpb.ReportEpisodesRequest | None = None
         self._leftover: list[common_pb2.Fragment] = []
-        self.sender = ReplayBufferClient(replay_buffer).writer(rc.to_send_queue_size,
-                                                               os.environ.get("OVERWORLD_ACK_LOG"))
+        self.buffer = ReplayBufferClient(replay_buffer)
+        self.sender = self.buffer.writer(rc.to_send_queue_size, os.environ.get("OVERWORLD_ACK_LOG"))
         self.watcher = WeightsWatcher(model_registry, self.worker_id, self.policy.state_dict(), relay_port=relay_port,
                                       shelf=shelf)
         seed = self.config.seed * 1_000_003 + self.index * 10_007
@@ -342,6 +342,7 @@ class RolloutWorker:
             self.sender.put(msg, self.stop_event, force=True)
         self._leftover.clear()
         flushed = self.sender.close(timeout)
+        self.buffer.close()
         log.info("sender flushed: %s (%d complete fragments, %d acknowledged, %d rejected, %d partial dropped)",
                  flushed, self.fragments_completed, self.sender.sent, self.sender.rejected, self.fragments_dropped)
         self._done.set()

@@ -17,13 +17,16 @@ import re
 import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 
 from overworld.core.blobs import BlobStore, open_blob_store
 from overworld.core.config import RunConfig, as_dict, config_hash
 from overworld.core.weights import from_bytes, to_bytes
+
+if TYPE_CHECKING:  # the runtime imports this module
+    from overworld.trainer.runtime import TrainerRuntime
 
 COMMITTED = "COMMITTED"
 log = logging.getLogger("overworld.trainer.checkpoint")
@@ -142,7 +145,7 @@ def checkpoint_store(config: RunConfig, workdir: str) -> CheckpointStore:
 
 
 # -- a learner's training state in and out of the store ----------------------------------------------
-def rng_states(trainer: Any) -> dict[str, list[torch.Tensor]]:
+def rng_states(trainer: TrainerRuntime) -> dict[str, list[torch.Tensor]]:
     """Every rank's RNG state (a collective: every rank calls it), for rank 0 to save."""
     states = {"torch": trainer.all_gather(torch.get_rng_state().to(trainer.device))}
     if trainer.device.type == "cuda":
@@ -150,7 +153,7 @@ def rng_states(trainer: Any) -> dict[str, list[torch.Tensor]]:
     return {k: [x.cpu() for x in v] for k, v in states.items()}
 
 
-def save(trainer: Any) -> str:
+def save(trainer: TrainerRuntime) -> str:
     """Every rank calls it (the RNG states are gathered); rank 0 writes the full training state,
     atomically (listed only once COMMITTED is written)."""
     rng = rng_states(trainer)
@@ -174,7 +177,7 @@ def save(trainer: Any) -> str:
     return ckpt_id
 
 
-def restore_rng(trainer: Any, rng: dict[str, Any]) -> None:
+def restore_rng(trainer: TrainerRuntime, rng: dict[str, Any]) -> None:
     """This rank's own RNG state. A checkpoint from a smaller world has none for the new ranks:
     they draw a fresh, rank-specific seed (and say so)."""
     states = rng.get("torch")
@@ -192,7 +195,7 @@ def restore_rng(trainer: Any, rng: dict[str, Any]) -> None:
         torch.manual_seed(trainer.config.seed * 7919 + trainer.rank + 104729 * trainer.iteration)
 
 
-def _which(trainer: Any, store: CheckpointStore) -> str:
+def _which(trainer: TrainerRuntime, store: CheckpointStore) -> str:
     """What to resume from: `resume` (see TrainConfig.resume), or this run's latest checkpoint for a
     restarted trainer (`continue_run`) that has one."""
     if trainer.continue_run and store.resolve("latest") is not None:
@@ -200,7 +203,7 @@ def _which(trainer: Any, store: CheckpointStore) -> str:
     return (trainer.config.train_config.resume or "never").strip()
 
 
-def will_resume(trainer: Any, store: CheckpointStore) -> bool:
+def will_resume(trainer: TrainerRuntime, store: CheckpointStore) -> bool:
     """Whether `restore()` will load a checkpoint (the same rules)."""
     from overworld.trainer.minestudio_checkpoint import is_minestudio_checkpoint
 
@@ -210,7 +213,7 @@ def will_resume(trainer: Any, store: CheckpointStore) -> bool:
     return is_minestudio_checkpoint(which) or store.resolve("latest" if which == "auto" else which) is not None
 
 
-def restore(trainer: Any) -> None:
+def restore(trainer: TrainerRuntime) -> None:
     """Resume on every rank: model, optimizer, scaler, counters, KL coefficient, RNG, model version."""
     from overworld.trainer.minestudio_checkpoint import import_checkpoint, is_minestudio_checkpoint
 
