@@ -61,3 +61,6 @@ def test_a_recurrent_policy_on_two_trainer_workers_with_vf_warmup_trains_to_the_
     # Ray the driver started has no dashboard, and the cleaner warned every second of the run
     trainer_log = (tmp_path / "run" / "logs" / "trainer.log").read_text()
     assert "Ray started in" in trainer_log and "State API may be temporarily unavailable" not in trainer_log
+    # Ray's head processes die with the thread that started them: the training thread, which ended with the
+    # training, once killed them under the driver, whose stop then hung on the lost GCS and exited 1
+    assert "trainer stopped cleanly" in trainer_log and "Failed to connect to GCS" not in trainer_log

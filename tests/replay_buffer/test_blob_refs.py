@@ -106,7 +106,9 @@ def test_reader_samples_by_refs_by_default_when_the_store_is_s3(make_buffer, bac
 
 
 def test_two_fronts_four_ref_readers_never_exceed_max_reuse(make_buffer):
-    buf = make_buffer(fronts=2, max_reuse=3, max_chunks=50)
+    # The service's ref grace (the suite's default of 0 gives a reader by ref only delete_delay, 0.1 s, to
+    # fetch a chunk's blob once its last claim is made: a loaded machine missed that and lost two claims).
+    buf = make_buffer(fronts=2, max_reuse=3, max_chunks=50, service={"ref_grace": 60.0})
     for i, front in enumerate(buf.fronts):
         insert(front.stub, [buf.fragment(worker=f"w{i}", seq=q) for q in range(6)])
     got: list[replay_buffer_pb2.SampledChunk] = []

@@ -114,21 +114,29 @@ import threading
 import time
 
 from overworld.core.service import run_until_signalled
-from overworld.trainer.service import start_ray
+from overworld.trainer.service import keep_ray_until_released, start_ray
 
 
 class WaitsForTheCheckpoint:
+    \"\"\"Ray in a thread of its own that holds it until the stop lets it go, as TrainerDriver does.\"\"\"
+
+    def __init__(self) -> None:
+        self.released = threading.Event()
+        self.thread = threading.Thread(target=self.train, daemon=True)
+        self.thread.start()
+
+    def train(self) -> None:
+        start_ray("")
+        keep_ray_until_released(self.released)
+
     def stop(self, grace: float) -> None:
         time.sleep(4)  # the driver waits for rank 0 to checkpoint after its iteration
         print("the checkpoint wait is over", flush=True)
+        self.released.set()
+        self.thread.join(60)
 
 
-def start() -> WaitsForTheCheckpoint:
-    threading.Thread(target=start_ray, args=("",), daemon=True).start()  # as the driver does: another thread
-    return WaitsForTheCheckpoint()
-
-
-raise SystemExit(run_until_signalled("trainer", start, 0))
+raise SystemExit(run_until_signalled("trainer", WaitsForTheCheckpoint, 0))
 """
 
 

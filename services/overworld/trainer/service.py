@@ -99,6 +99,7 @@ class TrainerStatusService(trainer_pb2_grpc.TrainerServicer):
 
 
 RAY_START_ATTEMPTS = 3
+RAY_SHUTDOWN_SECONDS = 60  # the training thread's ray.shutdown (it takes ~5 s on a busy laptop)
 # A Ray of its own for one run on this machine gets only what the trainer uses: no dashboard, no usage
 # report, no metrics agent work, a small object store (weights and batches travel over gRPC, not
 # through Ray), no Ray Train preemption watcher or metrics callbacks. bench/bench_startup.py measures
@@ -146,6 +147,26 @@ def start_ray(address: str) -> None:
             time.sleep(5.0 * attempt)
 
 
+_RAY_SHUTDOWN = threading.Lock()  # the driver's stop and its training thread may both get there
+
+
+def shutdown_ray() -> None:
+    """ray.shutdown(), if this process ever imported Ray and it is up (local mode never imports it)."""
+    ray = sys.modules.get("ray")
+    with _RAY_SHUTDOWN:
+        if ray is not None and ray.is_initialized():
+            ray.shutdown()
+
+
+def keep_ray_until_released(released: threading.Event) -> None:
+    """Called by the thread that started Ray once it is done with it: Ray's head processes die with the
+    thread that spawned them (Ray asks Linux for SIGKILL on the death of the parent *thread*), so this
+    thread waits until the process no longer needs Ray, then shuts it down in order."""
+    if "ray" in sys.modules:
+        released.wait()
+        shutdown_ray()
+
+
 def advertised_host(bind_host: str) -> str:
     """Where Ray Train workers (possibly other pods) reach this driver's status endpoint."""
     if bind_host not in ("0.0.0.0", "::", ""):
@@ -188,8 +209,10 @@ class TrainerDriver:
         self._started = threading.Event()  # the config is here and the first version published (or failed)
         self._startup_error: Exception | None = None
         # Ray starts in the thread that trains as soon as the config says it is needed (num_workers > 0),
-        # while this one publishes the first version. That thread lives as long as training: Ray's
-        # processes are bound to the thread that started them (PR_SET_PDEATHSIG) and die with it.
+        # while this one publishes the first version. Ray's processes are bound to the thread that
+        # started them (PR_SET_PDEATHSIG: SIGKILL when that *thread* exits), so that thread also shuts
+        # Ray down, once `stop` lets it: training that ended by itself leaves Ray running until then.
+        self._ray_released = threading.Event()
         self.config_error = False  # failed in a way a restart would repeat (EXIT_CONFIG)
         self._thread = threading.Thread(target=self._fit, name="trainer-fit", daemon=True)
         self._thread.start()
@@ -225,6 +248,9 @@ class TrainerDriver:
             self._started.wait()
             if self._startup_error is not None:
                 raise self._startup_error
+            if self.status.stop_requested.is_set():  # stopped while Ray started: nothing to train or save
+                log.info("stop requested before training started: not training")
+                return
             assert self._trainer is not None
             if not self.ray_address:
                 self._trainer.placement_timeout = 0  # a Ray this driver started has what it has: no waiting
@@ -247,21 +273,22 @@ class TrainerDriver:
             self.status.set_state("failed", str(err)[:2000])
         finally:
             self.done.set()
+            keep_ray_until_released(self._ray_released)
 
     def stop(self, grace: float = 5.0) -> None:
         """Ask rank 0 to checkpoint after the current iteration and finish; then shut Ray down (if this
         process ever imported it: local mode never does)."""
-        ray = sys.modules.get("ray")
         if self.status.status.state in ("finished", "failed"):  # ended by itself, not by a signal
             self.status.final_state_read.wait(FINAL_STATE_SECONDS)
         self.status.stop_requested.set()
         if self.status.training_loop_started.is_set():
-            self._thread.join(STOP_TIMEOUT_SECONDS)
-            if self._thread.is_alive():
+            if not self.done.wait(STOP_TIMEOUT_SECONDS):
                 log.warning("training did not finish within %ds of the stop request; shutting Ray down",
                             STOP_TIMEOUT_SECONDS)
-        else:  # Ray Train is still placing or starting its workers (minutes on a cluster): nothing to save
+        elif not self.done.is_set():  # Ray Train is still placing or starting its workers (minutes on a cluster)
             log.info("stop requested before the training loop started: nothing to checkpoint; shutting Ray down")
-        if ray is not None and ray.is_initialized():
-            ray.shutdown()
+        self._ray_released.set()
+        if not self.done.is_set():  # training still runs (or places): shutting Ray down here ends it
+            shutdown_ray()
+        self._thread.join(RAY_SHUTDOWN_SECONDS)
         self.server.stop(grace)
