@@ -5,6 +5,7 @@ traceback once, from the generator's frame down, its message only on the traceba
 from __future__ import annotations
 
 import logging
+import os
 
 import pytest
 
@@ -55,3 +56,22 @@ def test_the_refusal_is_one_record_with_the_users_traceback(caplog: pytest.LogCa
     assert REFUSAL_RECORD in text and "exit code 78" in text
     assert text.count("can only concatenate str") == 1 and text.count("Traceback (most recent call last)") == 1
     assert "in buggy_policy" in text and "call_generator" not in text  # the user's frames, not Overworld's
+
+
+def test_a_service_whose_config_is_wrong_exits_78_with_one_record(tmp_path) -> None:
+    """A run config it cannot use (here a misspelt key) is the user's mistake too: a restart would read
+    the same file. The rollout-manager says which key, once, and exits 78 (not a traceback and 1)."""
+    import subprocess
+    import sys
+
+    from tests.support import free_port
+
+    config = tmp_path / "config.yaml"
+    config.write_text("train_config:\n  learning_rat: 0.001\n")
+    result = subprocess.run(
+        [sys.executable, "-m", "overworld.cli", "serve", "rollout-manager", "--host", "127.0.0.1", "--port",
+         str(free_port()), "--metrics-port", "0", "--config", str(config), "--workdir", str(tmp_path / "m")],
+        capture_output=True, text=True, timeout=120, env={**os.environ, "OVERWORLD_LOG_FORMAT": "text"})
+    assert result.returncode == 78, result.stderr[-3000:]
+    assert result.stderr.count(REFUSAL_RECORD) == 1 and "learning_rat" in result.stderr, result.stderr[-3000:]
+    assert "Traceback" not in result.stderr

@@ -17,6 +17,7 @@ from typing import Protocol
 
 from prometheus_client import start_http_server
 
+from overworld.core.config_files import ConfigError
 from overworld.core.imports import UserCodeError
 
 
@@ -89,11 +90,12 @@ EXIT_CONFIG = 78
 REFUSAL_RECORD = "cannot run as configured"
 
 
-def log_refusal(log: logging.Logger, err: UserCodeError) -> None:
-    """The user's error, once: which generator, and the user's own traceback (from the generator's
-    frame down; its message is said only on the traceback's last line)."""
+def log_refusal(log: logging.Logger, err: UserCodeError | ConfigError) -> None:
+    """The user's error, once: a config's, as its message (it names the key); a generator's, which
+    generator and the user's own traceback (from the generator's frame down; its message is said only
+    on the traceback's last line)."""
     cause = err.__cause__
-    if cause is None:
+    if not isinstance(err, UserCodeError) or cause is None:
         log.error("%s (exit code %d, not restarted): %s", REFUSAL_RECORD, EXIT_CONFIG, err)
         return
     below_call = cause.__traceback__.tb_next if cause.__traceback__ else None  # not Overworld's calling frame
@@ -108,7 +110,7 @@ STOP_STACKS_AFTER_SECONDS = 30.0
 def run_until_signalled(service: str, start: Callable[[], Stoppable], metrics_port: int,
                         done: threading.Event | None = None) -> int:
     """Start the service, serve /metrics, and block until SIGTERM/SIGINT (or `done` is set). EXIT_CONFIG
-    when starting it raised the user's error (UserCodeError)."""
+    when starting it raised the user's error (UserCodeError, or a run config it cannot use)."""
     log = setup_logging(service)
     stop_requested = done or threading.Event()
 
@@ -127,7 +129,7 @@ def run_until_signalled(service: str, start: Callable[[], Stoppable], metrics_po
         start_http_server(metrics_port)
     try:
         handle = start()
-    except UserCodeError as err:
+    except (UserCodeError, ConfigError) as err:
         log_refusal(log, err)
         return EXIT_CONFIG
     log.info("%s started (pid %d)", service, os.getpid())

@@ -16,6 +16,7 @@ from typing import Any
 from prometheus_client import Counter, Gauge
 
 from overworld.core.config import RunConfig, load_config
+from overworld.core.config_files import ConfigError
 from overworld.core.grpc_util import Server, serve
 from overworld.core.imports import UserCodeError, import_object
 from overworld.core.service import log_refusal
@@ -263,7 +264,7 @@ class TrainerDriver:
             log.error("the trainer's workers cannot be placed: %s", err)
             self.failed = self.config_error = True
             self.status.set_state("failed", str(err)[:2000])
-        except UserCodeError as err:  # the user's generator: a restart would raise it again
+        except (UserCodeError, ConfigError) as err:  # the user's generator or config: a restart would repeat it
             log_refusal(log, err)
             self.failed = self.config_error = True
             self.status.set_state("failed", str(err)[:2000])
