@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import os
 import signal
+import socket
 import time
 from pathlib import Path
 
@@ -81,9 +82,21 @@ def test_a_killed_service_comes_back_on_its_address_and_status_shows_it(launcher
 
 @pytest.mark.slow
 def test_a_crash_loop_backs_off_and_ends_the_run_at_the_limit(launcher: Supervisor, tmp_path: Path) -> None:
-    launcher.start("rollout-manager", "--config", str(tmp_path / "missing.yaml"))  # exits at once, every time
-    started = time.monotonic()
-    with pytest.raises(RuntimeError, match="rollout-manager exited with code 1, 3 times in a row"):
-        supervise_until(launcher, lambda: False)
+    # Its port is taken (a state of the machine, which a restart may heal): it exits 1 at once, every time.
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        launcher.start("rollout-manager", "--config", str(tmp_path / "config.yaml"), port=taken.getsockname()[1])
+        started = time.monotonic()
+        with pytest.raises(RuntimeError, match="rollout-manager exited with code 1, 3 times in a row"):
+            supervise_until(launcher, lambda: False)
     assert launcher.restarts == {"rollout-manager": 2}
     assert time.monotonic() - started >= 1.0  # the second restart waited a second
+
+
+@pytest.mark.slow
+def test_a_config_file_that_is_not_there_is_not_restarted(launcher: Supervisor, tmp_path: Path) -> None:
+    launcher.start("rollout-manager", "--config", str(tmp_path / "missing.yaml"))
+    with pytest.raises(RuntimeError, match="cannot run as configured .*missing.yaml does not exist"):
+        supervise_until(launcher, lambda: False)
+    assert not launcher.restarts.get("rollout-manager")
