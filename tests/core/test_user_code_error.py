@@ -6,11 +6,15 @@ from __future__ import annotations
 
 import logging
 import os
+import subprocess
+import sys
+from pathlib import Path
 
 import pytest
 
 from overworld.core.imports import UserCodeError, call_generator
 from overworld.core.service import REFUSAL_RECORD, log_refusal
+from tests.support import free_port
 
 
 def buggy_policy(hidden_sizes: list[int] | None = None) -> None:
@@ -58,14 +62,9 @@ def test_the_refusal_is_one_record_with_the_users_traceback(caplog: pytest.LogCa
     assert "in buggy_policy" in text and "call_generator" not in text  # the user's frames, not Overworld's
 
 
-def test_a_service_whose_config_is_wrong_exits_78_with_one_record(tmp_path) -> None:
+def test_a_service_whose_config_is_wrong_exits_78_with_one_record(tmp_path: Path) -> None:
     """A run config it cannot use (here a misspelt key) is the user's mistake too: a restart would read
     the same file. The rollout-manager says which key, once, and exits 78 (not a traceback and 1)."""
-    import subprocess
-    import sys
-
-    from tests.support import free_port
-
     config = tmp_path / "config.yaml"
     config.write_text("train_config:\n  learning_rat: 0.001\n")
     result = subprocess.run(
