@@ -70,6 +70,9 @@ def test_trainer_restart_and_resume_continue_from_the_checkpoint(tmp_path: Path)
     store = checkpoints(workdir)
     latest = store.resolve("latest")
     state = store.load(latest, []).state
+    # the checkpoint the run stopped at counts every env step the fleet stepped before the stop (not
+    # those of the last iteration's start): a resumed budget goes on from where the run stopped
+    assert state["env_steps"] >= 20_000, (state["env_steps"], summary["env_steps"])
     second = tmp_path / "second.json"
     result = subprocess.run(command(workdir, second, state["env_steps"] + 6_000, "--resume", "latest"),
                             capture_output=True, text=True, timeout=900)

@@ -97,6 +97,7 @@ def test_sigkill_restart_restores_fleet_spaces_and_episode_statistics(manager: M
 
         after = client.fleet_status(timeout=30)
         assert after.run_id == before.run_id
+        assert after.fleet_id == before.fleet_id != ""  # the same fleet: its env steps go on
         assert (after.env_steps, after.episodes, after.fragments_sent) == (140, 3, 5)
         assert [w.worker_id for w in after.workers] == [a.worker_id]
         assert after.tasks[0].mean_return_last_100 == pytest.approx(20.0)
@@ -118,6 +119,7 @@ def test_sigkill_restart_restores_fleet_spaces_and_episode_statistics(manager: M
         manager.start("--fresh-state")  # a new `overworld run` of the same run id: a new fleet
         fresh = client.fleet_status(timeout=30)
         assert (fresh.env_steps, fresh.episodes, len(fresh.workers)) == (0, 0, 0)
+        assert fresh.fleet_id not in ("", before.fleet_id)  # counting from zero, under a new name
     finally:
         client.close()
 

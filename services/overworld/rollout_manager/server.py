@@ -101,6 +101,7 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         self._state = state
         self._unsaved = False  # the last save failed
         self.run_id = config.run_id
+        self.fleet_id = uuid.uuid4().hex[:12]  # a restored state keeps its own (see FleetStatus.fleet_id)
         if state is not None:
             if fresh:
                 state.clear()
@@ -130,6 +131,7 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         if self.run_id and run["run_id"] != self.run_id:
             raise StateUnavailable(f"{store.where} holds the state of run {run['run_id']}, not {self.run_id}")
         self.run_id = run["run_id"]
+        self.fleet_id = run.get("fleet_id") or self.fleet_id
         if run["spaces"]:
             self._spaces_proto = common_pb2.Spaces.FromString(base64.b64decode(run["spaces"]))
             self._spaces = Spaces.from_proto(self._spaces_proto)
@@ -171,7 +173,8 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                                                           if k != "last_heartbeat"} for w in workers}
         if run:
             parts["run"] = {
-                "format": STATE_FORMAT, "run_id": self.run_id, "registrations": self._registrations,
+                "format": STATE_FORMAT, "run_id": self.run_id, "fleet_id": self.fleet_id,
+                "registrations": self._registrations,
                 "spaces": base64.b64encode(self._spaces_proto.SerializeToString()).decode() if self._spaces_proto else "",
                 "departed_steps": self._departed_steps, "departed_fragments": self._departed_fragments,
                 "fragments_lost": self._fragments_lost, "reports": self._reports}
@@ -347,7 +350,7 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                     total_length=t.total_length,
                     total_extras=t.total_extras))
             return rollout_manager_pb2.FleetStatus(
-                run_id=self.run_id, workers=workers,
+                run_id=self.run_id, fleet_id=self.fleet_id, workers=workers,
                 env_steps=self._departed_steps + sum(w.env_steps for w in self._workers.values()),
                 fragments_sent=self._departed_fragments + sum(w.fragments_sent for w in self._workers.values()),
                 fragments_lost=self._fragments_lost, episodes=self._episodes,

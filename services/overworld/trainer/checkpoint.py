@@ -169,7 +169,8 @@ def save(trainer: TrainerRuntime) -> str:
     if trainer.reference is not None:
         files["reference.safetensors"] = to_bytes(trainer.reference.state_dict())
     state = {"iteration": trainer.iteration, "updates": trainer.updates, "samples_trained": trainer.samples_trained,
-             "env_steps": trainer.env_steps, "model_version": trainer.model_version, "rho": trainer.rho,
+             "env_steps": trainer.env_steps, "fleet": trainer.fleet, "model_version": trainer.model_version,
+             "rho": trainer.rho,
              "world_size": trainer.world_size, "run_id": trainer.config.run_id,
              "config_hash": config_hash(trainer.config), "saved_unix": time.time(), "config": as_dict(trainer.config)}
     trainer.checkpoints.save(trainer.iteration, state, files)
@@ -246,6 +247,10 @@ def restore(trainer: TrainerRuntime) -> None:
     if "rng.pt" in ckpt.files:
         restore_rng(trainer, tensors_from_bytes(ckpt.files["rng.pt"]))
     trainer.samples_trained, trainer.env_steps = int(s["samples_trained"]), int(s["env_steps"])
+    # the fleet those env steps end in: a trainer restarted in the same run counts the steps its fleet
+    # stepped since, those of a new run's fleet all count (a checkpoint without it: a new fleet)
+    fleet = s.get("fleet") or {}
+    trainer.fleet = {"id": str(fleet.get("id", "")), "env_steps": int(fleet.get("env_steps", 0))}
     trainer.model_version, trainer.rho = int(s["model_version"]), float(s["rho"])
     trainer.resumed_from = ckpt_id
     trainer.latest_checkpoint = ckpt_id

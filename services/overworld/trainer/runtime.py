@@ -57,6 +57,12 @@ class StartPoint(TypedDict):
     rho: float
 
 
+class FleetMark(TypedDict):
+    """Which fleet's steps `env_steps` includes, and how many of them (FleetStatus.fleet_id, .env_steps)."""
+    id: str
+    env_steps: int
+
+
 class TrainerRuntime:
     """One learner's state and everything it talks to. A subclass supplies the algorithm:
     `setup_model_and_optimizer()` and `train_iteration()` (trainer/learner.py's PPOLearner)."""
@@ -78,7 +84,8 @@ class TrainerRuntime:
         self.iteration = 0
         self.updates = 0
         self.samples_trained = 0
-        self.env_steps = 0
+        self.env_steps = 0  # every env step of the run: those before this fleet and this fleet's
+        self.fleet: FleetMark = {"id": "", "env_steps": 0}
         self.rho = config.train_config.kl_divergence_coef_rho
         self.resumed_from: str | None = None
         self.start: StartPoint = {"model_version": 0, "env_steps": 0, "rho": self.rho}
@@ -142,9 +149,6 @@ class TrainerRuntime:
         stop = self.report("running", {})  # asked to stop while Ray Train started: no iteration to finish
         if stop:
             log.info("stop requested before the first iteration: finishing")
-        # Where the fleet is now, waited for (the manager may be restarting too): a resumed trainer that
-        # missed it would count the whole fleet's steps again at its first iteration.
-        last_env_steps = 0 if stop else self._fleet_env_steps(self._ask_fleet(timeout=60.0), 0)
         try:
             while not stop and self.iteration < t.num_iterations:
                 self.iteration += 1
@@ -158,10 +162,7 @@ class TrainerRuntime:
                 self.timings["update"] = updated - started - fetched  # the PPO epochs (hooks included)
                 if self.iteration == 1 and self.rank == 0:
                     log.info("first update done: %d optimizer steps", self.updates)
-                fleet_steps = self._fleet_env_steps(fleet, last_env_steps)
-                new_steps = fleet_steps - last_env_steps
-                last_env_steps = fleet_steps
-                self.env_steps += new_steps
+                new_steps = self._count_env_steps(fleet)
                 metrics.update({
                     "trainer/utd_ratio": (self.updates - updates_before) / new_steps if new_steps else math.nan,
                     "trainer/env_steps_all_workers": float(self.env_steps),
@@ -175,6 +176,7 @@ class TrainerRuntime:
                     break
         finally:
             logger.close()
+        self._count_env_steps(self._ask_fleet())  # up to the stop: a resumed run goes on from there
         if t.save_interval > 0 and self.latest_checkpoint != checkpoint.checkpoint_id(self.iteration):
             self.save_checkpoint()
         self.report("finished", {})
@@ -187,14 +189,22 @@ class TrainerRuntime:
         except Exception:  # statistics only: never stall training on the manager
             return None
 
-    @staticmethod
-    def _fleet_env_steps(asked: grpc.Future | None, known: int) -> int:
-        """The fleet's env steps (cumulative, kept by the rollout-manager across its restarts); `known`
-        while the manager is away, so that the steps are counted once, when it answers again."""
+    def _count_env_steps(self, asked: grpc.Future | None) -> int:
+        """Adds the env steps the fleet stepped since they were last counted (in this process or before
+        the checkpoint it resumed from); returns how many. The fleet counts from zero, and a new fleet
+        (a new `overworld run`) under a new id: all its steps are new. Nothing while the manager is away:
+        its steps are counted once, when it answers again."""
         try:
-            return max(known, int(asked.result().env_steps)) if asked is not None else known
+            status = asked.result() if asked is not None else None
         except Exception:  # statistics only: never stall training on the manager
-            return known
+            return 0
+        if status is None:
+            return 0
+        counted = self.fleet["env_steps"] if status.fleet_id == self.fleet["id"] else 0
+        new_steps = max(0, int(status.env_steps) - counted)
+        self.env_steps += new_steps
+        self.fleet = {"id": status.fleet_id, "env_steps": counted + new_steps}
+        return new_steps
 
     # -- Ray Train ------------------------------------------------------------------------------
     def fit(self) -> None:

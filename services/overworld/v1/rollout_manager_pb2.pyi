@@ -219,7 +219,7 @@ class TaskStats(_message.Message):
     def __init__(self, task: _Optional[str] = ..., episodes: _Optional[int] = ..., mean_return_last_100: _Optional[float] = ..., mean_length_last_100: _Optional[float] = ..., mean_discounted_return_last_100: _Optional[float] = ..., mean_extras_last_100: _Optional[_Mapping[str, float]] = ..., total_return: _Optional[float] = ..., total_discounted_return: _Optional[float] = ..., total_length: _Optional[int] = ..., total_extras: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class FleetStatus(_message.Message):
-    __slots__ = ("run_id", "workers", "env_steps", "episodes", "mean_return_last_100", "tasks", "videos", "pending_video_requests", "fragments_sent", "fragments_lost")
+    __slots__ = ("run_id", "workers", "env_steps", "episodes", "mean_return_last_100", "tasks", "videos", "pending_video_requests", "fragments_sent", "fragments_lost", "fleet_id")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     ENV_STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -230,6 +230,7 @@ class FleetStatus(_message.Message):
     PENDING_VIDEO_REQUESTS_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_SENT_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_LOST_FIELD_NUMBER: _ClassVar[int]
+    FLEET_ID_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
     env_steps: int
@@ -240,7 +241,8 @@ class FleetStatus(_message.Message):
     pending_video_requests: int
     fragments_sent: int
     fragments_lost: int
-    def __init__(self, run_id: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., env_steps: _Optional[int] = ..., episodes: _Optional[int] = ..., mean_return_last_100: _Optional[float] = ..., tasks: _Optional[_Iterable[_Union[TaskStats, _Mapping]]] = ..., videos: _Optional[int] = ..., pending_video_requests: _Optional[int] = ..., fragments_sent: _Optional[int] = ..., fragments_lost: _Optional[int] = ...) -> None: ...
+    fleet_id: str
+    def __init__(self, run_id: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., env_steps: _Optional[int] = ..., episodes: _Optional[int] = ..., mean_return_last_100: _Optional[float] = ..., tasks: _Optional[_Iterable[_Union[TaskStats, _Mapping]]] = ..., videos: _Optional[int] = ..., pending_video_requests: _Optional[int] = ..., fragments_sent: _Optional[int] = ..., fragments_lost: _Optional[int] = ..., fleet_id: _Optional[str] = ...) -> None: ...
 
 class RequestVideoRequest(_message.Message):
     __slots__ = ("iteration",)
