@@ -15,7 +15,8 @@ def test_a_worker_blocked_on_a_full_queue_swaps_in_new_weights(make_cluster) -> 
         worker = run.worker
         wait_for(lambda: worker.model_version == 1 and worker.sender.sent > 0, 60, "the worker streaming")
         cluster.bs.stop(0)  # the buffer goes away: the queue fills and the loop blocks in put()
-        wait_for(lambda: worker.sender.depth() >= worker.sender.capacity, 60, "the send queue full")
+        # held in put(): a full queue alone is not enough, the worker may still be stepping its next fragment
+        wait_for(lambda: worker.sender.waiting, 60, "the worker held by a full send queue")
         steps = worker.env_steps
         cluster.publish(2)
         wait_for(lambda: worker.model_version == 2, 15, "version 2 swapped in by the blocked worker")

@@ -49,6 +49,7 @@ class FragmentWriter:
         self.capacity = max(1, queue_size)
         self.sent = 0
         self.rejected = 0
+        self.waiting = False  # a put() is held by backpressure now
         self._pending: deque[common_pb2.Fragment] = deque()
         self._unacked: deque[common_pb2.Fragment] = deque()
         self._cond = threading.Condition()
@@ -65,19 +66,23 @@ class FragmentWriter:
         `while_waiting` runs every WAITING_CALL_SECONDS while blocked, outside the queue's lock (the
         worker swaps in new weights then: it acts with them as soon as it may step again)."""
         with self._cond:
-            while not force and len(self._pending) + len(self._unacked) >= self.capacity:
-                if stop.is_set():
-                    return False
-                if while_waiting is not None:
-                    self._cond.release()
-                    try:
-                        while_waiting()
-                    finally:
-                        self._cond.acquire()
-                    if len(self._pending) + len(self._unacked) < self.capacity:
-                        break
-                # an acknowledgement notifies; the timeout bounds a stop and the next while_waiting
-                self._cond.wait(WAITING_CALL_SECONDS if while_waiting is not None else STOP_CHECK_SECONDS)
+            try:
+                while not force and len(self._pending) + len(self._unacked) >= self.capacity:
+                    self.waiting = True
+                    if stop.is_set():
+                        return False
+                    if while_waiting is not None:
+                        self._cond.release()
+                        try:
+                            while_waiting()
+                        finally:
+                            self._cond.acquire()
+                        if len(self._pending) + len(self._unacked) < self.capacity:
+                            break
+                    # an acknowledgement notifies; the timeout bounds a stop and the next while_waiting
+                    self._cond.wait(WAITING_CALL_SECONDS if while_waiting is not None else STOP_CHECK_SECONDS)
+            finally:
+                self.waiting = False
             self._pending.append(fragment)
             self._cond.notify_all()
             return True
