@@ -19,15 +19,15 @@ import safetensors
 
 MAX_HEADER_BYTES = 100 << 20
 
-# safetensors dtype -> torch's name, for the floating ones; (torch's name, bytes per element) for all
-FLOATING = {"F64": "float64", "F32": "float32", "F16": "float16", "BF16": "bfloat16",
-            "F8_E4M3": "float8_e4m3fn", "F8_E5M2": "float8_e5m2"}
+# safetensors dtype -> (torch's name, bytes per element): the one table; core/weights.py (torch) and
+# replay_buffer/wire.py (numpy) derive theirs from it
 DTYPES: dict[str, tuple[str, int]] = {
     "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),
     "F8_E4M3": ("float8_e4m3fn", 1), "F8_E5M2": ("float8_e5m2", 1),
     "I64": ("int64", 8), "I32": ("int32", 4), "I16": ("int16", 2), "I8": ("int8", 1), "U8": ("uint8", 1),
     "U16": ("uint16", 2), "U32": ("uint32", 4), "U64": ("uint64", 8), "BOOL": ("bool", 1),
 }
+FLOATING = {code: name for code, (name, _) in DTYPES.items() if code.startswith(("F", "BF"))}
 # names accepted for half-precision transfer -> the dtype sent
 HALF_PRECISIONS = {"bfloat16": "bfloat16", "bf16": "bfloat16", "float16": "float16", "fp16": "float16",
                    "half": "float16"}

@@ -26,12 +26,7 @@ from overworld.core.safetensors_format import MAX_HEADER_BYTES, read_header
 __all__ = ["DTYPES", "dtype_name", "from_buffer", "from_bytes", "from_pieces", "half_dtype", "tensor_entries", "to_bytes"]
 
 # safetensors dtype names -> torch dtypes
-DTYPES: dict[str, torch.dtype] = {
-    "F64": torch.float64, "F32": torch.float32, "F16": torch.float16, "BF16": torch.bfloat16,
-    "I64": torch.int64, "I32": torch.int32, "I16": torch.int16, "I8": torch.int8, "U8": torch.uint8,
-    "U16": torch.uint16, "U32": torch.uint32, "U64": torch.uint64, "BOOL": torch.bool,
-    "F8_E4M3": torch.float8_e4m3fn, "F8_E5M2": torch.float8_e5m2,
-}
+DTYPES: dict[str, torch.dtype] = {code: getattr(torch, name) for code, (name, _) in safetensors_format.DTYPES.items()}
 
 
 def half_dtype(precision: str | bool) -> torch.dtype | None:

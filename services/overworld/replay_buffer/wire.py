@@ -15,18 +15,11 @@ import struct
 
 import numpy as np
 
+from overworld.core import safetensors_format
 from overworld.core.protowire import WireError, read_varint, varint
 
 # safetensors dtype names -> numpy (BF16 and F8 have no numpy dtype: those take the copying decoder)
-DTYPES = {"BOOL": np.bool_, "U8": np.uint8, "I8": np.int8, "U16": np.uint16, "I16": np.int16, "F16": np.float16,
-          "U32": np.uint32, "I32": np.int32, "F32": np.float32, "U64": np.uint64, "I64": np.int64,
-          "F64": np.float64}
-
-
-
-
-
-
+DTYPES = {code: np.dtype(name) for code, (name, _) in safetensors_format.DTYPES.items() if hasattr(np, name)}
 
 
 def length_delimited_fields(buf: memoryview) -> dict[int, memoryview]:
