@@ -49,8 +49,10 @@ def policy_generator():
     return hidden + 64
 '''
 
-# Starting six services on a busy 2-core machine takes most of this; the crash loop took 46 s.
-FAIL_WITHIN_SECONDS = 20.0
+# Not a speed target (the crash loop is ruled out by "no restart" below): a bound that a run waiting out
+# a timeout (a stop's 150 s, a placement's 60 s) would cross, wide enough for six services importing
+# torch at once on a loaded 2-core machine.
+FAIL_WITHIN_SECONDS = 90.0
 
 
 @pytest.mark.slow

@@ -65,7 +65,9 @@ def test_redis_restart_and_s3_outage_lose_nothing_acknowledged(tmp_path: Path, m
         thread = threading.Thread(target=lambda: published.append(
             publisher.publish(2, to_bytes(cluster.policy.state_dict()), parent=1, timeout=120)))
         thread.start()
-        wait_for(lambda: w.sender.depth() == QUEUE, 20, "the worker's queue to fill while S3 is away")
+        wait_for(lambda: w.sender.waiting and w.sender.depth() == QUEUE, 20,
+                 "the worker held by its full queue while S3 is away")
+        time.sleep(2.0)  # an insert whose blob was stored just before the pause may still be acknowledged
         stalled = w.sender.sent
         time.sleep(max(0.0, S3_OUTAGE_SECONDS - (time.monotonic() - paused)))
         assert w.sender.depth() == QUEUE and w.sender.sent == stalled  # it waits; nothing is dropped

@@ -250,12 +250,13 @@ def live_workers(rehearsal: Rehearsal) -> dict[str, int]:
 
 
 def settled_inserts(rehearsal: Rehearsal) -> Callable[[], int]:
-    """A probe: the index's insert count once it read the same twice, a second apart (0 until then)."""
+    """A probe: the index's insert count once it read the same three times, a second apart (0 until
+    then; a front working through a backlog on two busy cores may go a second between two inserts)."""
     last: list[int] = []
 
     def probe() -> int:
         last.append(int(rehearsal.redis_meta().get("inserted", 0)))
-        return last[-1] if len(last) > 1 and last[-1] == last[-2] else 0
+        return last[-1] if len(last) > 2 and last[-1] == last[-2] == last[-3] else 0
 
     return probe
 

@@ -82,8 +82,11 @@ def test_sigterm_stops_the_run_and_leaves_no_process(tmp_path: Path) -> None:
     deadline = time.monotonic() + 300
     family: list[tuple[int, str]] = []
     for line in proc.stdout:
-        steps = re.search(r"env steps\s+([\d,]+)", line)
-        if steps and int(steps.group(1).replace(",", "")) > 0:  # under way: Ray and env processes exist
+        # under way: Ray and env processes exist, and the fleet's steps and fragments are counted (the
+        # manager learns the steps from heartbeats, the buffer the fragments from inserts: either may
+        # come first, and an update needs the fragments)
+        counts = [re.search(rf"{name}\s+([\d,]+)", line) for name in ("env steps", "updates")]
+        if all(m and int(m.group(1).replace(",", "")) > 0 for m in counts):
             family = descendants(proc.pid)
             break
         assert time.monotonic() < deadline, "training did not start"

@@ -212,7 +212,9 @@ def test_watchers_swap_and_the_push_latency_is_measured(reg: Running) -> None:
             got = w.wait_first(threading.Event())
             assert got is not None and got[0] == 1 and torch.equal(got[1]["w"], model(1.0)["w"])
             w.ack(1)
-        status = reg.client.push_status(1, wait=0.5)
+        deadline = time.monotonic() + 10  # an ack does not wait for its reply: wait for the three to land
+        while (status := reg.client.push_status(1)).acked < 3 and time.monotonic() < deadline:
+            time.sleep(0.02)
         assert not status.complete and status.acked == 3 and status.watchers == 4
         assert dict(status.workers_per_version) == {1: 3, 0: 1}
         quiet.close()  # the one that never acknowledges leaves: the push completes without it
@@ -288,7 +290,9 @@ def test_cut_through_streams_a_version_while_it_arrives(tmp_path: Path) -> None:
         # checks the sha256 that ends the stream)
         gate, errors = threading.Event(), []
         publisher = slow_publish(client, 2, good, good, gate, errors)
-        time.sleep(0.2)
+        deadline = time.monotonic() + 10  # the watcher announced 2 already: the registry says when it is in
+        while running.service._inflight is None and time.monotonic() < deadline:
+            time.sleep(0.01)
         stream = client._fetch(pb.FetchRequest(version=2), timeout=30)
         assert next(stream).info.sha256 == ""
         gate.set()

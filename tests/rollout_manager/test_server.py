@@ -5,7 +5,7 @@ import grpc
 import pytest
 
 from overworld.core.config import load_config
-from overworld.core.grpc_util import Server, serve
+from overworld.core.grpc_util import serve
 from overworld.core.specs import Spaces, TensorSpec
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.rollout_manager.server import RolloutManagerService
@@ -16,12 +16,12 @@ SPACES = Spaces(obs={"obs": TensorSpec((4,), "float32")}, action={"action": Tens
 
 
 @pytest.fixture
-def manager() -> Iterator[tuple[Server, RolloutManagerClient]]:
+def manager() -> Iterator[tuple[RolloutManagerService, RolloutManagerClient]]:
     config = load_config({"run_id": "r1", "train_config": {"batches_per_iteration": 2, "gradient_accumulation": 1}})
-    service = RolloutManagerService(config, lease_seconds=0.5)
+    service = RolloutManagerService(config, lease_seconds=30.0)  # a test that expires a lease shortens it
     server = serve([(rollout_manager_pb2_grpc.add_RolloutManagerServicer_to_server, service,
                      "overworld.v1.RolloutManager")])
-    yield server, RolloutManagerClient(server.address)
+    yield service, RolloutManagerClient(server.address)
     server.stop(0)
 
 
@@ -52,7 +52,7 @@ def test_mismatched_spaces_are_refused(manager) -> None:
 
 
 def test_leases_heartbeats_and_departed_steps_still_count(manager) -> None:
-    _, client = manager
+    service, client = manager
     a, b = register(client).worker_id, register(client).worker_id
     client.stub.Heartbeat(pb.HeartbeatRequest(worker_id=a, env_steps=100))
     client.stub.Heartbeat(pb.HeartbeatRequest(worker_id=b, env_steps=50))
@@ -60,7 +60,8 @@ def test_leases_heartbeats_and_departed_steps_still_count(manager) -> None:
     client.stub.Deregister(pb.DeregisterRequest(worker_id=b))
     status = client.fleet_status()
     assert [w.worker_id for w in status.workers] == [a] and status.env_steps == 150
-    time.sleep(0.7)  # a's lease (0.5 s) runs out
+    service.lease_seconds = 0.2
+    time.sleep(0.3)  # a's lease runs out
     assert not client.stub.Heartbeat(pb.HeartbeatRequest(worker_id=a, env_steps=120)).lease_valid
     status = client.fleet_status()
     assert not status.workers and status.env_steps == 150

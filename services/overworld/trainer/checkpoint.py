@@ -78,6 +78,12 @@ class CheckpointStore:
         self.blobs.put(self._key(ckpt_id, COMMITTED), b"")
         return ckpt_id
 
+    def update_state(self, ckpt_id: str, **changes: Any) -> None:
+        """A committed checkpoint's state.json with `changes` (one put: the old or the new one is read)."""
+        key = self._key(ckpt_id, "state.json")
+        state = json.loads(self.blobs.get(key))
+        self.blobs.put(key, json.dumps({**state, **changes}, indent=1).encode())
+
     def list(self) -> list[str]:
         """Committed checkpoint ids, oldest first."""
         ids = set()

@@ -176,9 +176,14 @@ class TrainerRuntime:
                     break
         finally:
             logger.close()
-        self._count_env_steps(self._ask_fleet())  # up to the stop: a resumed run goes on from there
+        # The fleet's steps up to the stop, in the last checkpoint: a resumed run goes on from there. This
+        # iteration's own checkpoint, written before the stop came, gets them in its state (rank 0 only:
+        # no collective).
+        counted = self._count_env_steps(self._ask_fleet())
         if t.save_interval > 0 and self.latest_checkpoint != checkpoint.checkpoint_id(self.iteration):
             self.save_checkpoint()
+        elif t.save_interval > 0 and counted and self.rank == 0:
+            self.checkpoints.update_state(self.latest_checkpoint, env_steps=self.env_steps, fleet=self.fleet)
         self.report("finished", {})
 
     def _ask_fleet(self, timeout: float = 5.0) -> grpc.Future | None:
