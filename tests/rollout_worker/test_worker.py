@@ -62,7 +62,7 @@ def test_worker_streams_valid_fragments_swaps_weights_and_flushes(make_cluster, 
         wait_for(lambda: w.sender.sent >= 8, 60, "8 fragments")
         cluster.publish(2)
         wait_for(lambda: w.model_version == 2, 30, "model version 2")
-        swapped_at = w.fragments_completed  # two more per slot: each holds steps of version 2
+        swapped_at = w.fragments_completed  # two more rounds of the 4 slots (they step together): version-2 steps
         wait_for(lambda: w.fragments_completed >= swapped_at + 2 * 4, 60, "fragments after the swap")
     finally:
         run.stop()
