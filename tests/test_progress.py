@@ -40,6 +40,18 @@ def test_lag_counts_the_versions_the_workers_run_behind() -> None:
     assert "lag 1.5" in text and "workers 2" in text, text
 
 
+def test_the_line_shows_the_share_of_env_steps_the_learner_trained_on() -> None:
+    """A fleet that steps more than the learner samples has most of its data dropped as stale: the line says
+    how much was used (a 12-worker CartPole fleet trained on 7% of its steps while the line showed lag 1)."""
+    fleet = SimpleNamespace(env_steps=40_000, episodes=10, mean_return_last_100=21.5,
+                            workers=[SimpleNamespace(model_version=5)])
+    trainer = SimpleNamespace(model_version=5, updates=7, iteration=20, samples_trained=3_000)
+    s = Snapshot.of(fleet, trainer, wall_seconds=10.0)
+    assert "used 8%" in format_progress(s, Budget()), format_progress(s, Budget())
+    fleet.env_steps = 0
+    assert "used" not in format_progress(Snapshot.of(fleet, trainer, wall_seconds=1.0), Budget())
+
+
 def test_workers_ahead_of_the_trainers_last_status_show_no_lag() -> None:
     assert snapshot(4, (5, 5)).lag == 0.0
     assert "lag 0.0" in format_progress(snapshot(4, (5, 5)), Budget()), format_progress(snapshot(4, (5, 5)), Budget())

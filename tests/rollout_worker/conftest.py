@@ -17,6 +17,7 @@ from overworld.model_registry.client import ModelRegistryClient
 from overworld.model_registry.server import ModelRegistryService
 from overworld.policies.factory import run_spaces
 from overworld.replay_buffer.index import MemoryIndex
+from overworld.replay_buffer.rate_limiter import RateLimiter
 from overworld.replay_buffer.server import ReplayBufferService
 from overworld.rollout_manager.server import RolloutManagerService
 from overworld.rollout_manager.state import StateStore
@@ -59,7 +60,9 @@ class Cluster:
         self.rs = serve([(model_registry_pb2_grpc.add_ModelRegistryServicer_to_server, self.registry,
                           "overworld.v1.ModelRegistry")])
         rb = self.config.rollout_config.replay_buffer_config
-        self.buffer = ReplayBufferService(MemoryIndex(rb.max_chunks, rb.max_reuse, rb.max_staleness, 1),
+        limiter = RateLimiter.create(rb.samples_per_insert, rb.samples_per_insert_error, rb.min_size_to_sample,
+                                     rb.max_reuse)
+        self.buffer = ReplayBufferService(MemoryIndex(rb.max_chunks, rb.max_reuse, rb.max_staleness, 1, limiter),
                                           LocalBlobStore(tmp_path / "b"), "wtest", self.config.rollout_config.fragment_length,
                                           1, rb.max_chunks, lambda: self.manager._spaces)
         self.bs = serve([(replay_buffer_pb2_grpc.add_ReplayBufferServicer_to_server, self.buffer,

@@ -30,7 +30,7 @@ READ_STATUS = (_RM + "GetFleetStatus", _RM + "ListVideos", _RB + "GetStats", _MR
 ALLOWED: dict[str, tuple[str, ...]] = {
     "rollout-worker": (_RM + "GetRunConfig", _RM + "Register", _RM + "Heartbeat", _RM + "Deregister",
                        _RM + "ReportEpisodes", _RM + "UploadVideo",
-                       _RB + "Insert",
+                       _RB + "Insert", _RB + "Reserve",
                        _MR + "Watch", _MR + "WatchAnnouncements", _MR + "Fetch", _MR + "AckVersion",
                        # the weights relay: one worker passes a version on to another
                        _RW + "FetchWeights"),

@@ -39,6 +39,13 @@ class Snapshot:
     updates: int
     lag: float  # versions the workers run behind the learner, on average
     workers: int
+    samples_trained: int = 0  # env steps the learner has trained on (each once, however many epochs)
+
+    @property
+    def used(self) -> float | None:
+        """The share of the env steps that the learner trained on: low when the fleet steps more than the
+        learner samples (its data goes stale at the buffer's door); None before the learner trained."""
+        return self.samples_trained / self.env_steps if self.env_steps and self.samples_trained else None
 
     @classmethod
     def of(cls, fleet: Any, trainer: Any, wall_seconds: float, offset: int = 0) -> Snapshot:
@@ -48,7 +55,7 @@ class Snapshot:
         lag = max(0.0, trainer.model_version - sum(versions) / len(versions)) if versions else 0.0
         return cls(round(wall_seconds, 2), offset + fleet.env_steps, getattr(trainer, "iteration", 0), fleet.episodes,
                    fleet.mean_return_last_100 if fleet.episodes else None, trainer.model_version, trainer.updates,
-                   lag, len(fleet.workers))
+                   lag, len(fleet.workers), getattr(trainer, "samples_trained", 0))
 
 
 class Rate:
@@ -106,11 +113,12 @@ def format_progress(snapshot: Snapshot, budget: Budget, steps_per_second: float 
     target = "" if budget.target_return is None else f"/{budget.target_return:g}"
     rate = "" if steps_per_second is None else f" {steps_per_second:,.0f}/s"
     left = time_left(s, budget, steps_per_second, iterations_per_second)
+    used = "" if s.used is None else f" used {s.used:.0%}"
     # Most telling first: a terminal narrower than the line cuts its end.
     return (f"[{format_duration(s.wall_seconds):>7}] left {format_duration(left)}  "
             f"env steps {s.env_steps:,}{of_total(s.env_steps, budget.max_env_steps)}{rate}  "
             f"iteration {s.iteration:,}{of_total(s.iteration, budget.iterations)}  return(100) {ret}{target}  "
-            f"episodes {s.episodes:,}  model v{s.model_version} updates {s.updates:,} lag {s.lag:.1f}  "
+            f"episodes {s.episodes:,}  model v{s.model_version} updates {s.updates:,} lag {s.lag:.1f}{used}  "
             f"workers {s.workers}")
 
 

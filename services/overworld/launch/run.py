@@ -233,7 +233,9 @@ class RunFollower:
         if self.trainer is not None:
             t = self.trainer
             out.update(model_version=t.model_version, updates=t.updates, iterations=t.iteration,
-                       samples_trained=t.samples_trained, resumed_from=t.resumed_from or None,
+                       samples_trained=t.samples_trained,
+                       env_steps_used=round(t.samples_trained / out["env_steps"], 3) if out["env_steps"] else None,
+                       resumed_from=t.resumed_from or None,
                        start_env_steps=t.start_env_steps if self.resumed else 0,
                        start_model_version=t.start_model_version, start_rho=t.start_rho,
                        latest_checkpoint=t.latest_checkpoint or None)
@@ -241,7 +243,8 @@ class RunFollower:
             b = self.buffer
             out["replay_buffer"] = {"inserted_fragments": b.inserted_fragments, "fragments": b.fragments,
                                     "chunks": b.chunks, "sampled_chunks": b.sampled_chunks,
-                                    "dropped_chunks": dict(b.dropped_chunks)}
+                                    "dropped_chunks": dict(b.dropped_chunks),
+                                    "expired_reservations": b.expired_reservations}
         out["restarts"] = self.supervisor.restarts
         out["milestones"] = dict(self.milestones.reached)
         out["wall_seconds"] = round(wall, 2)

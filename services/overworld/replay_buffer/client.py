@@ -21,6 +21,7 @@ import grpc
 from overworld.core.grpc_util import Retry, channel, retry
 from overworld.replay_buffer.reader import ChunkReader, sample_chunks
 from overworld.replay_buffer.refs import BlobRefReader
+from overworld.replay_buffer.reservations import Reservations
 from overworld.replay_buffer.writer import FragmentWriter
 from overworld.v1 import replay_buffer_pb2, replay_buffer_pb2_grpc
 
@@ -56,6 +57,18 @@ class ReplayBufferClient:
             return
         with channel(self.address) as insert_channel:
             yield from replay_buffer_pb2_grpc.ReplayBufferStub(insert_channel).Insert(requests)
+
+    def reserve(self, worker_id: str, fragments: int, wait: float = 0.0, give_back: int = 0,
+                timeout: float = 10.0) -> replay_buffer_pb2.ReserveResponse:
+        """Room for up to `fragments` fragments of `worker_id` (waiting up to `wait` seconds for some),
+        after giving back `give_back`; one attempt. Workers use `reservations()`."""
+        request = replay_buffer_pb2.ReserveRequest(worker_id=worker_id, fragments=fragments, wait_seconds=wait,
+                                                   give_back=give_back)
+        return self.stub.Reserve(request, timeout=timeout)
+
+    def reservations(self, worker_id: str) -> Reservations:
+        """Room reserved ahead for the fragments of `worker_id` (`want`, `take`, `close`)."""
+        return Reservations(self, worker_id)
 
     # ----------------------------------------------------------------- reader
 

@@ -12,8 +12,12 @@ Semantics (MineStudio's replay_buffer_config, made exact):
 - Delivery is at least once: a fragment whose sequence number is not above the last one seen for
   its env slot is a duplicate (a worker resending after a lost ack); it is acknowledged as stored
   and changes nothing.
-- The rate limiter (if any) is checked inside `add` and `claim`, under the same lock or script as the
-  state it guards, so several fronts can never overshoot it.
+- The rate limiter (if any) is checked inside `add`, `claim` and `reserve`, under the same lock or
+  script as the state it guards, so several fronts can never overshoot it.
+- Reservations: a worker (the holder: its worker id) reserves room for fragments before it steps them
+  (`reserve`); its fragments then take that room without another check. Room a holder leaves unused
+  for `ttl` seconds after its last reservation or fragment is given back (a worker that died), and a
+  holder gives back what it will not use (`release`).
 - A blob key that the orphan sweeper claimed (`claim_orphans`) is never indexed afterwards: `add`
   answers "swept" and the front writes the blob again under a new key. So an index entry always has
   its blob.
@@ -53,6 +57,7 @@ class FragmentMeta:
     first_model_version: int
     nbytes: int
     blob_key: str
+    holder: str = ""  # the worker id: a fragment takes the room its worker reserved
 
 
 @dataclass
@@ -106,11 +111,17 @@ class IndexStats:
     mean_reuse: float
     mean_staleness: float
     max_staleness: int
+    reserved_fragments: int = 0
+    expired_reservations: int = 0  # fragments' room given back because its holder went quiet
 
 
 class ReplayIndex(Protocol):
+    limiter: RateLimiter | None
+
     def add(self, meta: FragmentMeta) -> AddResult: ...
     def can_insert(self) -> bool: ...
+    def reserve(self, holder: str, n: int, ttl: float) -> int: ...
+    def release(self, holder: str, n: int) -> None: ...
     def claim(self, n: int, by_ref: bool = False) -> list[Claim]: ...
     def ref_claim_age(self) -> float | None: ...
     def set_model_version(self, version: int) -> VersionMove: ...
@@ -121,6 +132,17 @@ class ReplayIndex(Protocol):
     def claim_orphans(self, keys: list[str]) -> list[str]: ...
     def reset(self, token: str | None = None) -> list[str] | None: ...
     def close(self) -> None: ...
+
+
+@dataclass
+class _Reservation:
+    ttl: float
+    fragments: int = 0
+    expires_at: float = 0.0
+
+    def touch(self) -> None:
+        """The holder is alive (it reserved, or a fragment of its arrived): its room is kept ttl longer."""
+        self.expires_at = time.monotonic() + self.ttl
 
 
 class MemoryIndex:
@@ -150,8 +172,12 @@ class MemoryIndex:
         self._dropped: dict[str, int] = defaultdict(int)
         self._reuse_sum = 0
         self._reuse_count = 0
+        self._reservations: dict[str, _Reservation] = {}  # by holder
+        self._reserved = 0  # fragments, all holders
+        self._expired = 0
         if self.limiter:
             self.limiter.inserts, self.limiter.samples, self.limiter.credit = 0, 0, 0.0
+            self.limiter.reserved = 0.0
 
     def _is_stale(self, first_version: int) -> bool:
         return first_version < self._version - self.max_staleness
@@ -175,7 +201,7 @@ class MemoryIndex:
                 # A resend: the original is (or was) indexed. Same key: a retried add of this very blob.
                 own = [] if meta.blob_key in self._live else [meta.blob_key]
                 return AddResult(True, own, DUPLICATE)
-            if self.limiter and not self.limiter.can_insert():
+            if self.limiter and not self._take_reservation(meta.holder) and not self.limiter.can_insert():
                 return AddResult(False, [], BLOCKED)
             self._last_seq[meta.slot_key] = meta.sequence
             self._inserted += 1
@@ -218,6 +244,58 @@ class MemoryIndex:
     def can_insert(self) -> bool:
         with self._lock:
             return self.limiter is None or self.limiter.can_insert()
+
+    # -- reservations ------------------------------------------------------------------------------
+    def reserve(self, holder: str, n: int, ttl: float) -> int:
+        """Reserve room for up to n fragments of `holder` (all n without a rate limiter); returns how many."""
+        with self._lock:
+            if self.limiter is None:
+                return n
+            self._expire()
+            granted = min(n, self.limiter.room(self.fragments_per_chunk))
+            if granted or holder in self._reservations:
+                held = self._reservations.setdefault(holder, _Reservation(ttl))
+                held.fragments += granted
+                held.ttl = ttl
+                held.touch()
+                self._reserved += granted
+                self._sync_limiter()
+            return granted
+
+    def release(self, holder: str, n: int) -> None:
+        with self._lock:
+            held = self._reservations.get(holder)
+            if held is not None:
+                self._give_back(holder, held, min(n, held.fragments))
+                self._sync_limiter()
+
+    def _take_reservation(self, holder: str) -> bool:
+        self._expire()
+        held = self._reservations.get(holder)
+        if held is None:
+            return False
+        held.touch()
+        self._give_back(holder, held, 1)
+        self._sync_limiter()
+        return True
+
+    def _give_back(self, holder: str, held: _Reservation, n: int) -> None:
+        held.fragments -= n
+        self._reserved -= n
+        if held.fragments <= 0:
+            del self._reservations[holder]
+
+    def _expire(self) -> None:
+        now = time.monotonic()
+        for holder in [h for h, held in self._reservations.items() if held.expires_at <= now]:
+            count = self._reservations.pop(holder).fragments
+            self._reserved -= count
+            self._expired += count
+        self._sync_limiter()
+
+    def _sync_limiter(self) -> None:
+        if self.limiter:
+            self.limiter.reserved = self._reserved / self.fragments_per_chunk
 
     def claim(self, n: int, by_ref: bool = False) -> list[Claim]:
         """Claim up to n distinct chunks, uniformly at random, as far as the rate limiter allows. by_ref:
@@ -277,6 +355,8 @@ class MemoryIndex:
                 mean_reuse=self._reuse_sum / self._reuse_count if self._reuse_count else 0.0,
                 mean_staleness=sum(staleness) / len(staleness) if staleness else 0.0,
                 max_staleness=max(staleness, default=0),
+                reserved_fragments=self._reserved,
+                expired_reservations=self._expired,
             )
 
     def describe_wait(self) -> str:

@@ -261,7 +261,7 @@ class InsertStream:
     def _start_write(self, r: _Received, fragment: Fragment, started: float) -> _Pending:
         h = r.header
         key = self._blob_key(h)
-        meta = FragmentMeta(fragment.slot_key, h.sequence, h.first_model_version, len(r.blob), key)
+        meta = FragmentMeta(fragment.slot_key, h.sequence, h.first_model_version, len(r.blob), key, h.worker_id)
         return _Pending(h, meta, r.blob, self.front.io.submit(self.front.blobs.put, key, r.blob), started)
 
     def _commit(self, p: _Pending) -> replay_buffer_pb2.InsertResponse:
@@ -288,7 +288,7 @@ class InsertStream:
                 continue
             if result.status == SWEPT:  # stalled past the sweeper's grace period: write it again
                 meta = FragmentMeta(meta.slot_key, meta.sequence, meta.first_model_version, meta.nbytes,
-                                    self._blob_key(p.header))
+                                    self._blob_key(p.header), meta.holder)
                 front.blobs.put(meta.blob_key, p.blob)
                 continue
             break

@@ -24,6 +24,10 @@ SAMPLE_LAG = Histogram("overworld_replay_buffer_sample_policy_lag",
 MEAN_REUSE = Gauge("overworld_replay_buffer_mean_reuse", "Mean times sampled of removed chunks")
 DUPLICATES = Counter("overworld_replay_buffer_duplicates_total",
                      "Fragments at or below their slot's last sequence number (resends), acknowledged, not re-added")
+RESERVED = Counter("overworld_replay_buffer_reserved_total",
+                   "Fragments' room reserved by workers before stepping them (Reserve)")
+RESERVED_NOW = Gauge("overworld_replay_buffer_reserved_fragments",
+                     "Fragments' room reserved and not yet taken by a fragment (all fronts)")
 ORPHANS = Counter("overworld_replay_buffer_orphans_swept_total", "Unreferenced blobs deleted by the sweeper")
 REF_SAMPLES = Counter("overworld_replay_buffer_ref_samples_total",
                       "Fragments sampled as blob keys (blob_refs: the reader fetched them from the store)")

@@ -9,8 +9,9 @@ Keys, all under `ow:rb:{RUN_ID}:` (a hash tag: one cluster slot per run; a new r
 another run's keys):
   meta     hash   version, next_chunk, inserted, sampled, reuse_sum, reuse_count, frags, bytes,
                   vsum (sum of held chunks' first model versions), li/ls/lc (limiter inserts,
-                  samples, credit), attempt (the last reset token), refs_at (Redis time of the
-                  last claim by reference)
+                  samples, credit), lr (fragments reserved, all holders), rx (reserved fragments
+                  whose holder went quiet), attempt (the last reset token), refs_at (Redis time of
+                  the last claim by reference)
   drops    hash   reason -> chunks dropped
   fifo     zset   chunk id scored by chunk id (insertion order: eviction takes the lowest)
   byver    zset   chunk id scored by its first model version (staleness drops take a range)
@@ -20,6 +21,8 @@ another run's keys):
   partial  hash   env slot -> fragments of the chunk being assembled ("seq|version|bytes|key" lines)
   live     set    every blob key the index references (the orphan sweeper spares these)
   swept    zset   blob keys the sweeper claimed, scored by time (add refuses them)
+  resv     hash   holder (worker id) -> "fragments|ttl" of room it reserved and has not used
+  resvx    zset   holder scored by the Redis time its reservation lapses
 """
 
 from __future__ import annotations
@@ -57,6 +60,7 @@ PRELUDE = r"""
 local P = ARGV[1]
 local META, DROPS, FIFO, BYVER = P .. 'meta', P .. 'drops', P .. 'fifo', P .. 'byver'
 local SLOTS, PARTIAL, LIVE, SWEPT = P .. 'slots', P .. 'partial', P .. 'live', P .. 'swept'
+local RESV, RESVX = P .. 'resv', P .. 'resvx'
 local SPI, ERR, MINSIZE = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 
 -- (negative numbers are written 0 - x: Lua's -0 would reach Redis as "-0", not an integer)
@@ -67,8 +71,58 @@ local function lim_diff()
   return num(s[1]) * SPI - num(s[2]) - num(s[3])
 end
 
-local function can_insert()
-  return lim_diff() + SPI <= SPI * MINSIZE + ERR
+-- lim_diff with the reserved fragments counted as inserted (fpc: fragments per chunk)
+local function insert_diff(fpc)
+  return lim_diff() + num(redis.call('HGET', META, 'lr')) * SPI / fpc
+end
+
+local function can_insert(fpc)
+  return insert_diff(fpc) + SPI <= SPI * MINSIZE + ERR
+end
+
+local function now_seconds()
+  local t = redis.call('TIME')
+  return tonumber(t[1]) + tonumber(t[2]) / 1e6
+end
+
+-- {fragments, ttl} a holder has reserved, or {0, 0}
+local function reservation(holder)
+  local v = redis.call('HGET', RESV, holder)
+  if not v then return 0, 0 end
+  local count, ttl = string.match(v, '^(%d+)|(.*)$')
+  return tonumber(count), tonumber(ttl)
+end
+
+local function set_reservation(holder, count, ttl, now)
+  if count > 0 then
+    redis.call('HSET', RESV, holder, count .. '|' .. ttl)
+    redis.call('ZADD', RESVX, now + ttl, holder)
+  else
+    redis.call('HDEL', RESV, holder)
+    redis.call('ZREM', RESVX, holder)
+  end
+end
+
+-- Room of holders quiet for their ttl goes back.
+local function expire_reservations(now)
+  for _, holder in ipairs(redis.call('ZRANGEBYSCORE', RESVX, '-inf', now)) do
+    local count = reservation(holder)
+    redis.call('HINCRBY', META, 'lr', 0 - count)
+    redis.call('HINCRBY', META, 'rx', count)
+    set_reservation(holder, 0, 0, now)
+  end
+end
+
+-- One fragment of `holder` takes room it reserved: true if it had some.
+local function take_reservation(holder)
+  if holder == '' then return false end
+  local now = now_seconds()
+  expire_reservations(now)
+  local count, ttl = reservation(holder)
+  if count == 0 then return false end
+  redis.call('HINCRBY', META, 'lr', -1)
+  set_reservation(holder, count - 1, ttl, now)
+  return true
 end
 
 local function can_sample(size)
@@ -113,7 +167,7 @@ end
 """
 
 # ARGV[5..]: slot, sequence, first model version, bytes, blob key, max_chunks, max_staleness,
-# fragments_per_chunk. Returns {status, stored, incomplete, stale, evicted, keys to delete...}.
+# fragments_per_chunk, holder. Returns {status, stored, incomplete, stale, evicted, keys to delete...}.
 ADD = PRELUDE + r"""
 local slot, seq, ver, nb, key = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), ARGV[9]
 local max_chunks, max_staleness, fpc = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12])
@@ -124,7 +178,7 @@ if last and seq <= tonumber(last) then
   if redis.call('SISMEMBER', LIVE, key) == 1 then return {'duplicate', 1, 0, 0, 0} end
   return {'duplicate', 1, 0, 0, 0, key}
 end
-if SPI > 0 and not can_insert() then return {'blocked', 0, 0, 0, 0} end
+if SPI > 0 and not take_reservation(ARGV[13]) and not can_insert(fpc) then return {'blocked', 0, 0, 0, 0} end
 redis.call('HSET', SLOTS, slot, ARGV[6])
 redis.call('HINCRBY', META, 'inserted', 1)
 local version = num(redis.call('HGET', META, 'version'))
@@ -198,6 +252,23 @@ end
 return out
 """
 
+# ARGV[5..]: holder, fragments wanted, ttl, fragments_per_chunk, fragments given back. Returns the
+# fragments granted.
+RESERVE = PRELUDE + r"""
+local holder, n, ttl, fpc, back = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+local now = now_seconds()
+expire_reservations(now)
+local count, held_ttl = reservation(holder)
+if ttl <= 0 then ttl = held_ttl end  -- a release alone keeps the holder's ttl
+back = math.min(back, count)
+count = count - back
+local room = math.floor((SPI * MINSIZE + ERR - insert_diff(fpc) + back * SPI / fpc) / (SPI / fpc) + 1e-9)
+local granted = math.max(0, math.min(n, room))
+redis.call('HINCRBY', META, 'lr', granted - back)
+set_reservation(holder, count + granted, ttl, now)
+return granted
+"""
+
 # ARGV[5..]: n, max_reuse, seed, by reference ('1': the reader fetches the blobs itself; the Redis time
 # is noted in refs_at). Returns {id, times, final, slot, keys, metas} per claimed chunk.
 CLAIM = PRELUDE + r"""
@@ -263,7 +334,8 @@ STATS = PRELUDE + r"""
 local m = redis.call('HMGET', META, 'frags', 'bytes', 'inserted', 'sampled', 'version', 'reuse_sum',
                      'reuse_count', 'vsum', 'li', 'ls', 'lc')
 local oldest = redis.call('ZRANGE', BYVER, 0, 0, 'WITHSCORES')
-return {m, redis.call('HGETALL', DROPS), redis.call('ZCARD', FIFO), oldest[2] or false}
+return {m, redis.call('HGETALL', DROPS), redis.call('ZCARD', FIFO), oldest[2] or false,
+        redis.call('HMGET', META, 'lr', 'rx')}
 """
 
 # ARGV[5..]: now, retention, keys... Returns the keys no index entry references, now tombstoned.
@@ -296,7 +368,7 @@ if has_token and redis.call('HGET', META, 'attempt') == token then return {0} en
 local out = {1}
 for _, k in ipairs(redis.call('SMEMBERS', LIVE)) do out[#out + 1] = k end
 for _, id in ipairs(redis.call('ZRANGE', FIFO, 0, -1)) do redis.call('DEL', P .. 'chunk:' .. id) end
-redis.call('DEL', META, DROPS, FIFO, BYVER, SLOTS, PARTIAL, LIVE)
+redis.call('DEL', META, DROPS, FIFO, BYVER, SLOTS, PARTIAL, LIVE, RESV, RESVX)
 if has_token then redis.call('HSET', META, 'attempt', token) end
 return out
 """
@@ -326,6 +398,7 @@ class RedisIndex:
                       lim.min_size if lim else 1]
         self._keys = [self.prefix + "meta"]
         self._add = client.register_script(ADD)
+        self._reserve = client.register_script(RESERVE)
         self._claim = client.register_script(CLAIM)
         self._ref_claim_age = client.register_script(REF_CLAIM_AGE)
         self._set_version = client.register_script(SET_VERSION)
@@ -357,24 +430,34 @@ class RedisIndex:
 
     def add(self, meta: FragmentMeta) -> AddResult:
         out = self._run(self._add, meta.slot_key, meta.sequence, meta.first_model_version, meta.nbytes,
-                        meta.blob_key, self.max_chunks, self.max_staleness, self.fragments_per_chunk)
+                        meta.blob_key, self.max_chunks, self.max_staleness, self.fragments_per_chunk, meta.holder)
         status = {"ok": OK, "duplicate": DUPLICATE, "blocked": BLOCKED, "swept": SWEPT}[out[0]]
         dropped = {r: int(c) for r, c in zip(("incomplete", "stale", "evicted"), out[2:5], strict=True) if int(c)}
         return AddResult(bool(int(out[1])), list(out[5:]), status, dropped)
 
-    def _limiter_state(self, inserts: Any, samples: Any, credit: Any) -> RateLimiter | None:
+    def _limiter_state(self, inserts: Any, samples: Any, credit: Any, reserved: Any) -> RateLimiter | None:
         if self.limiter is None:
             return None
         return dataclasses.replace(self.limiter, inserts=int(inserts or 0), samples=int(samples or 0),
-                                   credit=float(credit or 0.0))
+                                   credit=float(credit or 0.0),
+                                   reserved=int(reserved or 0) / self.fragments_per_chunk)
 
     def can_insert(self) -> bool:
         if self.limiter is None:
             return True
-        state = self._call(lambda: self.client.hmget(self.prefix + "meta", "li", "ls", "lc"))
+        state = self._call(lambda: self.client.hmget(self.prefix + "meta", "li", "ls", "lc", "lr"))
         limiter = self._limiter_state(*state)
         assert limiter is not None
         return limiter.can_insert()
+
+    def reserve(self, holder: str, n: int, ttl: float) -> int:
+        if self.limiter is None:
+            return n
+        return int(self._run(self._reserve, holder, n, ttl, self.fragments_per_chunk, 0))
+
+    def release(self, holder: str, n: int) -> None:
+        if self.limiter is not None:
+            self._run(self._reserve, holder, 0, 0, self.fragments_per_chunk, n)
 
     def claim(self, n: int, by_ref: bool = False) -> list[Claim]:
         out = self._run(self._claim, n, self.max_reuse, self._rng.randrange(1 << 31), "1" if by_ref else "0")
@@ -402,7 +485,7 @@ class RedisIndex:
         return int(self._call(lambda: self.client.hget(self.prefix + "meta", "version")) or 0)
 
     def _raw_stats(self) -> tuple[IndexStats, RateLimiter | None, int]:
-        meta, drops, chunks, oldest = self._run(self._stats)
+        meta, drops, chunks, oldest, (reserved, expired) = self._run(self._stats)
         frags, nbytes, inserted, sampled, version, reuse_sum, reuse_count, vsum, li, ls, lc = (
             int(float(v)) if v is not None and i != 10 else v for i, v in enumerate(meta))
         version = version or 0
@@ -413,8 +496,9 @@ class RedisIndex:
             sampled_chunks=sampled or 0, dropped=dropped, model_version=version,
             mean_reuse=(reuse_sum or 0) / reuse_count if reuse_count else 0.0,
             mean_staleness=version - (vsum or 0) / chunks if chunks else 0.0,
-            max_staleness=max(0, version - int(float(oldest))) if oldest else 0)
-        return stats, self._limiter_state(li, ls, lc), chunks
+            max_staleness=max(0, version - int(float(oldest))) if oldest else 0,
+            reserved_fragments=int(reserved or 0), expired_reservations=int(expired or 0))
+        return stats, self._limiter_state(li, ls, lc, reserved), chunks
 
     def stats(self) -> IndexStats:
         return self._raw_stats()[0]

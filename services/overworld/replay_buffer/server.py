@@ -8,6 +8,10 @@ index entry added, and only then acknowledged. Blob writes of one stream run in 
 `ingest_window` in flight), index adds and acks stay in arrival order, and the stream stops reading
 while the window is full or the rate limiter blocks: that is the backpressure a worker feels.
 
+Reserve (unary): a worker reserves room for the fragments it is about to step; the index counts
+reserved room as inserted for the rate limiter, so a fleet steps only what will be admitted (and
+sampled while fresh), and a worker's fragments take their room without waiting at the door.
+
 Sample (server-streaming; `sampling.py`): chunks are claimed (atomically, in the index) at most
 `prefetch` ahead of what was sent, and their blobs fetched in parallel while earlier chunks are being
 streamed. With `SampleRequest.blob_refs` the front sends each claimed chunk's blob keys instead, and
@@ -46,6 +50,8 @@ from overworld.replay_buffer.metrics import (
     FRAGMENTS,
     MEAN_REUSE,
     ORPHANS,
+    RESERVED,
+    RESERVED_NOW,
     STALENESS,
     rejects_by_reason,
 )
@@ -58,6 +64,20 @@ __all__ = ["InsertReport", "ReplayBufferService", "add_to_server", "fragments_pr
 log = logging.getLogger("overworld.replay_buffer")
 
 SERVICE_NAME = "overworld.v1.ReplayBuffer"
+MAX_RESERVE_FRAGMENTS = 65536
+MAX_RESERVE_WAIT = 60.0
+
+
+def check_reserve_request(request: replay_buffer_pb2.ReserveRequest) -> str | None:
+    """What is wrong with a Reserve request, or None."""
+    if not request.worker_id or len(request.worker_id) > 256:
+        return f"worker_id must be 1 to 256 characters (the worker_id of its fragments), got {len(request.worker_id)}"
+    if request.fragments > MAX_RESERVE_FRAGMENTS or request.give_back > MAX_RESERVE_FRAGMENTS:
+        return (f"fragments and give_back must be at most {MAX_RESERVE_FRAGMENTS}, got {request.fragments} and "
+                f"{request.give_back}")
+    if not 0 <= request.wait_seconds <= MAX_RESERVE_WAIT:  # also NaN
+        return f"wait_seconds must be in [0, {MAX_RESERVE_WAIT:g}], got {request.wait_seconds}"
+    return None
 
 
 class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
@@ -66,7 +86,8 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
                  max_fragment_bytes: int = 64 * 1024 * 1024, default_sample_timeout: float = 60.0, *,
                  ingest_window: int = 4, prefetch: int = 4, io_threads: int = 16, delete_delay: float = 2.0,
                  sweep_interval: float = 60.0, orphan_grace: float = 600.0, metrics_interval: float = 2.0,
-                 ref_grace: float = 60.0, store_url: str | None = None, fragments_per_report: int = 0) -> None:
+                 ref_grace: float = 60.0, store_url: str | None = None, fragments_per_report: int = 0,
+                 reservation_ttl: float = 60.0) -> None:
         self.index = index
         self.report = InsertReport(fragments_per_report, index)
         self.blobs = blobs
@@ -83,6 +104,7 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
         # any front: the index remembers the last one), blobs of chunks that left the index are kept this
         # long, and the sweeper spares them as long, so that such a fetch finds them.
         self.ref_grace = max(0.0, ref_grace)
+        self.reservation_ttl = reservation_ttl
         self.store_url = getattr(blobs, "url", "") if store_url is None else store_url
         self.sweep_interval = sweep_interval
         self.metrics_interval = metrics_interval
@@ -211,6 +233,31 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
         finally:
             stream.release_unsent()
 
+    def Reserve(self, request: replay_buffer_pb2.ReserveRequest,
+                context: grpc.ServicerContext) -> replay_buffer_pb2.ReserveResponse:
+        """Room for up to `fragments` fragments of `worker_id`, waiting up to `wait_seconds` for some;
+        `give_back` returns room first."""
+        problem = check_reserve_request(request)
+        if problem:
+            abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
+        limited = self.index.limiter is not None
+        deadline = time.monotonic() + request.wait_seconds
+        try:
+            if request.give_back:
+                self.index.release(request.worker_id, request.give_back)
+                self.notify()  # room for the other workers waiting here
+            while True:
+                seen = self.generation
+                granted = self.index.reserve(request.worker_id, request.fragments, self.reservation_ttl)
+                left = deadline - time.monotonic()
+                if granted or not request.fragments or left <= 0 or self.stopping.is_set() or not context.is_active():
+                    break
+                self.wait_change(seen, left)
+        except IndexUnavailable as err:
+            abort(context, grpc.StatusCode.UNAVAILABLE, f"{err}; retry")
+        RESERVED.inc(granted if limited else 0)
+        return replay_buffer_pb2.ReserveResponse(granted=granted, limited=limited, ttl_seconds=self.reservation_ttl)
+
     # ----------------------------------------------------------------- control and statistics
 
     def SetModelVersion(self, request: replay_buffer_pb2.SetModelVersionRequest,
@@ -242,7 +289,8 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
             fragments=s.fragments, chunks=s.chunks, bytes=s.bytes, inserted_fragments=s.inserted_fragments,
             sampled_chunks=s.sampled_chunks, dropped_chunks=s.dropped, rejected_fragments=rejects_by_reason(),
             model_version=s.model_version, mean_reuse=s.mean_reuse, mean_staleness=s.mean_staleness,
-            max_staleness=s.max_staleness, capacity_chunks=self.max_chunks)
+            max_staleness=s.max_staleness, capacity_chunks=self.max_chunks, reserved_fragments=s.reserved_fragments,
+            expired_reservations=s.expired_reservations)
 
     def refresh_metrics(self) -> IndexStats:
         s = self.index.stats()
@@ -250,6 +298,7 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
         BYTES.set(s.bytes)
         STALENESS.labels("mean").set(s.mean_staleness)
         STALENESS.labels("max").set(s.max_staleness)
+        RESERVED_NOW.set(s.reserved_fragments)
         MEAN_REUSE.set(s.mean_reuse)
         return s
 
@@ -271,6 +320,9 @@ def add_to_server(service: ReplayBufferService, server: grpc.Server) -> None:
         "GetStats": grpc.unary_unary_rpc_method_handler(
             service.GetStats, request_deserializer=pb.GetStatsRequest.FromString,
             response_serializer=pb.BufferStats.SerializeToString),
+        "Reserve": grpc.unary_unary_rpc_method_handler(
+            service.Reserve, request_deserializer=pb.ReserveRequest.FromString,
+            response_serializer=pb.ReserveResponse.SerializeToString),
         "GetStoreInfo": grpc.unary_unary_rpc_method_handler(
             service.GetStoreInfo, request_deserializer=pb.GetStoreInfoRequest.FromString,
             response_serializer=pb.StoreInfo.SerializeToString),

@@ -18,6 +18,9 @@ STEP_LATENCY = Histogram("overworld_env_step_latency_seconds",
                          "From sending a group's actions to having its step results",
                          buckets=(0.0005, 0.001, 0.0025, 0.005, 0.01, 0.025, 0.05, 0.1, 0.25, 1.0))
 ENV_RESTARTS = Counter("overworld_env_restarts_total", "Environment restarts", ["reason"])
+SLOTS_WAITING_FOR_ROOM = Gauge("overworld_env_slots_waiting_for_room",
+                               "Env slots at a fragment boundary waiting for room in the replay buffer "
+                               "(the learner is behind: the fleet steps only what it will sample)")
 QUEUE_DEPTH = Gauge("overworld_send_queue_depth", "Fragments waiting to be sent or acknowledged")
 MODEL_VERSION = Gauge("overworld_worker_model_version", "Model version in use", ["worker"])
 VIDEOS = Counter("overworld_videos_recorded_total", "Episode videos uploaded to the rollout-manager")

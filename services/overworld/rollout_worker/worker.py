@@ -1,6 +1,10 @@
 """The rollout worker: N environment slots in groups, batched policy inference on one group while
 the other group steps, fragments cut per slot and streamed to the replay buffer, new weights
-swapped in between batches, episode statistics and videos to the rollout-manager."""
+swapped in between batches, episode statistics and videos to the rollout-manager.
+
+A slot starts a fragment only with room reserved in the replay buffer (replay_buffer/reservations.py):
+when the learner is behind, slots wait at a fragment boundary instead of stepping data that would be
+dropped as stale."""
 
 from __future__ import annotations
 
@@ -35,6 +39,7 @@ from overworld.rollout_worker.metrics import (
     MODEL_VERSION,
     POLICY_LAG,
     QUEUE_DEPTH,
+    SLOTS_WAITING_FOR_ROOM,
     STEP_LATENCY,
 )
 from overworld.rollout_worker.pipeline_report import PipelineReport
@@ -118,6 +123,9 @@ class RolloutWorker:
         self._leftover: list[common_pb2.Fragment] = []
         self.buffer = ReplayBufferClient(replay_buffer)
         self.sender = self.buffer.writer(rc.to_send_queue_size, os.environ.get("OVERWORLD_ACK_LOG"))
+        self.room = self.buffer.reservations(self.worker_id)
+        self.has_room = np.zeros(self.N, np.bool_)  # the slot's current fragment took reserved room
+        self.waiting_for_room = np.zeros(self.N, np.bool_)
         self.watcher = WeightsWatcher(model_registry, self.worker_id, self.policy.state_dict(), relay_port=relay_port,
                                       shelf=shelf)
         seed = self.config.seed * 1_000_003 + self.index * 10_007
@@ -161,6 +169,8 @@ class RolloutWorker:
                 again = self.manager.register(self._register_request(), timeout=PERIODIC_TIMEOUT)
                 self.worker_id = again.worker_id
                 self.watcher.watcher_id = self.worker_id  # push acknowledgements follow the new id
+                self.room.change_holder(self.worker_id, int(self.has_room.sum()))
+                self.has_room[:] = False
                 self._counted = self._acked  # the old id's record keeps what it was told
         except grpc.RpcError as err:
             log.warning("rollout manager unreachable (%s)", err.code().name)
@@ -272,6 +282,10 @@ class RolloutWorker:
             if self.cutter.drop(slot):
                 self.fragments_dropped += 1
                 FRAGMENTS_DROPPED.labels(reason).inc()
+            if self.has_room[slot]:
+                self.room.unused(1)
+                self.has_room[slot] = False
+            self.waiting_for_room[slot] = False
             self.episodes.forget(slot)
             self.video.abort(slot)
         for slot in res.joined:
@@ -280,6 +294,7 @@ class RolloutWorker:
 
     def _emit(self, slot: int, next_obs: dict[str, np.ndarray]) -> None:
         sequence, data = self.cutter.take(slot, next_obs)
+        self.has_room[slot] = False
         msg = Fragment(self.run_id, self.worker_id, slot, sequence, data).to_proto()
         self.fragments_completed += 1
         # blocked on backpressure (the buffer waiting on the trainer, or gone), new weights still go in
@@ -328,16 +343,34 @@ class RolloutWorker:
                 rate_started, rate_steps = now, self.env_steps
 
     def _act_on(self, g: int) -> float:
-        """Act on the ready slots of group g; when the step was sent (0.0: nothing to step)."""
-        ready = self.pool.ready(g)
+        """Act on the ready slots of group g that may step; when the step was sent (0.0: nothing to step)."""
+        ready = self._with_room(self.pool.ready(g))
         if not ready.size:
             return 0.0
         self._act(g, ready)
         return time.monotonic()
 
+    def _with_room(self, ready: np.ndarray) -> np.ndarray:
+        """Of the ready slots, those mid-fragment and those starting a fragment that got room (the slots
+        that have sent the fewest fragments first); the others wait for room."""
+        starting = ready[(self.cutter.t[ready] == 0) & ~self.has_room[ready]]
+        if starting.size:
+            starting = starting[np.argsort(self.cutter.sequence[starting], kind="stable")]
+            granted = self.room.take(int(starting.size))
+            self.has_room[starting[:granted]] = True
+            self.waiting_for_room[starting[:granted]] = False
+            self.waiting_for_room[starting[granted:]] = True
+            waiting = int(self.waiting_for_room.sum())
+            self.room.want(waiting)
+            SLOTS_WAITING_FOR_ROOM.set(waiting)
+            if granted < starting.size:
+                return ready[~np.isin(ready, starting[granted:])]
+        return ready
+
     def shutdown(self, timeout: float = 30.0) -> None:
         """Flush every complete fragment, deregister, release the environments."""
         self.stop_event.set()
+        self.room.close(in_flight=int(self.has_room.sum()))  # partial fragments are not sent
         for msg in self._leftover:
             self.sender.put(msg, self.stop_event, force=True)
         self._leftover.clear()

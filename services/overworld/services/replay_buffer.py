@@ -78,5 +78,7 @@ def build(args: argparse.Namespace, done: threading.Event) -> Any:
         # Replicas started together clear once; a plain restart of one front clears nothing.
         service.discard_buffered(token=f"{config_hash(config)}:{config.train_config.resume or ''}")
     # add_to_server: the same wire protocol, fragments stored as received and sent as stored.
+    # A thread per call in progress: each worker holds an Insert stream and, while its slots wait for room,
+    # a Reserve call; so does every reader. 256 threads serve a fleet of ~100 workers per front.
     return Served(serve([(add_to_server, service, "overworld.v1.ReplayBuffer")], args.host, args.port,
-                        max_connection_age=FRONT_MAX_CONNECTION_AGE_S), service.stop, index.close)
+                        max_workers=256, max_connection_age=FRONT_MAX_CONNECTION_AGE_S), service.stop, index.close)

@@ -63,12 +63,34 @@ class SetModelVersionResponse(_message.Message):
     dropped_chunks: int
     def __init__(self, dropped_chunks: _Optional[int] = ...) -> None: ...
 
+class ReserveRequest(_message.Message):
+    __slots__ = ("worker_id", "fragments", "wait_seconds", "give_back")
+    WORKER_ID_FIELD_NUMBER: _ClassVar[int]
+    FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    GIVE_BACK_FIELD_NUMBER: _ClassVar[int]
+    worker_id: str
+    fragments: int
+    wait_seconds: float
+    give_back: int
+    def __init__(self, worker_id: _Optional[str] = ..., fragments: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., give_back: _Optional[int] = ...) -> None: ...
+
+class ReserveResponse(_message.Message):
+    __slots__ = ("granted", "limited", "ttl_seconds")
+    GRANTED_FIELD_NUMBER: _ClassVar[int]
+    LIMITED_FIELD_NUMBER: _ClassVar[int]
+    TTL_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    granted: int
+    limited: bool
+    ttl_seconds: float
+    def __init__(self, granted: _Optional[int] = ..., limited: _Optional[bool] = ..., ttl_seconds: _Optional[float] = ...) -> None: ...
+
 class GetStatsRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...
 
 class BufferStats(_message.Message):
-    __slots__ = ("fragments", "chunks", "bytes", "inserted_fragments", "sampled_chunks", "dropped_chunks", "rejected_fragments", "model_version", "mean_reuse", "mean_staleness", "max_staleness", "capacity_chunks")
+    __slots__ = ("fragments", "chunks", "bytes", "inserted_fragments", "sampled_chunks", "dropped_chunks", "rejected_fragments", "model_version", "mean_reuse", "mean_staleness", "max_staleness", "capacity_chunks", "reserved_fragments", "expired_reservations")
     class DroppedChunksEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -95,6 +117,8 @@ class BufferStats(_message.Message):
     MEAN_STALENESS_FIELD_NUMBER: _ClassVar[int]
     MAX_STALENESS_FIELD_NUMBER: _ClassVar[int]
     CAPACITY_CHUNKS_FIELD_NUMBER: _ClassVar[int]
+    RESERVED_FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
+    EXPIRED_RESERVATIONS_FIELD_NUMBER: _ClassVar[int]
     fragments: int
     chunks: int
     bytes: int
@@ -107,7 +131,9 @@ class BufferStats(_message.Message):
     mean_staleness: float
     max_staleness: int
     capacity_chunks: int
-    def __init__(self, fragments: _Optional[int] = ..., chunks: _Optional[int] = ..., bytes: _Optional[int] = ..., inserted_fragments: _Optional[int] = ..., sampled_chunks: _Optional[int] = ..., dropped_chunks: _Optional[_Mapping[str, int]] = ..., rejected_fragments: _Optional[_Mapping[str, int]] = ..., model_version: _Optional[int] = ..., mean_reuse: _Optional[float] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ..., capacity_chunks: _Optional[int] = ...) -> None: ...
+    reserved_fragments: int
+    expired_reservations: int
+    def __init__(self, fragments: _Optional[int] = ..., chunks: _Optional[int] = ..., bytes: _Optional[int] = ..., inserted_fragments: _Optional[int] = ..., sampled_chunks: _Optional[int] = ..., dropped_chunks: _Optional[_Mapping[str, int]] = ..., rejected_fragments: _Optional[_Mapping[str, int]] = ..., model_version: _Optional[int] = ..., mean_reuse: _Optional[float] = ..., mean_staleness: _Optional[float] = ..., max_staleness: _Optional[int] = ..., capacity_chunks: _Optional[int] = ..., reserved_fragments: _Optional[int] = ..., expired_reservations: _Optional[int] = ...) -> None: ...
 
 class GetStoreInfoRequest(_message.Message):
     __slots__ = ()

@@ -59,6 +59,11 @@ class ReplayBufferStub:
                 request_serializer=overworld_dot_v1_dot_replay__buffer__pb2.GetStoreInfoRequest.SerializeToString,
                 response_deserializer=overworld_dot_v1_dot_replay__buffer__pb2.StoreInfo.FromString,
                 _registered_method=True)
+        self.Reserve = channel.unary_unary(
+                '/overworld.v1.ReplayBuffer/Reserve',
+                request_serializer=overworld_dot_v1_dot_replay__buffer__pb2.ReserveRequest.SerializeToString,
+                response_deserializer=overworld_dot_v1_dot_replay__buffer__pb2.ReserveResponse.FromString,
+                _registered_method=True)
 
 
 class ReplayBufferServicer:
@@ -101,6 +106,17 @@ class ReplayBufferServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def Reserve(self, request, context):
+        """Workers reserve room for fragments before they step them, so that a fleet steps only what the
+        rate limiter will admit (docs/replay_buffer.md, "Reserving before stepping"). Waits up to
+        wait_seconds for room; grants what it can (possibly 0). A fragment of the worker takes one
+        fragment's room; room unused for ttl_seconds after the worker's last reservation or fragment
+        goes back. Without a rate limiter every request is granted whole (limited: false).
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ReplayBufferServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -128,6 +144,11 @@ def add_ReplayBufferServicer_to_server(servicer, server):
                     servicer.GetStoreInfo,
                     request_deserializer=overworld_dot_v1_dot_replay__buffer__pb2.GetStoreInfoRequest.FromString,
                     response_serializer=overworld_dot_v1_dot_replay__buffer__pb2.StoreInfo.SerializeToString,
+            ),
+            'Reserve': grpc.unary_unary_rpc_method_handler(
+                    servicer.Reserve,
+                    request_deserializer=overworld_dot_v1_dot_replay__buffer__pb2.ReserveRequest.FromString,
+                    response_serializer=overworld_dot_v1_dot_replay__buffer__pb2.ReserveResponse.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -265,6 +286,33 @@ class ReplayBuffer:
             '/overworld.v1.ReplayBuffer/GetStoreInfo',
             overworld_dot_v1_dot_replay__buffer__pb2.GetStoreInfoRequest.SerializeToString,
             overworld_dot_v1_dot_replay__buffer__pb2.StoreInfo.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def Reserve(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/overworld.v1.ReplayBuffer/Reserve',
+            overworld_dot_v1_dot_replay__buffer__pb2.ReserveRequest.SerializeToString,
+            overworld_dot_v1_dot_replay__buffer__pb2.ReserveResponse.FromString,
             options,
             channel_credentials,
             insecure,
