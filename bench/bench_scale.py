@@ -314,7 +314,8 @@ def soak(fleet: Fleet, minutes: float, warmup_minutes: float = 5.0) -> dict[str,
         use = usage(fleet)
         row = {"minute": round((time.monotonic() - started) / 60, 2), **store_footprint(fleet),
                "version": fleet.latest_version(), "env_steps": fleet.fleet_status().env_steps}
-        for name in ("model-registry", "rollout-manager", "replay-buffer", "gae", "trainer", "redis", "object-store"):
+        for name in ("model-registry", "rollout-manager", "replay-buffer", "gae", "trainer", "redis", "object-store",
+                     "rollout-worker"):
             for pod in use[name]:
                 row[f"{pod['pod']}.rss_mb"] = round(pod["rss_bytes"] / 1e6, 1)
                 row[f"{pod['pod']}.fds"] = pod["fds"]
@@ -324,7 +325,8 @@ def soak(fleet: Fleet, minutes: float, warmup_minutes: float = 5.0) -> dict[str,
         time.sleep(60)
     settled = [s for s in samples if s["minute"] >= warmup_minutes]
     drift = {}
-    for key in settled[0] if settled else []:
+    # every pod seen after the warm-up, pods that replaced others during the soak included
+    for key in sorted({k for s in settled for k in s}):
         if key.endswith((".rss_mb", ".fds")):
             values = [s[key] for s in settled if key in s]
             # a leak is a trend: the mean of the last third against the first third (a point sample
@@ -337,6 +339,7 @@ def soak(fleet: Fleet, minutes: float, warmup_minutes: float = 5.0) -> dict[str,
                for k in ("object_store_keys", "model_versions", "checkpoints", "redis_keys")} if settled else {}
     return {"minutes": minutes, "warmup_minutes": warmup_minutes, "samples": samples, "after_warmup": drift,
             "stores": bounded,
+            "largest_drift": max((v["spread"] for v in drift.values()), key=abs, default=None),
             "within_10_percent": all(abs(v["spread"]) <= 0.10 for v in drift.values()) if drift else None}
 
 
