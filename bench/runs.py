@@ -61,19 +61,28 @@ def read_run(workdir: Path) -> dict[str, Any]:
     return summary
 
 
+def _git(*args: str) -> str:
+    out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
+    return out.stdout.strip()
+
+
+# The tree as it was when this benchmark started: a result measured for an hour names the code it ran,
+# not the commit someone made while it ran.
+STARTED = {"commit": _git("rev-parse", "HEAD"),
+           "tree_modified": bool(_git("status", "--porcelain", "--untracked-files=no")),
+           "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+
+
 def provenance() -> dict[str, Any]:
-    """What a result was measured on: the commit (and whether the tree had changes), the date, the
-    machine and the command, so that a figure can be traced to the code and hardware that made it."""
-    def git(*args: str) -> str:
-        out = subprocess.run(["git", *args], cwd=ROOT, capture_output=True, text=True, check=False)
-        return out.stdout.strip()
+    """What a result was measured on: the commit and whether the tree had changes, both as they were
+    when the benchmark started, the start and finish dates, the machine and the command, so that a
+    figure can be traced to the code and hardware that made it."""
 
     cpu = next((line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
                 if line.startswith("model name")), "unknown") if Path("/proc/cpuinfo").exists() else "unknown"
     memory = next((int(line.split()[1]) // 1024**2 for line in Path("/proc/meminfo").read_text().splitlines()
                    if line.startswith("MemTotal")), 0) if Path("/proc/meminfo").exists() else 0
-    return {"commit": git("rev-parse", "HEAD"), "tree_modified": bool(git("status", "--porcelain", "--untracked-files=no")),
-            "date": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    return {**STARTED, "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
             "machine": {"cpu": cpu, "cpus": os.cpu_count(), "memory_gib": memory, "kernel": os.uname().release},
             "command": " ".join(["python", *sys.argv])}
 
