@@ -23,6 +23,7 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("overworld.replay_buffer.reservations")
 WAIT_SECONDS = 0.5  # how long one Reserve call waits for room: a stop or a new holder is seen this often
+CALL_TIMEOUT = 5.0  # beyond the wait: a buffer that does not answer is asked again (or given up at close)
 
 
 class Reservations:
@@ -84,14 +85,14 @@ class Reservations:
             self._closed = True
             back, self._held = self._held + in_flight, 0
             self._cond.notify_all()
-        self._thread.join(WAIT_SECONDS + 15)
+        self._thread.join(2.0)  # a call in flight gives back what it is granted (see _run)
         self._give_back(self._holder, back)
 
     def _give_back(self, holder: str, n: int) -> None:
         if n <= 0 or self._unlimited:
             return
         try:
-            self._client.reserve(holder, 0, give_back=n, timeout=5.0)
+            self._client.reserve(holder, 0, give_back=n, timeout=CALL_TIMEOUT)
         except grpc.RpcError as err:  # the buffer takes it back when the ttl lapses
             log.warning("could not give back %d fragments' room (%s); it lapses at the buffer", n, err.code().name)
 
@@ -105,7 +106,7 @@ class Reservations:
                     return
                 holder, ask = self._holder, self._wanted - self._held
             try:
-                reply = self._client.reserve(holder, ask, wait=WAIT_SECONDS, timeout=WAIT_SECONDS + 10)
+                reply = self._client.reserve(holder, ask, wait=WAIT_SECONDS, timeout=WAIT_SECONDS + CALL_TIMEOUT)
             except grpc.RpcError as err:
                 if err.code() == grpc.StatusCode.UNIMPLEMENTED:
                     log.info("the replay buffer does not know Reserve: every fragment is sent unreserved")
@@ -121,8 +122,8 @@ class Reservations:
             with self._cond:
                 if not reply.limited:
                     self._unlimited = True
-                elif holder == self._holder:
+                elif holder == self._holder and not self._closed:
                     self._held += reply.granted
                     continue
-            if reply.limited and reply.granted:  # granted to an id the worker no longer has
+            if reply.limited and reply.granted:  # granted to an id the worker no longer has, or after close
                 self._give_back(holder, reply.granted)
