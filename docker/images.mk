@@ -1,39 +1,55 @@
 # Image builds (included by the Makefile): make images, or one of image-services,
 # image-rollout-worker, image-trainer. Each installs its role of pyproject.toml (`.[services]`,
-# `.[rollout-worker]`, `.[trainer]`); torch and Ray versions are read from there so that the GPU
-# images carry exactly the pinned torch (a CUDA build, installed first) and the Ray of their base.
+# `.[rollout-worker]`, `.[trainer]`) at its pins; torch and Ray versions are read from there.
 #   make images REGISTRY=registry.example.com/rl TAG=0.1.0
+#   make images TORCH_VARIANT=cpu                       # the CPU-only torch (CI, the cluster rehearsal)
 #   make image-rollout-worker WORKER_TARGET=minecraft   # + Java and MineStudio's engine
-#   make images DOCKER="docker buildx" BUILD_FLAGS="--platform linux/amd64 --push"
+#   make images BUILDER=docker DOCKER="docker buildx" BUILD_FLAGS="--platform linux/amd64 --push"
+# BUILDER (docker/build-image.sh): docker when its daemon answers, else buildah. A base image that can
+# be neither found nor pulled is built as a stand-in from Debian's packages (docker/standin-base.sh).
 
+BUILDER ?= auto
 DOCKER ?= docker
 BUILD_FLAGS ?=
 REGISTRY ?= ghcr.io/overworld-rl
 TAG ?= $(shell sed -n 's/^version = "\(.*\)"/\1/p' pyproject.toml | head -1)
 WORKER_TARGET ?= runtime
+TORCH_VARIANT ?= cuda
+TORCH_CPU_INDEX_URL ?= https://download.pytorch.org/whl/cpu
 pin = $(shell sed -n 's/.*"$(1)\(\[[^]]*\]\)\{0,1\}==\([^"]*\)".*/\2/p' pyproject.toml | head -1)
 TORCH_VERSION := $(call pin,torch)
 RAY_VERSION := $(call pin,ray)
+MOTO_VERSION := $(call pin,moto)
+build_image = BUILDER=$(BUILDER) DOCKER="$(DOCKER)" BUILD_FLAGS="$(BUILD_FLAGS)" docker/build-image.sh
+torch_args = --build-arg TORCH_VERSION=$(TORCH_VERSION) --build-arg TORCH_VARIANT=$(TORCH_VARIANT) \
+	  --build-arg TORCH_CPU_INDEX_URL=$(TORCH_CPU_INDEX_URL)
+# The rehearsal's stand-ins for the chart's third-party images (tests/cluster/*.Dockerfile).
+REHEARSAL_OBJECT_STORE ?= localhost/overworld-rehearsal/object-store:moto-$(MOTO_VERSION)
+REHEARSAL_REDIS ?= localhost/overworld-rehearsal/redis:bookworm
 
-.PHONY: images image-services image-rollout-worker image-trainer image-versions
+.PHONY: images image-services image-rollout-worker image-trainer image-versions rehearsal-images
 
 images: image-services image-rollout-worker image-trainer
 
 image-versions:
 	@test -n "$(TORCH_VERSION)" || { echo "no torch==X pin in pyproject.toml" >&2; exit 1; }
 	@test -n "$(RAY_VERSION)" || { echo "no ray==X pin in pyproject.toml" >&2; exit 1; }
-	@echo "tag $(TAG): torch $(TORCH_VERSION), ray $(RAY_VERSION)"
+	@echo "tag $(TAG): torch $(TORCH_VERSION) ($(TORCH_VARIANT)), ray $(RAY_VERSION)"
 
 image-services: image-versions
-	$(DOCKER) build $(BUILD_FLAGS) -f docker/services.Dockerfile \
-	  -t $(REGISTRY)/overworld-services:$(TAG) .
+	$(build_image) docker/services.Dockerfile runtime $(REGISTRY)/overworld-services:$(TAG)
 
 image-rollout-worker: image-versions
-	$(DOCKER) build $(BUILD_FLAGS) -f docker/rollout-worker.Dockerfile --target $(WORKER_TARGET) \
-	  --build-arg TORCH_VERSION=$(TORCH_VERSION) \
-	  -t $(REGISTRY)/overworld-rollout-worker:$(TAG)$(if $(filter minecraft,$(WORKER_TARGET)),-minecraft) .
+	$(build_image) docker/rollout-worker.Dockerfile $(WORKER_TARGET) \
+	  $(REGISTRY)/overworld-rollout-worker:$(TAG)$(if $(filter minecraft,$(WORKER_TARGET)),-minecraft) $(torch_args)
 
 image-trainer: image-versions
-	$(DOCKER) build $(BUILD_FLAGS) -f docker/trainer.Dockerfile \
-	  --build-arg TORCH_VERSION=$(TORCH_VERSION) --build-arg RAY_VERSION=$(RAY_VERSION) \
-	  -t $(REGISTRY)/overworld-trainer:$(TAG) .
+	$(build_image) docker/trainer.Dockerfile runtime $(REGISTRY)/overworld-trainer:$(TAG) \
+	  $(torch_args) --build-arg RAY_VERSION=$(RAY_VERSION)
+
+# What `make test` runs (tests/oci_images.py builds it, the three images with the CPU-only torch under
+# names of their own): the images, and the stand-ins for the object store and Redis.
+rehearsal-images: images
+	CONTEXT=tests/cluster $(build_image) tests/cluster/object-store.Dockerfile runtime \
+	  $(REHEARSAL_OBJECT_STORE) --build-arg MOTO_VERSION=$(MOTO_VERSION)
+	CONTEXT=tests/cluster $(build_image) tests/cluster/redis.Dockerfile runtime $(REHEARSAL_REDIS)

