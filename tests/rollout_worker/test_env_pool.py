@@ -149,3 +149,31 @@ def test_resets_happen_off_the_hot_path_and_restart_interval_recycles() -> None:
         assert pool.restarts["interval"] > 0 and not tally["failed"]
     finally:
         pool.close()
+
+
+@pytest.mark.parametrize("backend", ["subprocess", "inprocess"])
+def test_wake_ends_the_loops_wait_at_once(backend: str) -> None:
+    """Room reserved by another thread wakes the worker's loop: a wait that would last a minute ends."""
+    import threading
+
+    from overworld.envs.gym_tasks import make_env
+
+    env = make_env("CartPole-v1")
+    spaces = spaces_from_gym(env.observation_space, env.action_space)
+    if backend == "subprocess":
+        pool = EnvPool("overworld.envs.gym_tasks:make_env", {"id": "CartPole-v1"}, spaces, 2, 1, 1, seed=0)
+    else:
+        pool = InProcessEnvPool("overworld.envs.gym_tasks:make_env", {"id": "CartPole-v1"}, spaces, 2, 1, seed=0)
+    try:
+        drive(pool, 10, until=lambda t: pool.active.all())  # every env joined: nothing else will wake it
+        for wait in (lambda: pool.idle_wait(60), lambda: pool.wait_any([0], 60) if backend == "subprocess" else None):
+            threading.Timer(0.2, pool.wake).start()
+            started = time.monotonic()
+            wait()
+            assert time.monotonic() - started < 30
+        pool.wake()  # a wake that came before the wait ends it too
+        started = time.monotonic()
+        pool.idle_wait(60)
+        assert time.monotonic() - started < 30
+    finally:
+        pool.close()

@@ -13,7 +13,7 @@ from, its fetch threads and its read buffers (`refs.BlobRefReader`).
 from __future__ import annotations
 
 import threading
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from types import TracebackType
 
 import grpc
@@ -66,9 +66,10 @@ class ReplayBufferClient:
                                                    give_back=give_back)
         return self.stub.Reserve(request, timeout=timeout)
 
-    def reservations(self, worker_id: str) -> Reservations:
-        """Room reserved ahead for the fragments of `worker_id` (`want`, `take`, `close`)."""
-        return Reservations(self, worker_id)
+    def reservations(self, worker_id: str, on_room: Callable[[], None] | None = None) -> Reservations:
+        """Room reserved ahead for the fragments of `worker_id` (`want`, `take`, `close`); `on_room` is
+        called when room arrives."""
+        return Reservations(self, worker_id, on_room)
 
     # ----------------------------------------------------------------- reader
 

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import logging
 import threading
+from collections.abc import Callable
 from typing import TYPE_CHECKING
 
 import grpc
@@ -29,9 +30,11 @@ CALL_TIMEOUT = 5.0  # beyond the wait: a buffer that does not answer is asked ag
 class Reservations:
     """Room held for the fragments of one holder (the worker id its fragments carry)."""
 
-    def __init__(self, client: ReplayBufferClient, holder: str) -> None:
+    def __init__(self, client: ReplayBufferClient, holder: str, on_room: Callable[[], None] | None = None) -> None:
+        """`on_room` is called (from the thread) whenever room arrives: the worker's loop wakes to take it."""
         self._client = client
         self._holder = holder
+        self._on_room = on_room
         self._held = 0  # granted and not yet taken
         self._wanted = 0  # slots waiting for room
         self._unlimited = False
@@ -122,8 +125,12 @@ class Reservations:
             with self._cond:
                 if not reply.limited:
                     self._unlimited = True
+                    if self._on_room is not None:
+                        self._on_room()
                 elif holder == self._holder and not self._closed:
                     self._held += reply.granted
+                    if reply.granted and self._on_room is not None:
+                        self._on_room()
                     continue
             if reply.limited and reply.granted:  # granted to an id the worker no longer has, or after close
                 self._give_back(holder, reply.granted)

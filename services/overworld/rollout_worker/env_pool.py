@@ -26,6 +26,7 @@ import json
 import logging
 import math
 import multiprocessing as mp
+import os
 import select
 import threading
 import time
@@ -80,6 +81,39 @@ class _PoolBase:
         self._restarts_lock = threading.Lock()  # the heartbeat thread reads them
         self._pending = [GroupResult(g) for g in range(len(self.groups))]
         self.arrays: dict[str, np.ndarray] = {}
+        # wake(): another thread has news for the loop (room reserved): its wait ends at once
+        self._wake_read, self._wake_write = os.pipe()
+        os.set_blocking(self._wake_read, False)
+        os.set_blocking(self._wake_write, False)
+        self._woken = False
+        self._wake_fds_open = True
+        self._wake_lock = threading.Lock()  # a wake() racing close() never writes to a reused descriptor
+
+    def wake(self) -> None:
+        """End the loop's current wait (`idle_wait`, `wait_any`) now; callable from any thread."""
+        with self._wake_lock, contextlib.suppress(BlockingIOError):  # a full pipe already wakes the loop
+            if self._wake_fds_open:
+                os.write(self._wake_write, b"\0")
+
+    def _drain_wake(self) -> bool:
+        """Whether wake() was called since the last drain."""
+        try:
+            woken = bool(os.read(self._wake_read, 4096))
+        except BlockingIOError:
+            woken = False
+        self._woken = self._woken or woken
+        return woken
+
+    def _take_woken(self) -> bool:
+        woken, self._woken = self._woken or self._drain_wake(), False
+        return woken
+
+    def _close_wake(self) -> None:
+        """Once: a second close of a number the process has given to another file would close that one."""
+        with self._wake_lock:
+            fds, self._wake_fds_open = (self._wake_read, self._wake_write) if self._wake_fds_open else (), False
+            for fd in fds:
+                os.close(fd)
 
     @property
     def obs(self) -> dict[str, np.ndarray]:
@@ -140,7 +174,10 @@ class _PoolBase:
         return result
 
     def idle_wait(self, timeout: float) -> None:
-        time.sleep(timeout)
+        """Nothing to step: wait up to `timeout`, or until wake()."""
+        if not self._take_woken():
+            select.select([self._wake_read], [], [], max(0.0, timeout))
+            self._take_woken()
 
 
 class InProcessEnvPool(_PoolBase):
@@ -175,6 +212,7 @@ class InProcessEnvPool(_PoolBase):
 
     def close(self) -> None:
         self.runner.close()
+        self._close_wake()
 
 
 @dataclass
@@ -226,6 +264,7 @@ class EnvPool(_PoolBase):
         # One poll set for every live process' pipe and sentinel, kept across calls: multiprocessing's
         # wait() and Connection.poll() build a selector per call, which cost as much as a small step.
         self._poller = select.poll()
+        self._poller.register(self._wake_read, select.POLLIN)
         self._fd_owner: dict[int, _Proc] = {}
         for p in self.procs:
             self._spawn(p)
@@ -320,6 +359,9 @@ class EnvPool(_PoolBase):
         events = self._poller.poll(max(0.0, timeout) * 1000.0)
         touched: dict[int, bool] = {}  # proc index -> its process is gone
         for fd, _ in events:
+            if fd == self._wake_read:
+                self._drain_wake()
+                continue
             p = self._fd_owner.get(fd)
             if p is not None:
                 touched[p.index] = touched.get(p.index, False) or fd == p.proc.sentinel
@@ -363,15 +405,17 @@ class EnvPool(_PoolBase):
                     self._fail(p, "timeout")
             busy = {g for p in self.procs if p.state == "running" for g in p.outstanding}
             done = next((g for g in groups if g not in busy), None)
-            if done is not None or now >= deadline or (stop is not None and stop.is_set()):
+            if done is not None or now >= deadline or (stop is not None and stop.is_set()) or self._take_woken():
                 self._maintain()
                 return done
             heads = [p.head_since + self.step_timeout for p in self.procs if p.state == "running" and p.outstanding]
             self._pump(max(0.0, min(deadline, *heads) - now) if heads else deadline - now)
 
     def idle_wait(self, timeout: float) -> None:
-        """Nothing to step: wait for a join (or anything else) from any process."""
-        self._pump(timeout)
+        """Nothing to step: wait for a join (or anything else) from any process, or wake()."""
+        if not self._take_woken():
+            self._pump(timeout)
+            self._take_woken()
         self._maintain()
 
     def close(self) -> None:
@@ -389,6 +433,7 @@ class EnvPool(_PoolBase):
             if p.conn is not None:
                 p.conn.close()
         self.shared.close(unlink=True)
+        self._close_wake()
 
 
 def num_groups_for(num_envs: int, batch_size: int) -> int:

@@ -123,13 +123,13 @@ class RolloutWorker:
         self._leftover: list[common_pb2.Fragment] = []
         self.buffer = ReplayBufferClient(replay_buffer)
         self.sender = self.buffer.writer(rc.to_send_queue_size, os.environ.get("OVERWORLD_ACK_LOG"))
-        self.room = self.buffer.reservations(self.worker_id)
         self.has_room = np.zeros(self.N, np.bool_)  # the slot's current fragment took reserved room
         self.waiting_for_room = np.zeros(self.N, np.bool_)
         self.watcher = WeightsWatcher(model_registry, self.worker_id, self.policy.state_dict(), relay_port=relay_port,
                                       shelf=shelf)
         seed = self.config.seed * 1_000_003 + self.index * 10_007
         self.pool = make_pool(self.config, self.spaces, seed, env_backend)
+        self.room = self.buffer.reservations(self.worker_id, on_room=self.pool.wake)
         self.cutter = FragmentCutter(self.spaces, self.N, self.T)
         task = self.config.task_name or self.config.env_generator.rsplit(":", 1)[-1]
         self.episodes = EpisodeTracker(self.N, self.config.train_config.discount, task)
