@@ -55,16 +55,21 @@ def test_groups() -> None:
     assert num_groups_for(1, 8) == 1
 
 
-@pytest.mark.parametrize("backend", ["subprocess", "inprocess"])
-def test_cartpole_steps_every_slot(backend: str) -> None:
+def cartpole_pool(backend: str, num_envs: int, num_groups: int) -> EnvPool | InProcessEnvPool:
     from overworld.envs.gym_tasks import make_env
 
     env = make_env("CartPole-v1")
     spaces = spaces_from_gym(env.observation_space, env.action_space)
     if backend == "subprocess":
-        pool = EnvPool("overworld.envs.gym_tasks:make_env", {"id": "CartPole-v1"}, spaces, 4, 2, 2, seed=0)
-    else:
-        pool = InProcessEnvPool("overworld.envs.gym_tasks:make_env", {"id": "CartPole-v1"}, spaces, 4, 2, seed=0)
+        return EnvPool("overworld.envs.gym_tasks:make_env", {"id": "CartPole-v1"}, spaces, num_envs, 2, num_groups,
+                       seed=0)
+    return InProcessEnvPool("overworld.envs.gym_tasks:make_env", {"id": "CartPole-v1"}, spaces, num_envs, num_groups,
+                            seed=0)
+
+
+@pytest.mark.parametrize("backend", ["subprocess", "inprocess"])
+def test_cartpole_steps_every_slot(backend: str) -> None:
+    pool = cartpole_pool(backend, 4, 2)
     try:
         tally = drive(pool, 20, until=lambda t: t["ended"] >= 8 and len(t["stepped"]) == 4
                       and min(t["stepped"].values()) > 50)
@@ -156,14 +161,7 @@ def test_wake_ends_the_loops_wait_at_once(backend: str) -> None:
     """Room reserved by another thread wakes the worker's loop: a wait that would last a minute ends."""
     import threading
 
-    from overworld.envs.gym_tasks import make_env
-
-    env = make_env("CartPole-v1")
-    spaces = spaces_from_gym(env.observation_space, env.action_space)
-    if backend == "subprocess":
-        pool = EnvPool("overworld.envs.gym_tasks:make_env", {"id": "CartPole-v1"}, spaces, 2, 1, 1, seed=0)
-    else:
-        pool = InProcessEnvPool("overworld.envs.gym_tasks:make_env", {"id": "CartPole-v1"}, spaces, 2, 1, seed=0)
+    pool = cartpole_pool(backend, 2, 1)
     try:
         drive(pool, 10, until=lambda t: pool.active.all())  # every env joined: nothing else will wake it
         for wait in (lambda: pool.idle_wait(60), lambda: pool.wait_any([0], 60) if backend == "subprocess" else None):
