@@ -52,38 +52,44 @@ def tls_rows(name: str, what: str, rows: dict[str, dict[str, Any]]) -> list[str]
 
 
 def gpu_rows(data: dict[str, Any]) -> list[str]:
-    """bench/gpu/check.py (`make gpu-check`): each figure with the device, driver and torch it ran on."""
+    """bench/gpu/check.py's one device call (bench/gpu/collect.py): each figure with the device, driver and
+    torch it ran on; a step the call did not finish says how it ended."""
     def on(section: dict[str, Any]) -> str:
-        o = section.get("on", {})
+        o = section.get("on") or {}
         return f"{o.get('device')}, driver {o.get('driver')}, torch {o.get('torch')}"
+
+    def unfinished(name: str, section: dict[str, Any]) -> str:
+        return f"| gpu | {name} | {section.get('status')} | |"
 
     rows = []
     r = data.get("rollout", {})
-    if "rows" in r:
-        rows.append(f"| gpu | rollout worker, {r['num_envs']} Crafter envs in groups of {r['batch_size']}, the recipe's "
-                    f"ResNet: env steps/s with inference on CUDA vs on the CPU ({on(r)}) | "
-                    f"{r['rows']['cuda']['env_steps_per_second']:.0f} vs {r['rows']['cpu']['env_steps_per_second']:.0f} "
-                    f"({r['cuda_over_cpu']}×) | |")
+    rows.append(f"| gpu | rollout worker, {r['num_envs']} Crafter envs in groups of {r['batch_size']}, the recipe's "
+                f"ResNet: env steps/s with inference on CUDA vs on the CPU ({on(r)}) | "
+                f"{r['rows']['cuda']['env_steps_per_second']:.0f} vs {r['rows']['cpu']['env_steps_per_second']:.0f} "
+                f"({r['cuda_over_cpu']}×) | |" if r.get("status") == "ok" else unfinished("rollout", r))
     v = data.get("vpt2x", {})
-    if "samples_per_second" in v:
-        memory = v.get("max_memory_allocated_gib", v.get("peak_rss_gib"))
-        rows.append(f"| gpu | one PPO iteration, VPT-2x stand-in ({v['parameters'] / 1e6:.1f} M), MineStudio's quick-start "
-                    f"batch ({v['settings']['chains']} chains x {v['settings']['steps_per_chain']} steps), "
-                    f"{v['settings']['autocast']}: samples/s, peak memory GiB ({on(v)}) | "
-                    f"{v['samples_per_second']}, {memory} | |")
+    memory = v.get("max_memory_allocated_gib", v.get("peak_rss_gib"))
+    rows.append(f"| gpu | one PPO iteration, VPT-2x stand-in ({v['parameters'] / 1e6:.1f} M), {v['chains_measured']} "
+                f"of MineStudio's quick-start {v['settings']['chains']} chains x {v['settings']['steps_per_chain']} "
+                f"steps, {v['settings']['autocast']}: samples/s, seconds, peak memory GiB ({on(v)}) | "
+                f"{v['samples_per_second']}, {v['iteration_seconds']}, {memory} | |"
+                if v.get("status") == "ok" and "samples_per_second" in v else
+                unfinished("vpt2x", v if v.get("status") != "ok" else {"status": f"not measured: {v.get('not_measured')}"}))
     a = data.get("amp_fp16", {})
-    if "scaler_restored" in a:
-        rows.append(f"| gpu | use_amp fp16 + GradScaler: steps taken, scaler restored from the checkpoint ({on(a)}) | "
-                    f"{a['optimizer_steps'] - a['skipped_steps']:.0f} of {a['optimizer_steps']}, {a['scaler_restored']} | |")
+    rows.append(f"| gpu | use_amp fp16 + GradScaler: steps taken, scaler restored from the checkpoint ({on(a)}) | "
+                f"{a['optimizer_steps'] - a['skipped_steps']:.0f} of {a['optimizer_steps']}, {a['scaler_restored']} | |"
+                if a.get("status") == "ok" else unfinished("amp_fp16", a))
     c = data.get("crafter", {})
-    for seed, rec in sorted(c.get("seeds", {}).items()):
-        score = (rec.get("crafter") or {}).get("score")
-        rows.append(f"| gpu | Crafter benchmark, {c['config']}, seed {seed}: score after {rec.get('env_steps'):,} env steps "
-                    f"({len(rec.get('segments', []))} segments{'' if rec.get('done') else ', not finished'}; {on(c)}) | "
-                    f"{'n/a' if score is None else f'{score:.2f}'} | published PPO (ResNet) {c.get('published_ppo_resnet')} |")
-    if c.get("score_mean") is not None:
-        rows.append(f"| gpu | Crafter benchmark, mean ± std over {len(c['score_per_finished_seed'])} finished seeds | "
-                    f"{c['score_mean']:.2f} ± {c['score_std']:.2f} | > {c.get('published_ppo_resnet')} |")
+    if c.get("env_steps"):
+        full = c.get("full_benchmark") or {}
+        rows.append(f"| gpu | Crafter, {c['config']}, one call ({c.get('status')}): env steps, env steps/s, learner "
+                    f"s/iteration, score so far ({on(c)}) | {c['env_steps']:,}, {c.get('env_steps_per_second')}, "
+                    f"{c.get('learner_seconds_per_iteration')}, {c.get('score')} | |")
+        rows.append(f"| gpu | Crafter benchmark ({full.get('seeds')} seeds x 1M env steps): calls like this one it "
+                    f"would take at that rate | {full.get('calls')} ({full.get('env_steps_per_call'):,} env steps "
+                    f"a call) | |" if full.get("calls") else unfinished("Crafter benchmark calls", full))
+    else:
+        rows.append(unfinished("crafter", c))
     return rows
 
 
@@ -281,6 +287,24 @@ def readme_rows(results: dict[str, dict[str, Any]]) -> list[str]:
         growth = d["peak_growth_mb_per_chain"]
         add(f"| Trainer memory per extra chain of VPT-2x, one iteration | {growth['iteration']} MB (was "
             f"{growth['recomputation_whole_batch_before']} MB before chunked recomputation) | {_at(d)} |")
+    if "gpu" in results:
+        d = results["gpu"]
+        r, v, c = d.get("rollout", {}), d.get("vpt2x", {}), d.get("crafter", {})
+        on = (d.get("probe") or {}).get("on") or {}
+        done = [f"rollout inference CUDA vs CPU {r['rows']['cuda']['env_steps_per_second']:.0f} vs "
+                f"{r['rows']['cpu']['env_steps_per_second']:.0f} env steps/s" if r.get("status") == "ok" else
+                f"rollout {r.get('status')}",
+                f"VPT-2x PPO iteration in bf16 {v['samples_per_second']} samples/s"
+                if v.get("status") == "ok" and "samples_per_second" in v else f"VPT-2x {v.get('status')}",
+                f"fp16 + GradScaler {'ok' if d.get('amp_fp16', {}).get('status') == 'ok' else d.get('amp_fp16', {}).get('status')}"]
+        add(f"| The GPU check, one device call on {on.get('device')} (torch {on.get('torch')}) | {'; '.join(done)} "
+            f"| {_at(d)} |")
+        if c.get("env_steps"):
+            calls = (c.get("full_benchmark") or {}).get("calls")
+            add(f"| Crafter recipe (`{c['config']}`) in that call: env steps/s, learner s/iteration, score after "
+                f"{c['env_steps']:,} env steps; calls the full benchmark (3 seeds × 1M) would take | "
+                f"{c.get('env_steps_per_second')}, {c.get('learner_seconds_per_iteration')}, {c.get('score')}; "
+                f"{calls} | {_at(d)} |")
     return ["| what | measured | measured at |", "|---|---|---|", *rows]
 
 

@@ -4,7 +4,6 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
 import time
@@ -15,31 +14,15 @@ ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
 
 
-def overworld_run(config: str, workdir: Path, *args: str, timeout: float = 7200,
-                  stop_after: float | None = None) -> dict[str, Any]:
-    """Train; return the summary with the learning curve (progress.jsonl) under "curve". `stop_after`
-    seconds: then stop the run as Ctrl-C does (SIGTERM: the trainer checkpoints, `--resume latest` goes on
-    from there; bench/gpu/check.py runs a seed in segments that way) and wait up to `timeout` for it."""
+def overworld_run(config: str, workdir: Path, *args: str, timeout: float = 7200) -> dict[str, Any]:
+    """Train; return the summary with the learning curve (progress.jsonl) under "curve"."""
     workdir.mkdir(parents=True, exist_ok=True)
     cmd = [sys.executable, "-m", "overworld.cli", "run", str(ROOT / config), "--workdir", str(workdir),
            "--summary", str(workdir / "summary.json"), *args]
     print("$", " ".join(cmd), flush=True)
     with open(workdir / "stdout.log", "a") as out:
-        if stop_after is None:
-            subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, check=False,
-                           env={**os.environ, "PYTHONUNBUFFERED": "1"})
-            return read_run(workdir)
-        proc = subprocess.Popen(cmd, stdout=out, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-        try:
-            proc.wait(timeout=max(0.0, stop_after))
-        except subprocess.TimeoutExpired:
-            proc.send_signal(signal.SIGTERM)
-            try:
-                proc.wait(timeout=timeout)
-            except subprocess.TimeoutExpired:
-                proc.kill()
-                proc.wait()
-                raise
+        subprocess.run(cmd, stdout=out, stderr=subprocess.STDOUT, timeout=timeout, check=False,
+                       env={**os.environ, "PYTHONUNBUFFERED": "1"})
     return read_run(workdir)
 
 

@@ -1,48 +1,52 @@
-"""The GPU box `make gpu-check` plans for (issue 24): CPython 3.12 with a CUDA torch, grpcio, protobuf,
-numpy, safetensors and prometheus-client (and what torch itself needs), nothing to download; everything
-else travels as the wheels of bench/gpu/wheels.txt.
+"""The GPU box's Python packages (bench/gpu/box_packages.txt, from the device tool's KINDS.md) and the
+view of this interpreter that the stand-in box (bench/gpu/standin.py) runs in.
 
-- On the box: `install_wheels` puts gpu-wheels/*.whl into .gpu-site/ (pip --target, no index), which
-  goes first on the path, so the pinned gRPC/protobuf win over older ones the box may have.
-- Here (the dry run, CI): `simulate` hides every installed distribution that is neither on the box nor
-  in the wheel set, for this process and every process it starts (a sitecustomize module first on
-  PYTHONPATH swaps site-packages for a view holding only the others): Ray, W&B, TensorBoard, numba, ...
-  are then simply not found. A pipeline that needs one of them, or a wheel missing from wheels.txt,
-  fails the dry run.
+`simulate` writes a sitecustomize module that swaps this interpreter's site-packages for a view holding
+only the box's distributions installed here (and what they require): Ray, W&B, cffi and the rest are
+then simply not found, in the stand-in's python3 and in every process it starts. What the check needs
+beyond the box must then come from the carried wheels, as on the box.
 """
 
 from __future__ import annotations
 
 import importlib.metadata as md
 import json
-import os
 import re
 import shutil
-import subprocess
-import sys
+import site
 from pathlib import Path
 
-ROOT = Path(__file__).resolve().parents[2]
+BOX_PACKAGES_TXT = Path(__file__).with_name("box_packages.txt")
 WHEELS_TXT = Path(__file__).with_name("wheels.txt")
-WHEEL_DIR = ROOT / "gpu-wheels"
-SITE = ROOT / ".gpu-site"
-# The box as the issue describes it (beside the standard library, pip and setuptools).
-BOX_PACKAGES = ("torch", "grpcio", "protobuf", "numpy", "safetensors", "prometheus-client", "pip", "setuptools")
+BOX_PYTHON = (3, 12)
+# The project's runtime dependencies (pyproject.toml: the core, rollout-worker and trainer) that the check
+# needs neither from the box nor from the carry: the Redis and S3 backends (it runs the embedded ones), Ray
+# and W&B (num_workers: 0, no W&B logger) and ffmpeg (no episode videos).
+LEFT_BEHIND = ("redis", "minio", "ray", "wandb", "imageio-ffmpeg")
 
 
 def normalize(name: str) -> str:
     return re.sub(r"[-_.]+", "-", name).lower()
 
 
-def wheel_requirements() -> dict[str, str]:
-    """wheels.txt: normalized name -> pinned version."""
-    out = {}
-    for line in WHEELS_TXT.read_text().splitlines():
+def pinned(path: Path) -> dict[str, str | None]:
+    """A list of `name` or `name==version` lines (comments left out): normalized name -> version."""
+    out: dict[str, str | None] = {}
+    for line in path.read_text().splitlines():
         line = line.split("#", 1)[0].strip()
         if line:
             name, _, version = line.partition("==")
-            out[normalize(name)] = version.strip()
+            out[normalize(name)] = version.strip() or None
     return out
+
+
+def box_packages() -> dict[str, str | None]:
+    return pinned(BOX_PACKAGES_TXT)
+
+
+def wheel_requirements() -> dict[str, str]:
+    """wheels.txt: normalized name -> pinned version (every line is pinned)."""
+    return {name: version or "" for name, version in pinned(WHEELS_TXT).items()}
 
 
 def _requirements(dist: str) -> list[str]:
@@ -51,18 +55,14 @@ def _requirements(dist: str) -> list[str]:
         reqs = md.requires(dist) or []
     except md.PackageNotFoundError:
         return []
-    names = []
-    for req in reqs:
-        if "extra ==" in req.replace('"', "'").replace("extra==", "extra =="):
-            continue
-        names.append(normalize(re.split(r"[\s;<>=!~\[(]", req, maxsplit=1)[0]))
-    return names
+    return [normalize(re.split(r"[\s;<>=!~\[(]", req, maxsplit=1)[0]) for req in reqs
+            if "extra ==" not in req.replace('"', "'").replace("extra==", "extra ==")]
 
 
-def box_distributions() -> set[str]:
+def box_distributions_here() -> set[str]:
     """The box's packages and everything they require, as installed here."""
     seen: set[str] = set()
-    todo = [normalize(n) for n in BOX_PACKAGES]
+    todo = list(box_packages())
     while todo:
         name = todo.pop()
         if name not in seen:
@@ -71,15 +71,8 @@ def box_distributions() -> set[str]:
     return seen
 
 
-def hidden_distributions() -> list[str]:
-    """Distributions installed here that would not be on the box: neither the box's nor the wheel set's."""
-    allowed = box_distributions() | set(wheel_requirements())
-    names = {normalize(d.metadata["Name"]) for d in md.distributions() if d.metadata["Name"]}
-    return sorted(names - allowed - {"overworld"})
-
-
-SITECUSTOMIZE = '''"""Written by bench/gpu/box.py for the dry run: this interpreter's site-packages replaced by a view of
-it that holds only what the GPU box has and the wheel set brings; everything else is not found."""
+SITECUSTOMIZE = '''"""Written by bench/gpu/box.py for the stand-in box: this interpreter's site-packages replaced by a
+view of it that holds only what the GPU box has; everything else is not found."""
 import sys
 
 _REAL = {real!r}
@@ -95,18 +88,19 @@ sys.path[:] = _path
 '''
 
 
-def simulate(directory: Path) -> dict[str, str]:
-    """Build, in `directory`, a site-packages of links to the box's and the wheel set's distributions (files
-    and metadata) and a sitecustomize that puts it in place of the real one; returns the environment
-    variables that do so for a process and all it starts (set before the interpreter starts)."""
-    import site
-
-    allowed = box_distributions() | set(wheel_requirements())
+def simulate(directory: Path) -> Path:
+    """Write, in `directory`, a site-packages of links to the box's distributions installed here and a
+    sitecustomize that puts it in place of the real one; returns the folder to put first on PYTHONPATH.
+    hidden.json lists what the view leaves out."""
+    allowed = box_distributions_here()
     view = directory / "site-packages"
-    shutil.rmtree(view, ignore_errors=True)
+    shutil.rmtree(directory, ignore_errors=True)
     view.mkdir(parents=True)
+    hidden = set()
     for dist in md.distributions():
-        if normalize(dist.metadata["Name"] or "") not in allowed:
+        name = normalize(dist.metadata["Name"] or "")
+        if name not in allowed:
+            hidden.add(name)
             continue
         for top in sorted({Path(str(f)).parts[0] for f in dist.files or []} - {"..", "__pycache__"}):
             source, link = Path(str(dist.locate_file(top))), view / top
@@ -114,34 +108,5 @@ def simulate(directory: Path) -> dict[str, str]:
                 link.symlink_to(source)
     real = [p for p in site.getsitepackages() if Path(p).is_dir()]
     (directory / "sitecustomize.py").write_text(SITECUSTOMIZE.format(real=sorted(real), box=str(view)))
-    (directory / "hidden.json").write_text(json.dumps(hidden_distributions(), indent=1))
-    path = [str(directory), str(ROOT / "services"), str(ROOT)]
-    return {"PYTHONPATH": os.pathsep.join(path + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
-
-
-def missing_wheel_modules() -> list[str]:
-    """Wheel-set distributions this interpreter cannot find (on the box before install_wheels)."""
-    missing = []
-    for name in wheel_requirements():
-        try:
-            md.distribution(name)
-        except md.PackageNotFoundError:
-            missing.append(name)
-    return missing
-
-
-def install_wheels(wheel_dir: Path = WHEEL_DIR, site: Path = SITE) -> dict[str, str]:
-    """On the box: install the wheel set into `site` (no index, no network) unless it is there already;
-    returns the environment that puts it (and the checkout) first on the path."""
-    wanted = wheel_requirements()
-    stamp = site / ".installed.json"
-    if not (stamp.exists() and json.loads(stamp.read_text()) == wanted):
-        wheels = sorted(wheel_dir.glob("*.whl"))
-        if not wheels:
-            raise SystemExit(f"{wheel_dir} has no wheels: make them where pip reaches an index "
-                             "(`make gpu-wheels`) and carry that folder with the checkout")
-        subprocess.run([sys.executable, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
-                        "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, wheels)], check=True)
-        stamp.write_text(json.dumps(wanted))
-    path = [str(site), str(ROOT / "services"), str(ROOT)]
-    return {"PYTHONPATH": os.pathsep.join(path + [p for p in os.environ.get("PYTHONPATH", "").split(os.pathsep) if p])}
+    (directory / "hidden.json").write_text(json.dumps(sorted(hidden), indent=1))
+    return directory

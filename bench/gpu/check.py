@@ -1,542 +1,241 @@
-"""`make gpu-check`: every CUDA path of Overworld and the published Crafter recipe, in one command, on the
-first GPU box at hand (issue 24). No network; resumable: each command does what fits in its budget
-(`--budget`, 540 s: commands of at most 10 minutes), keeps its state on disk (`--state`, default
-runs/gpu-check) and says whether to run it again (exit status 75) or that everything is done (0).
+"""The GPU check: everything one device call can measure, back in that call (docs/gpu_check.md).
 
-Steps, each once, in this order:
-1. rollout   a rollout worker's env steps/s with examples/crafter_resnet.yaml's ResNet, inference on
-             CUDA and on the CPU, in the same command: 16 Crafter envs in groups of 8 over 8 env
-             processes (bench/bench_rollout_worker.py's WorkerBench; nothing trains);
-2. vpt2x     one PPO iteration with the VPT-2x architecture (random weights: bench/gpu/vpt_standin.py, a
-             stand-in of VPT-2x's shape and exact parameter count, as MineStudio cannot be on the box) at
-             MineStudio's quick-start batch settings per GPU (examples/minecraft_kill_cow.py: 200 chains of
-             256 steps, context 64, gradient accumulation 10, KL to a frozen reference) under bf16
-             autocast: samples/s and torch.cuda.max_memory_allocated;
-3. amp_fp16  `use_amp` with `amp_dtype: float16` (MineStudio's fp16 + GradScaler) on CUDA: two updates of
-             the Crafter ResNet, the scaler's state through a checkpoint and a resume;
-4. crafter   the Crafter benchmark with examples/crafter_resnet.yaml, 1M env steps per seed (`--seeds`,
-             as many as the budget allows), each seed in segments: when a command's time runs out the
-             run is stopped as Ctrl-C stops it (the trainer checkpoints) and the next command resumes it
-             (`overworld run --resume latest`); the score is Crafter's, over all of a seed's episodes of
-             all its segments.
-Results: bench/results/gpu.json (the device's name, driver and torch version with every figure) and
-their rows in bench/results/REPORT.md (bench/report.py).
+    python3 -m bench.gpu.check --out "$OUT"
 
-On the box the wheels of bench/gpu/wheels.txt (gpu-wheels/, `make gpu-wheels` where pip reaches an
-index) are installed into .gpu-site/ first. `--dry` (make gpu-check DRY=1) runs every step on the CPU
-with tiny sizes, with every package the box would lack made unimportable (bench/gpu/box.py), and writes
-its results under its state directory, never bench/results.
+1. probe     Python, the host, nvidia-smi, the carried wheels installed (gpu-wheels/ -> .gpu-site/),
+             then in a child: torch, CUDA and every import the steps need. Written to $OUT/probe.json
+             before anything else; the command ends there (exit 3) when the steps cannot run.
+2. rollout   a rollout worker's env steps/s with inference on CUDA, then on the CPU (bench.gpu.steps);
+3. vpt2x     one PPO iteration of a VPT-2x-sized policy under bf16 autocast;
+4. amp_fp16  fp16 autocast with a GradScaler, through a checkpoint and a resume;
+5. crafter   examples/crafter_resnet.yaml for whatever time is left (bench.gpu.crafter).
+
+Each step runs in a child process with a limit; its output goes line by line to $OUT/check.log, and
+the moment it ends its result, status and log tail are in $OUT/<step>.json, so a command killed at
+the tool's limit still brings back every step done. The plan (bench/gpu/plan.py) ends the command by
+itself 8.5 minutes after it started, the install included. Standard library only: the box's Python
+3.12 runs it before anything is installed; `python -m bench.gpu.collect` makes the results of the files.
 """
 
 from __future__ import annotations
 
 import argparse
-import contextlib
-import io
-import json
+import collections
 import os
 import platform
 import shutil
+import signal
 import subprocess
 import sys
+import threading
 import time
 from pathlib import Path
 from typing import Any
 
-ROOT = Path(__file__).resolve().parents[2]
-sys.path[:0] = [p for p in (str(ROOT / "services"), str(ROOT)) if p not in sys.path]
+from bench.gpu.digest import code_digest
+from bench.gpu.outbox import Outbox, read_json
+from bench.gpu.plan import DRIVER_ENV, ROOT, STEPS, WORKDIR, Plan, current_plan, stand_in, started_at
 
-from bench.gpu import box  # noqa: E402
-
-STEPS = ("rollout", "vpt2x", "amp_fp16", "crafter")
-# Seconds a step needs at least (the real one): a command with less left leaves it to the next.
-NEEDS = {"rollout": 150, "vpt2x": 240, "amp_fp16": 60}
-MAX_ATTEMPTS = 2  # a step that failed (or ran out of time) this often is recorded as failed, and skipped
-CRAFTER_CONFIG = "examples/crafter_resnet.yaml"
-CRAFTER_MIN_SEGMENT = 150.0  # seconds: a segment shorter than this spends most of it starting
-CRAFTER_STOP_MARGIN = 75.0  # seconds between a segment's stop signal and the command's end
-EXIT_AGAIN = 75  # EX_TEMPFAIL: not finished, run again
-REEXEC = "OVERWORLD_GPU_CHECK_ENV"
-STARTED = "OVERWORLD_GPU_CHECK_STARTED"
-
-# The dry run's sizes: tiny, on the CPU.
-DRY_CRAFTER = ["train_config.num_gpus_per_worker=0", "rollout_config.num_gpus_per_worker=0",
-               "rollout_config.worker_config.device=cpu", "rollout_config.worker_config.num_envs=4",
-               "rollout_config.worker_config.batch_size=2", "rollout_config.worker_config.num_env_processes=2",
-               "rollout_config.fragment_length=16", "train_config.context_length=16",
-               "train_config.batch_size_per_gpu=2", "train_config.batches_per_iteration=2",
-               "rollout_config.replay_buffer_config.min_size_to_sample=4",
-               "rollout_config.replay_buffer_config.samples_per_insert_error=4", "train_config.save_interval=1",
-               "policy_kwargs.channels=[8,16,16]", "policy_kwargs.dense=32", "policy_kwargs.hidden=64"]
-DRY_VPT = ["rollout_config.fragment_length=8", "train_config.context_length=4", "train_config.batches_per_iteration=2",
-           "train_config.gradient_accumulation=2"]
+CARRY = ROOT / "gpu-wheels"
+SITE = ROOT / ".gpu-site"
+TAIL_LINES = 40
+TAIL_CHARS = 4000
+KILL_GRACE = 3.0  # seconds between a child's SIGTERM and its SIGKILL
 
 
-def parse(argv: list[str] | None = None) -> argparse.Namespace:
-    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    p.add_argument("--dry", action="store_true", help="every step on the CPU, tiny, the box simulated")
-    p.add_argument("--state", default=None, help="state directory (runs/gpu-check, dry: runs/gpu-check-dry)")
-    p.add_argument("--budget", type=float, default=540.0, help="seconds this command may take")
-    p.add_argument("--seeds", default=None, help="Crafter seeds, in order, as many as the budget allows (0,1,2; dry 0)")
-    p.add_argument("--crafter-steps", type=int, default=None, help="env steps per seed (1,000,000; dry 2,048)")
-    p.add_argument("--segment-steps", type=int, default=None,
-                   help="at most this many env steps per segment (dry: 1,024, so a seed resumes once)")
-    p.add_argument("--segment-seconds", type=float, default=None,
-                   help="stop each segment after this long (as a command's end does), resume in the next")
-    p.add_argument("--max-segments", type=int, default=None, help="Crafter segments in this command at most")
-    p.add_argument("--steps", default=",".join(STEPS), help="which steps to run")
-    p.add_argument("--no-wheels", action="store_true", help="use this Python's packages as they are")
-    p.add_argument("--reset", action="store_true", help="forget the state and start over")
-    p.add_argument("--step", choices=STEPS[:-1], help=argparse.SUPPRESS)  # one step, in a child process
-    return p.parse_args(argv)
-
-
-# -- state ------------------------------------------------------------------------------------------
-class State:
-    def __init__(self, directory: Path) -> None:
-        self.dir = directory
-        self.path = directory / "state.json"
-        self.data: dict[str, Any] = json.loads(self.path.read_text()) if self.path.exists() else {}
-        self.data.setdefault("steps", {})
-        self.data.setdefault("crafter", {"seeds": {}})
-
-    def step(self, name: str) -> dict[str, Any]:
-        return self.data["steps"].setdefault(name, {"done": False, "attempts": 0})
-
-    def save(self) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        tmp = self.path.with_suffix(".tmp")
-        tmp.write_text(json.dumps(self.data, indent=1))
-        tmp.replace(self.path)
-
-
-# -- the device --------------------------------------------------------------------------------------
-def describe_device(dry: bool) -> dict[str, Any]:
-    import torch
-
-    out: dict[str, Any] = {"torch": torch.__version__, "torch_cuda": torch.version.cuda,
-                           "python": platform.python_version(), "cpus": os.cpu_count(), "dry_run": dry}
-    if dry or not torch.cuda.is_available():
-        out.update(device="cpu" + (" (dry run)" if dry else ""), driver=None)
-        return out
-    props = torch.cuda.get_device_properties(0)
-    driver = None
-    if shutil.which("nvidia-smi"):
-        found = subprocess.run(["nvidia-smi", "--query-gpu=driver_version", "--format=csv,noheader"],
-                               capture_output=True, text=True, check=False)
-        driver = found.stdout.strip().splitlines()[0] if found.returncode == 0 and found.stdout.strip() else None
-    out.update(device=props.name, driver=driver, capability=f"{props.major}.{props.minor}",
-               memory_gib=round(props.total_memory / 2**30, 1), bf16=torch.cuda.is_bf16_supported())
-    return out
-
-
-def stamp(device: dict[str, Any]) -> dict[str, Any]:
-    """What goes with every figure."""
-    return {k: device.get(k) for k in ("device", "driver", "torch", "torch_cuda")}
-
-
-def cuda_device(dry: bool) -> Any:
-    import torch
-
-    return torch.device("cpu") if dry else torch.device("cuda", 0)
-
-
-def peak_memory(device: Any) -> dict[str, float]:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-        return {"max_memory_allocated_gib": round(torch.cuda.max_memory_allocated(device) / 2**30, 2),
-                "max_memory_reserved_gib": round(torch.cuda.max_memory_reserved(device) / 2**30, 2)}
-    rss = next(int(line.split()[1]) for line in Path("/proc/self/status").read_text().splitlines()
-               if line.startswith("VmHWM:"))
-    return {"peak_rss_gib": round(rss / 2**20, 2)}
-
-
-# -- step 1: rollout worker on CUDA vs the CPU ------------------------------------------------------
-def step_rollout(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    from bench.bench_rollout_worker import WorkerBench
-
-    cpus = os.cpu_count() or 2
-    envs, batch, procs, seconds = (4, 2, 2, 2.0) if args.dry else (16, 8, min(8, max(2, cpus // 2)), 20.0)
-    rows: dict[str, Any] = {}
-    for name, device in (("cuda", "cpu" if args.dry else "cuda"), ("cpu", "cpu")):
-        # the CPU row's inference gets the cores the env processes leave (the CUDA row needs one)
-        threads = 1 if name == "cuda" or args.dry else max(1, cpus - procs)
-        bench = WorkerBench(None, envs, workdir / name, batch_size=batch, config_path=CRAFTER_CONFIG, overrides=(
-            f"rollout_config.worker_config.device={device}", f"rollout_config.worker_config.num_env_processes={procs}",
-            f"rollout_config.num_cpus_per_worker={threads}"))
-        try:
-            rows[name] = {**bench.measure(seconds), "inference_device": device, "inference_threads": threads}
-        finally:
-            bench.close()
-        print(f"rollout {name}: {rows[name]['env_steps_per_second']:.0f} env steps/s", flush=True)
-    return {"config": CRAFTER_CONFIG, "policy": "the recipe's IMPALA ResNet (3.9 M parameters, ~0.46 GFLOP/frame)",
-            "num_envs": envs, "batch_size": batch, "env_processes": procs, "seconds_per_row": seconds,
-            "rows": rows, "cuda_over_cpu": round(rows["cuda"]["env_steps_per_second"]
-                                                 / max(rows["cpu"]["env_steps_per_second"], 1e-9), 2)}
-
-
-# -- a synthetic batch --------------------------------------------------------------------------------
-def synthetic_batch(policy: Any, key: str, frame: tuple[int, ...], actions: dict[str, int], chains: int,
-                    steps: int, seed: int) -> Any:
-    import torch
-
-    from overworld.trainer.data import Batch
-
-    g = torch.Generator().manual_seed(seed)
-    first = torch.zeros(chains, steps, dtype=torch.bool)
-    first[:, 0] = True
-    zeros = torch.zeros(chains, steps)
-    return Batch(
-        obs={key: torch.randint(0, 256, (chains, steps, *frame), dtype=torch.uint8, generator=g)},
-        next_obs={key: torch.randint(0, 256, (chains, 1, *frame), dtype=torch.uint8, generator=g)},
-        action={k: torch.randint(0, n, (chains, steps), generator=g) for k, n in actions.items()},
-        # built on the host: chains x 8.4 MB for VPT-2x must not count in the device's peak
-        state={k: v.cpu().expand(chains, *v.shape[1:]).clone() for k, v in policy.initial_state(1).items()},
-        reward=(torch.rand(chains, steps, generator=g) < 0.05).float(),
-        terminated=torch.zeros(chains, steps, dtype=torch.bool), truncated=torch.zeros(chains, steps, dtype=torch.bool),
-        first=first, behaviour_logp=torch.full((chains, steps), -2.0), behaviour_value=zeros.clone(),
-        bootstrap_value=zeros.clone(), model_version=torch.ones(chains, steps, dtype=torch.int64))
-
-
-class LocalGae:
-    """The gae service's computation in this process (the step measures the trainer, not the wire)."""
-
-    def estimate(self, request: dict, discount: float, gae_lambda: float, vtrace: bool = False,
-                 rho_clip: float = 1.0, c_clip: float = 1.0) -> tuple[Any, Any]:
-        from overworld.gae.advantage import gae
-
-        return gae(**request, discount=discount, gae_lambda=gae_lambda)
-
-
-def synchronize(device: Any) -> None:
-    import torch
-
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
-# -- step 2: one PPO iteration of VPT-2x under bf16 autocast -------------------------------------------
-def step_vpt2x(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    import torch
-
-    from bench.gpu.vpt_standin import TINY, VPT_2X, VPTStandIn, count_parameters
-    from overworld.core.config import load_config
-    from overworld.online import PPOTrainer
-
-    shape = TINY if args.dry else VPT_2X
-    device = cuda_device(args.dry)
-
-    class VPTTrainer(PPOTrainer):
-        def build_policy(self) -> Any:
-            policy = VPTStandIn(shape)
-            policy.value_normalizer.enabled = self.config.train_config.use_normalized_vf
-            return policy
-
-    # MineStudio's quick start, per GPU: batch_size_per_gpu 1 x batches_per_iteration 200 chains of 256 steps
-    config = load_config(ROOT / "examples" / "minecraft_kill_cow.py", [
-        "train_config.use_amp=true", "train_config.amp_dtype=bfloat16", "train_config.save_interval=0",
-        *(DRY_VPT if args.dry else [])])
-    t = config.train_config
-    started = time.monotonic()
-    torch.manual_seed(0)
-    trainer = VPTTrainer.from_config(config, rollout_manager="")
-    trainer.device = device
-    trainer.model, trainer.optimizer = trainer.setup_model_and_optimizer()
-    trainer.gae_client = LocalGae()
-    built = time.monotonic() - started
-    chains, steps = t.batch_size_per_gpu * t.batches_per_iteration, config.rollout_config.fragment_length
-    frame, actions = (shape.image, shape.image, 3), dict(shape.actions)
-    policy = trainer.unwrapped_model
-
-    def iteration(n: int, seed: int) -> tuple[float, dict[str, float]]:
-        batch = synthetic_batch(policy, "image", frame, actions, n, steps, seed)
-        t.batches_per_iteration = n // t.batch_size_per_gpu
-        t.gradient_accumulation = min(t.gradient_accumulation, t.batches_per_iteration)
-        synchronize(device)
-        began = time.monotonic()
-        trainer.iteration += 1
-        trainer.estimate_advantages(batch)
-        metrics = trainer.train_iteration(batch) or {}
-        synchronize(device)
-        return time.monotonic() - began, metrics
-
-    accumulation = t.gradient_accumulation
-    warm_chains = min(chains, 2 * t.batch_size_per_gpu)
-    iteration(warm_chains, 1)  # kernels chosen, the optimizer's state allocated: outside the measurement
-    t.gradient_accumulation = accumulation
-    if device.type == "cuda":
-        torch.cuda.reset_peak_memory_stats(device)
-    seconds, metrics = iteration(chains, 2)
-    samples = chains * steps
-    finite = all(v == v and abs(v) != float("inf") for k, v in metrics.items() if k.endswith("_loss"))
-    return {
-        "model": "VPT-2x stand-in (bench/gpu/vpt_standin.py): VPT-2x's layers and widths, MineStudio not on the box"
-                 if not args.dry else "the VPT stand-in at a tiny width (dry run)",
-        "parameters": sum(p.numel() for p in policy.parameters()),
-        "parameters_vpt_2x": count_parameters(VPT_2X),
-        "settings": {"chains": chains, "steps_per_chain": steps, "context_length": t.context_length,
-                     "batch_size_per_gpu": t.batch_size_per_gpu, "gradient_accumulation": accumulation,
-                     "epochs_per_iteration": t.epochs_per_iteration,
-                     "kl_divergence_coef_rho": t.kl_divergence_coef_rho, "reference_policy": trainer.reference is not None,
-                     "inference_batch_size_per_gpu": trainer.inference_batch_size_per_gpu,
-                     "autocast": str(trainer.amp_dtype), "grad_scaler": trainer.scaler is not None,
-                     "source": "examples/minecraft_kill_cow.py (MineStudio's quick start), one GPU's share"},
-        "seconds_to_build": round(built, 1), "iteration_seconds": round(seconds, 2),
-        "samples_per_second": round(samples / seconds, 1), "samples": samples,
-        "parts_seconds": {**{k: round(v, 2) for k, v in trainer.timings.items()},
-                          "update": round(seconds - sum(trainer.timings.get(k, 0.0) for k in ("values", "gae")), 2)},
-        "optimizer_steps": trainer.updates, "skipped_steps": metrics.get("trainer/skipped_steps"),
-        "losses_finite": finite, **peak_memory(device),
-    }
-
-
-# -- step 3: fp16 autocast with a GradScaler, through a checkpoint ---------------------------------------
-def step_amp_fp16(args: argparse.Namespace, workdir: Path) -> dict[str, Any]:
-    import torch
-
-    from overworld.core.config import load_config
-    from overworld.online import PPOTrainer
-    from overworld.trainer.checkpoint import checkpoint_store
-
-    device = cuda_device(args.dry)
-    overrides = ["train_config.use_amp=true", "train_config.amp_dtype=float16", "run_id=amp-fp16",
-                 "train_config.batch_size_per_gpu=2", "train_config.batches_per_iteration=2",
-                 *(["policy_kwargs.channels=[8,16,16]", "policy_kwargs.dense=32", "policy_kwargs.hidden=64"]
-                   if args.dry else [])]
-
-    def trainer(*extra: str) -> PPOTrainer:
-        config = load_config(ROOT / CRAFTER_CONFIG, [*overrides, *extra])
-        torch.manual_seed(0)
-        tr = PPOTrainer.from_config(config, rollout_manager="", workdir=str(workdir))
-        tr.device = device
-        tr.model, tr.optimizer = tr.setup_model_and_optimizer()
-        tr.checkpoints = checkpoint_store(tr.config, tr.workdir)
-        return tr
-
-    shutil.rmtree(workdir / "output", ignore_errors=True)
-    first = trainer()
-    batch = synthetic_batch(first.unwrapped_model, "obs", (64, 64, 3), {"action": 17}, 4, 64, 3)
-    batch.advantage, batch.value_target = torch.randn(4, 64), torch.randn(4, 64)
-    batch.old_vpred = torch.zeros(4, 64)
-    seen: list[str] = []
-    first.unwrapped_model.encoder[0][0].conv.layer.register_forward_hook(lambda _m, _i, out: seen.append(str(out.dtype)))
-    before = torch.cat([p.detach().flatten().float().cpu() for p in first.unwrapped_model.parameters()])
-    metrics = first.update(batch)
-    after = torch.cat([p.detach().flatten().float().cpu() for p in first.unwrapped_model.parameters()])
-    scale = first.scaler.get_scale() if first.scaler is not None else None
-    first.iteration = 1
-    ckpt = first.save_checkpoint()
-    resumed = trainer("train_config.resume=latest")
-    resumed.restore()
-    return {"autocast": str(first.amp_dtype), "forward_dtypes": sorted(set(seen)),
-            "grad_scaler": type(first.scaler).__name__ if first.scaler is not None else None,
-            "scale_after_update": scale, "optimizer_steps": first.updates,
-            "skipped_steps": metrics["trainer/skipped_steps"],
-            "weights_changed": bool(not torch.equal(before, after)), "weights_finite": bool(torch.isfinite(after).all()),
-            "checkpoint": ckpt, "scaler_restored": resumed.scaler is not None
-            and resumed.scaler.state_dict() == first.scaler.state_dict()}
-
-
-# -- step 4: the Crafter benchmark, in segments ------------------------------------------------------------
-def combined_score(segments: list[dict[str, Any]]) -> dict[str, Any] | None:
-    """Crafter's score over all the episodes of all segments (each segment's rollout-manager counts its own)."""
-    from overworld.envs.crafter_score import ACHIEVEMENTS, crafter_score
-
-    episodes = sum(s.get("episodes_scored", 0) for s in segments)
-    if not episodes:
+def first_line(cmd: list[str]) -> str | None:
+    """The first line `cmd` prints, None when it is not there or fails."""
+    if not shutil.which(cmd[0]):
         return None
-    unlocked = {a: sum(s["success_rates"][a] / 100.0 * s["episodes_scored"] for s in segments if s.get("episodes_scored"))
-                for a in ACHIEVEMENTS}
-    rates = {a: 100.0 * n / episodes for a, n in unlocked.items()}
-    return {"score": crafter_score(rates), "episodes": episodes, "success_rates": {a: round(r, 2) for a, r in rates.items()}}
+    try:
+        done = subprocess.run(cmd, capture_output=True, text=True, timeout=30, check=False)
+    except (OSError, subprocess.TimeoutExpired):
+        return None
+    lines = done.stdout.strip().splitlines()
+    return lines[0].strip() if done.returncode == 0 and lines else None
 
 
-def crafter_target(args: argparse.Namespace) -> int:
-    return args.crafter_steps or (2048 if args.dry else 1_000_000)
+def host_facts() -> dict[str, Any]:
+    def meminfo_gib() -> float | None:
+        try:
+            kib = next(int(line.split()[1]) for line in Path("/proc/meminfo").read_text().splitlines()
+                       if line.startswith("MemTotal"))
+        except (OSError, StopIteration):
+            return None
+        return round(kib / 2**20, 1)
+
+    try:
+        cpu = next(line.split(":", 1)[1].strip() for line in Path("/proc/cpuinfo").read_text().splitlines()
+                   if line.startswith("model name"))
+    except (OSError, StopIteration):
+        cpu = platform.processor() or "unknown"
+    gpu = first_line(["nvidia-smi", "--query-gpu=name,driver_version,memory.total", "--format=csv,noheader"])
+    name, driver, memory = ([s.strip() for s in gpu.split(",")] + [None, None])[:3] if gpu else (None, None, None)
+    return {"python": platform.python_version(), "executable": sys.executable, "machine": platform.machine(),
+            "libc": " ".join(platform.libc_ver()), "kernel": os.uname().release, "cpu": cpu, "cpus": os.cpu_count(),
+            "memory_gib": meminfo_gib(), "gpu": name, "driver": driver, "gpu_memory": memory,
+            "tools": {t: first_line([t, "--version"]) for t in ("make", "git", "nvcc", "nvidia-smi")},
+            "code_digest": code_digest(ROOT)}
 
 
-def step_crafter(args: argparse.Namespace, state: State, deadline: float) -> bool:
-    """Segments until the seeds are done or the time is up; returns True when every seed is done."""
-    from bench.runs import overworld_run
-
-    target = crafter_target(args)
-    per_segment = args.segment_steps or (1024 if args.dry else None)
-    overrides = ["logger_config.wandb=false", *(DRY_CRAFTER if args.dry else [])]
-    seeds = state.data["crafter"]["seeds"]
-    segments = 0
-    for seed in [int(s) for s in (args.seeds or ("0" if args.dry else "0,1,2")).split(",") if s.strip()]:
-        rec = seeds.setdefault(str(seed), {"done": False, "env_steps": 0, "segments": []})
-        while not rec["done"]:
-            if args.max_segments is not None and segments >= args.max_segments:
-                return False
-            segments += 1
-            left = deadline - time.time() - CRAFTER_STOP_MARGIN
-            if left < (10.0 if args.dry else CRAFTER_MIN_SEGMENT):
-                print(f"crafter seed {seed}: {max(left, 0):.0f}s left in this command; the next one goes on", flush=True)
-                return False
-            run_dir = state.dir / f"crafter-seed{seed}"
-            resume = ["--resume", "latest"] if (run_dir / "config.yaml").exists() else []
-            goal = min(target, rec["env_steps"] + per_segment) if per_segment else target
-            sets = [x for o in [f"seed={seed}", *overrides] for x in ("--set", o)]
-            began = time.time()
-            summary = overworld_run(CRAFTER_CONFIG, run_dir, "--max-env-steps", str(goal), *sets, *resume,
-                                    stop_after=min(left, args.segment_seconds or left), timeout=CRAFTER_STOP_MARGIN - 10)
-            crafter = ((summary.get("tasks") or {}).get("crafter") or {}).get("crafter") or {}
-            segment = {k: summary.get(k) for k in ("status", "env_steps", "start_env_steps", "episodes", "wall_seconds",
-                                                   "env_steps_per_second", "resumed_from", "model_version", "updates",
-                                                   "latest_checkpoint", "error")}
-            segment.update(started_unix=round(began), episodes_scored=crafter.get("episodes", 0),
-                           success_rates=crafter.get("success_rates", {}), segment_score=crafter.get("score"))
-            rec["segments"].append(segment)
-            rec["env_steps"] = max(rec["env_steps"], int(summary.get("env_steps") or 0))
-            rec["done"] = summary.get("status") == "max_env_steps" and rec["env_steps"] >= target
-            rec["crafter"] = combined_score(rec["segments"])
-            rec["wall_seconds"] = round(sum(s.get("wall_seconds") or 0 for s in rec["segments"]), 1)
-            state.save()
-            print(f"crafter seed {seed}: {segment['status']} at {rec['env_steps']:,} env steps "
-                  f"({segment['env_steps_per_second']} /s); score so far "
-                  f"{(rec['crafter'] or {}).get('score')}", flush=True)
-            if summary.get("status") in ("failed", "no summary"):
-                failures = sum(s.get("status") in ("failed", "no summary") for s in rec["segments"])
-                if failures >= MAX_ATTEMPTS:
-                    rec["done"], rec["failed"] = True, True
-                    print(f"crafter seed {seed}: failed {failures} times; see {run_dir}/logs", flush=True)
-                    state.save()
-                    break
-    return True
+def install_carry(carry: Path = CARRY, site: Path = SITE, python: str = sys.executable) -> dict[str, Any]:
+    """The carried wheels into `site` (pip --target, no index), once per set of wheels."""
+    wheels = sorted(carry.glob("*.whl"))
+    record: dict[str, Any] = {"wheels": [w.name for w in wheels], "site": str(site)}
+    if not wheels:
+        record["error"] = f"{carry.name}/ holds no wheels: build it with `make gpu-wheels` and name it in carry"
+        return record
+    stamp = site / ".installed"
+    if stamp.exists() and stamp.read_text() == "\n".join(record["wheels"]):
+        return {**record, "exit_code": 0, "already_installed": True}
+    began = time.monotonic()
+    done = subprocess.run([python, "-m", "pip", "install", "-q", "--no-index", "--no-deps", "--no-compile",
+                           "--no-cache-dir", "--upgrade", "--target", str(site), *map(str, wheels)],
+                          capture_output=True, text=True, timeout=120, check=False)
+    record.update(exit_code=done.returncode, seconds=round(time.monotonic() - began, 1),
+                  output_tail=(done.stdout + done.stderr)[-TAIL_CHARS:])
+    if done.returncode == 0:
+        stamp.write_text("\n".join(record["wheels"]))
+    else:
+        record["error"] = f"pip install exited {done.returncode}"
+    return record
 
 
-def crafter_result(state: State, target: int) -> dict[str, Any]:
-    import statistics
+class Check:
+    def __init__(self, out: Outbox, plan: Plan, started: float) -> None:
+        self.out, self.plan, self.started = out, plan, started
+        self.deadline = started + plan.budget
+        self.end = self.deadline - plan.end_margin  # every result written by then
+        self.env = {**os.environ, "PYTHONUNBUFFERED": "1",
+                    "PYTHONPATH": os.pathsep.join([str(SITE), str(ROOT / "services"), str(ROOT),
+                                                   *filter(None, [os.environ.get("PYTHONPATH")])])}
+        self.workdir = ROOT / WORKDIR
+        self.workdir.mkdir(parents=True, exist_ok=True)
 
-    from overworld.envs.crafter_score import PUBLISHED_SCORES
+    def elapsed(self) -> float:
+        return time.time() - self.started
 
-    seeds = state.data["crafter"]["seeds"]
-    finished = {s: r["crafter"]["score"] for s, r in seeds.items()
-                if r.get("done") and not r.get("failed") and r.get("crafter")}
-    return {"config": CRAFTER_CONFIG, "env_steps_per_seed": target, "seeds": seeds,
-            "score_per_finished_seed": finished,
-            "score_mean": statistics.fmean(finished.values()) if finished else None,
-            "score_std": statistics.pstdev(finished.values()) if finished else None,
-            "published_ppo_resnet": PUBLISHED_SCORES["PPO (ResNet)"],
-            "note": "score over every episode a seed finished in any segment; the episodes running when a "
-                    "segment stopped are not counted (their env steps are)"}
+    def say(self, text: str, step: str = "check") -> None:
+        line = f"[{self.elapsed():6.1f}s] [{step}] {text.rstrip()}"
+        print(line, flush=True)
+        self.out.log(line)
 
+    def run_child(self, name: str, cmd: list[str], limit: float) -> tuple[int | str, str, float]:
+        """Run `cmd` in a process group of its own for at most `limit` seconds, its output to the console
+        and check.log; returns its exit code ("timed out" when the limit stopped it), log tail, seconds."""
+        began = time.monotonic()
+        proc = subprocess.Popen(cmd, cwd=ROOT, env=self.env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT,
+                                stdin=subprocess.DEVNULL, text=True, errors="replace", process_group=0)
+        tail: collections.deque[str] = collections.deque(maxlen=TAIL_LINES)
 
-# -- results ------------------------------------------------------------------------------------------
-def write_results(args: argparse.Namespace, state: State, device: dict[str, Any]) -> Path:
-    import bench.report as report
+        def pump() -> None:
+            assert proc.stdout is not None
+            for line in proc.stdout:
+                tail.append(line.rstrip("\n"))
+                self.say(line, name)
 
-    on = stamp(device)
-    steps = state.data["steps"]
-    result: dict[str, Any] = {"benchmark": "gpu", "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "dry_run": args.dry,
-                              "device": device}
-    for name in STEPS[:-1]:
-        s = steps.get(name, {})
-        result[name] = ({"on": on, **s["result"]} if s.get("result") else
-                        {"on": on, "status": "failed" if s.get("failed") else "not run yet", "error": s.get("error")})
-    target = crafter_target(args)
-    result["crafter"] = {"on": on, **crafter_result(state, target)}
-    if args.dry:
-        path = state.dir / "gpu.json"
-        path.write_text(json.dumps(result, indent=2))
-        rows = ["| bench | what | measured | target |", "|---|---|---|---|", *report.headline_rows("gpu", result)]
-        (state.dir / "REPORT.md").write_text("\n".join(["# gpu-check dry run", "", *rows, ""]))
-        return path
-    path = report.RESULTS / "gpu.json"
-    path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_text(json.dumps(result, indent=2))
-    with contextlib.redirect_stdout(io.StringIO()):  # it prints the whole report
-        report.main()
-    return path
+        reader = threading.Thread(target=pump, daemon=True)
+        reader.start()
+        code: int | str
+        try:
+            code = proc.wait(timeout=max(1.0, limit))
+        except subprocess.TimeoutExpired:
+            code = "timed out"
+            self.stop_group(proc)
+        reader.join(timeout=2.0)
+        return code, "\n".join(tail)[-TAIL_CHARS:], round(time.monotonic() - began, 1)
 
+    @staticmethod
+    def stop_group(proc: subprocess.Popen[str]) -> None:
+        for sig, wait in ((signal.SIGTERM, KILL_GRACE), (signal.SIGKILL, 5.0)):
+            try:
+                os.killpg(proc.pid, sig)
+            except ProcessLookupError:
+                return
+            try:
+                proc.wait(timeout=wait)
+                return
+            except subprocess.TimeoutExpired:
+                continue
 
-# -- the command ----------------------------------------------------------------------------------------
-def run_step(args: argparse.Namespace) -> int:
-    """In a child process: one step; its result (or error) in <state>/<step>.json."""
-    state_dir = Path(args.state)
-    workdir = state_dir / args.step
-    workdir.mkdir(parents=True, exist_ok=True)
-    fn = {"rollout": step_rollout, "vpt2x": step_vpt2x, "amp_fp16": step_amp_fp16}[args.step]
-    result = fn(args, workdir)
-    (state_dir / f"{args.step}.json").write_text(json.dumps(result, indent=1))
-    return 0
+    # -- the probe ------------------------------------------------------------------------------------------
+    def probe(self) -> dict[str, Any]:
+        record: dict[str, Any] = {"step": "probe", "status": "running", "stand_in": stand_in(),
+                                  "started_unix": round(self.started, 1), "budget_seconds": self.plan.budget,
+                                  "command": " ".join(["python3", "-m", "bench.gpu.check", *sys.argv[1:]])
+                                  .replace(os.environ.get("OUT") or "\0", "$OUT")}
+        record["host"] = host_facts()
+        self.say(f"Python {record['host']['python']} on {record['host']['cpus']} CPUs; GPU {record['host']['gpu']}, "
+                 f"driver {record['host']['driver']}; make {'present' if record['host']['tools']['make'] else 'absent'}")
+        self.out.write("probe.json", record)
+        if record["host"]["driver"]:
+            self.env[DRIVER_ENV] = record["host"]["driver"]
+        record["carry"] = install_carry()
+        self.say(f"carried wheels: {len(record['carry']['wheels'])}, "
+                 f"{record['carry'].get('error') or 'installed in ' + str(SITE)}")
+        self.out.write("probe.json", record)
+        problems = [record["carry"]["error"]] if "error" in record["carry"] else []
+        if not problems:
+            result_path = self.workdir / "probe-imports.json"
+            result_path.unlink(missing_ok=True)
+            code, tail, seconds = self.run_child(
+                "probe", [sys.executable, "-m", "bench.gpu.probe", "--result", str(result_path), "--site", str(SITE)],
+                min(self.plan.caps["probe"], self.end - time.time()))
+            found = read_json(result_path) or {}
+            record.update(found, exit_code=code, seconds=seconds, log_tail=tail)
+            problems += found.get("problems") or ([] if code == 0 else [f"the probe exited {code}"])
+        record.update(status="failed" if problems else "ok", problems=problems, elapsed=round(self.elapsed(), 1))
+        self.out.write("probe.json", record)
+        self.say("probe: " + ("ok" if not problems else "FAILED: " + "; ".join(problems)))
+        return record
+
+    # -- the steps --------------------------------------------------------------------------------------------
+    def step(self, name: str, cmd: list[str], limit: float) -> dict[str, Any]:
+        """`cmd` writes its result to $OUT/<name>.json as it goes ("complete": true at its end); this adds the
+        status, the seconds and the log tail the moment it ends."""
+        path = self.out.path(f"{name}.json")
+        started = round(self.elapsed(), 1)
+        self.out.write(path.name, {"step": name, "status": "running", "started_s": started})
+        self.say(f"== {name} (at most {limit:.0f}s)")
+        code, tail, seconds = self.run_child(name, [*cmd, "--result", str(path), "--until", f"{time.time() + limit:.1f}"],
+                                             limit)
+        result = read_json(path) or {}
+        status = ("ok" if code == 0 and result.get("complete") else
+                  "timed out" if code == "timed out" else "failed")
+        result.update(step=name, status=status, exit_code=code, started_s=started, seconds=seconds, log_tail=tail)
+        self.out.write(path.name, result)
+        self.say(f"{name}: {status} after {seconds:.0f}s")
+        return result
+
+    def skip(self, name: str, why: str) -> None:
+        self.out.write(f"{name}.json", {"step": name, "status": "skipped", "why": why})
+        self.say(f"{name}: skipped ({why})")
+
+    def run(self) -> int:
+        self.say(f"budget {self.plan.budget:.0f}s from the command's start ({self.deadline - time.time():.0f}s left)"
+                 + (" on the stand-in box" if stand_in() else ""))
+        if self.probe()["status"] != "ok":
+            return 3
+        statuses = []
+        for name in STEPS[:-1]:
+            limit = min(self.plan.caps[name], self.end - self.plan.crafter_least - time.time())
+            if limit < 5.0:
+                self.skip(name, f"{limit:.0f}s left before Crafter's share")
+                statuses.append("skipped")
+                continue
+            statuses.append(self.step(name, [sys.executable, "-m", "bench.gpu.steps", name], limit)["status"])
+        stop_at = self.end - self.plan.crafter_stop
+        statuses.append(self.step("crafter", [sys.executable, "-m", "bench.gpu.crafter", "--stop-at", f"{stop_at:.1f}"],
+                                  self.end - time.time())["status"])
+        self.say(f"done: {dict(zip(STEPS, statuses, strict=True))}; every result is in {self.out.dir}")
+        return 0 if all(s == "ok" for s in statuses) else 1
 
 
 def main(argv: list[str] | None = None) -> int:
-    args = parse(argv)
-    args.state = args.state or str(ROOT / "runs" / ("gpu-check-dry" if args.dry else "gpu-check"))
-    state_dir = Path(args.state).resolve()
-    args.state = str(state_dir)
-    if args.step:
-        return run_step(args)
-    if os.environ.get(REEXEC) != "1":  # put the box's packages in place, then this script again
-        if args.reset:
-            shutil.rmtree(state_dir, ignore_errors=True)
-        env = box.simulate(state_dir / "box") if args.dry else {} if args.no_wheels else box.install_wheels()
-        env.update({REEXEC: "1", STARTED: os.environ.get(STARTED) or str(time.time()), "PYTHONUNBUFFERED": "1"})
-        argv_out = [a for a in (argv if argv is not None else sys.argv[1:]) if a != "--reset"]
-        return subprocess.call([sys.executable, "-m", "bench.gpu.check", *argv_out], cwd=ROOT, env={**os.environ, **env})
-    deadline = float(os.environ[STARTED]) + args.budget
-    import torch
-
-    if not args.dry and not torch.cuda.is_available():
-        print(f"no usable CUDA device (torch {torch.__version__}, CUDA {torch.version.cuda}): this is the GPU "
-              "check; `make gpu-check DRY=1` runs its steps on the CPU", file=sys.stderr)
-        return 2
-    state = State(state_dir)
-    device = describe_device(args.dry)
-    state.data["device"] = device
-    state.save()
-    wanted = [s for s in args.steps.split(",") if s]
-    print(f"gpu-check{' (dry run)' if args.dry else ''} on {device['device']} (driver {device['driver']}, torch "
-          f"{device['torch']}); state in {state_dir}; {deadline - time.time():.0f}s in this command", flush=True)
-    for name in [s for s in STEPS[:-1] if s in wanted]:
-        rec = state.step(name)
-        if rec["done"]:
-            continue
-        left = deadline - time.time()
-        if not args.dry and left < NEEDS[name]:
-            print(f"{name}: {left:.0f}s left, it needs ~{NEEDS[name]}s: the next command runs it", flush=True)
-            break
-        rec["attempts"] += 1
-        state.save()
-        print(f"== {name}", flush=True)
-        began = time.time()
-        out = state_dir / f"{name}.json"
-        out.unlink(missing_ok=True)
-        try:
-            code = subprocess.call([sys.executable, "-m", "bench.gpu.check", "--step", name, "--state", str(state_dir),
-                                    *(["--dry"] if args.dry else [])], cwd=ROOT, timeout=max(1.0, left))
-        except subprocess.TimeoutExpired:
-            code = "timed out"
-        if code == 0 and out.exists():
-            rec.update(done=True, result=json.loads(out.read_text()), seconds=round(time.time() - began, 1))
-        else:
-            rec["error"] = f"exit {code}" if code != "timed out" else "ran out of this command's time"
-            if rec["attempts"] >= MAX_ATTEMPTS:
-                rec.update(done=True, failed=True)
-            print(f"{name}: {rec['error']} (attempt {rec['attempts']} of {MAX_ATTEMPTS})", flush=True)
-        state.save()
-        write_results(args, state, device)
-    crafter_done = True
-    if "crafter" in wanted and all(state.step(s)["done"] for s in STEPS[:-1] if s in wanted):
-        print("== crafter", flush=True)
-        crafter_done = step_crafter(args, state, deadline)
-    elif "crafter" in wanted:
-        crafter_done = False
-    path = write_results(args, state, device)
-    done = crafter_done and all(state.step(s)["done"] for s in STEPS[:-1] if s in wanted)
-    failed = [s for s in STEPS[:-1] if state.step(s).get("failed")]
-    print(f"results: {path}")
-    if not done:
-        print(f"gpu-check: not finished; run it again (`make gpu-check{' DRY=1' if args.dry else ''}`) and it goes on "
-              f"from {state_dir}", flush=True)
-        return EXIT_AGAIN
-    print(f"gpu-check: done{'; failed: ' + ', '.join(failed) if failed else ''}", flush=True)
-    return 1 if failed else 0
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--out", required=True, type=Path, help="the device tool's $OUT: every result goes there")
+    args = p.parse_args(argv)
+    return Check(Outbox(args.out), current_plan(), started_at()).run()
 
 
 if __name__ == "__main__":

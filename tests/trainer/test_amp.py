@@ -3,7 +3,7 @@ MineStudio puts it, off by default; on, the learner's forward passes run under a
 loss scaling; fp16 (`amp_dtype: float16`, MineStudio's own choice) gets a GradScaler whose state is saved
 in the checkpoint, restored on resume (with resume_optimizer, as MineStudio) and exported as MineStudio's
 scaler.ckpt. Both run here on the CPU (torch's CPU autocast and CPU GradScaler); fp16 on CUDA is checked
-by `make gpu-check` where a GPU is at hand."""
+by the GPU check (docs/gpu_check.md) where a GPU is at hand."""
 
 from __future__ import annotations
 

@@ -1,6 +1,6 @@
 """`train_config.num_workers: 0` trains without Ray: the whole pipeline (`overworld run`) trains, and the
 trainer process never imports `ray`, from its start to its exit (the driver's stop included), so that a
-machine without Ray (a GPU workstation, the GPU box of `make gpu-check`) runs it. `num_workers >= 1`
+machine without Ray (a GPU workstation, the GPU check's box) runs it. `num_workers >= 1`
 keeps Ray Train (tests/e2e/test_trainer_placement.py, tests/trainer/test_ddp.py)."""
 
 from __future__ import annotations
