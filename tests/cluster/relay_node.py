@@ -1,8 +1,8 @@
 """The processes of the relay's link test (tests/cluster/test_relay_links.py), each run in a network
 namespace of its own:
 
-    relay_node.py watcher REGISTRY NAME DIR     a rollout worker's weights path: its RolloutWorker service
-                                                (the relay) and WeightsWatcher; every version it swaps in
+    relay_node.py watcher REGISTRY NAME DIR     a rollout worker's weights path: its relay (the weights
+                                                stream) and WeightsWatcher; every version it swaps in
                                                 is appended to DIR/NAME.versions ("version checksum"), and
                                                 DIR/NAME.status holds the bytes it has relayed
     relay_node.py publish REGISTRY METRICS VERSION   publish a version (as the trainer), wait for its push,
@@ -14,7 +14,6 @@ from __future__ import annotations
 import json
 import os
 import sys
-import threading
 import time
 import urllib.request
 from pathlib import Path
@@ -35,16 +34,13 @@ def checksum(state: dict[str, torch.Tensor]) -> str:
 def watcher(registry: str, name: str, out: Path) -> None:
     from prometheus_client import REGISTRY
 
-    from overworld.core.grpc_util import serve
-    from overworld.model_registry.relay import RelayShelf
+    from overworld.model_registry.relay import RelayShelf, serve_relay
     from overworld.model_registry.watcher import WeightsWatcher
-    from overworld.rollout_worker.service import WorkerService, add_to_server
 
     shelf = RelayShelf()
-    server = serve([(add_to_server, WorkerService(shelf, threading.Event()), "overworld.v1.RolloutWorker")],
-                   "0.0.0.0", 50056)
+    relay = serve_relay(shelf, "0.0.0.0", 50066)
     current = {k: torch.zeros_like(v) for k, v in model(0).items()}
-    watch = WeightsWatcher(registry, name, current, relay_port=server.port, shelf=shelf)
+    watch = WeightsWatcher(registry, name, current, relay_port=relay.port, shelf=shelf)
     status = out / f"{name}.status"
     while True:
         got = watch.take()

@@ -69,7 +69,8 @@ class Fleet:
     def start_registry(self, fanout: int) -> None:
         self.stop_registry()
         self.registry_proc = self._popen("registry", "model-registry", [
-            "-m", "overworld.model_registry", "--host", "0.0.0.0", "--port", "50054", "--metrics-port", "9100",
+            "-m", "overworld.model_registry", "--host", "0.0.0.0", "--port", "50054", "--weights-port", "50064",
+            "--metrics-port", "9100",
             "--blobs", str(self.root / "blobs"), "--registry-relay-fanout", str(fanout)], "registry.log")
 
     def stop_registry(self) -> None:

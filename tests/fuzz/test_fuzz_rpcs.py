@@ -41,8 +41,7 @@ IN_FLIGHT = 32
 # 5 s proved tight for 32 calls in flight on a loaded 2-core CI machine.
 DEADLINE = 30.0
 # RPCs that wait by design for data or an event: their deadline is short and DEADLINE_EXCEEDED is their answer.
-WAITING = {"Watch": 0.3, "WatchAnnouncements": 0.3, "Sample": 0.3, "GetPushStatus": 0.3,
-           "FetchWeights": 0.3}  # a relay waits a while for a version it has not begun to receive
+WAITING = {"Watch": 0.3, "WatchAnnouncements": 0.3, "Sample": 0.3, "GetPushStatus": 0.3}
 RSS_GROWTH_LIMIT = 384 << 20
 REPORT = Path(os.environ.get("OVERWORLD_FUZZ_REPORT", "")) if os.environ.get("OVERWORLD_FUZZ_REPORT") else None
 

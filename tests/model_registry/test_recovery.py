@@ -57,13 +57,13 @@ def test_sigkill_restart_rebuilds_versions_retries_the_publish_and_resumes_watch
     client = ModelRegistryClient(registry.address)
     watcher = WeightsWatcher(registry.address, "worker-1", model(0.0))
     fetched: list[int] = []
-    fetch = watcher.client.fetch_state
+    fetch = watcher._fetch
 
-    def recording_fetch(version: int, *args, **kwargs):  # type: ignore[no-untyped-def]
-        fetched.append(version)
-        return fetch(version, *args, **kwargs)
+    def recording_fetch(announcement):  # type: ignore[no-untyped-def]
+        fetched.append(announcement.info.version)
+        return fetch(announcement)
 
-    watcher.client.fetch_state = recording_fetch  # type: ignore[method-assign]
+    watcher._fetch = recording_fetch  # type: ignore[method-assign]
     try:
         v2 = weights.to_bytes(model(2.0))
         client.publish(1, weights.to_bytes(model(1.0)), tags=["reference"])

@@ -1,13 +1,14 @@
-"""The weights relay in one process, over real sockets: watchers that serve what they receive on
-their own RolloutWorker port (FetchWeights), a registry that plans the stripes. What a version costs
-the registry, what watchers end up with when a relay lies, half precision, a registry restart.
-(Processes, mutual TLS, shaped links and a relay killed mid-push: tests/cluster/test_relay_links.py.)"""
+"""The weights relay in one process, over real sockets: watchers that serve what they receive on their
+own weights-stream port, a registry that plans the stripes. What a version costs the registry, a relay
+that lies (caught at its hop, chunk by chunk, and left out of the next plans), one that sends
+keep-alives but no data, half precision, a registry restart. (Processes, mutual TLS, shaped links and a
+relay killed mid-push: tests/cluster/test_relay_links.py; the stream's authorization: tests/security.)"""
 
 from __future__ import annotations
 
 import threading
 import time
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import grpc
@@ -15,20 +16,22 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from overworld.core import weights
+from overworld.core import authz, weights
 from overworld.core.blobs import LocalBlobStore
 from overworld.core.grpc_util import Server, serve
+from overworld.model_registry import relay
 from overworld.model_registry.client import ModelRegistryClient
-from overworld.model_registry.relay import RelayShelf, serve_relayed
+from overworld.model_registry.relay import RelayShelf, serve_relay, serve_relayed
+from overworld.model_registry.relay_plan import relay_chunk_bytes
 from overworld.model_registry.server import ModelRegistryService, registration
+from overworld.model_registry.stream import FrameWriter, StreamError, WeightsStreamServer, open_stream
 from overworld.model_registry.watcher import WeightsWatcher
-from overworld.rollout_worker.service import WorkerService, add_to_server
 from overworld.v1 import model_registry_pb2 as pb
 
 
 def model(value: float) -> dict[str, torch.Tensor]:
-    """~1.3 MB: a tensor larger than a relay message (split across messages), small ones, an int."""
-    return {"big": torch.full((300_000,), value) + torch.arange(300_000) / 7,
+    """~4.8 MB: a tensor of many relay chunks (10 in all), small ones, an int."""
+    return {"big": torch.full((1_200_000,), value) + torch.arange(1_200_000) / 7,
             "small": torch.full((100,), -value), "steps": torch.tensor([int(value)])}
 
 
@@ -48,14 +51,17 @@ class Registry:
         self.server.stop(0)
 
 
-class Watcher:
-    """A rollout worker's weights path: its RolloutWorker service (the relay) and its WeightsWatcher,
-    swapping in what take() returns and acknowledging it, as the worker loop does."""
+Relay = Callable[[RelayShelf], WeightsStreamServer]
 
-    def __init__(self, registry: str, name: str, precision: str = "", service: object = None) -> None:
+
+class Watcher:
+    """A rollout worker's weights path: its relay (the weights stream over its shelf) and its
+    WeightsWatcher, swapping in what take() returns and acknowledging it, as the worker loop does."""
+
+    def __init__(self, registry: str, name: str, precision: str = "", relay: Relay = serve_relay) -> None:
         self.shelf = RelayShelf()
-        self.server = serve([(add_to_server, service or WorkerService(self.shelf, threading.Event()),
-                              "overworld.v1.RolloutWorker")])
+        self.server = relay(self.shelf)
+        self.address = f"127.0.0.1:{self.server.port}"
         self.model = {k: torch.zeros_like(v) for k, v in model(0.0).items()}
         self.watcher = WeightsWatcher(registry, name, self.model, precision=precision, relay_port=self.server.port,
                                       shelf=self.shelf)
@@ -78,7 +84,7 @@ class Watcher:
         self._stop.set()
         self._thread.join(5)
         self.watcher.close()
-        self.server.stop(0)
+        self.server.stop()
 
 
 @pytest.fixture
@@ -165,30 +171,104 @@ def test_the_star_costs_a_copy_per_watcher(tmp_path: Path) -> None:
         star.stop()
 
 
-class LyingRelay(WorkerService):
-    """Relays what it holds with one byte of every message flipped."""
+class _LastChunkFlipped:
+    """A writer that passes on what it is given, but for one byte of the last chunk asked for."""
 
-    def fetch_weights(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-        for i, message in enumerate(serve_relayed(self.shelf, request, context)):
-            yield message if i == 0 else message[:-1] + bytes([message[-1] ^ 0xFF])
+    def __init__(self, writer: FrameWriter, last: int) -> None:
+        self.writer, self.last = writer, last
+
+    def data(self, index: int, chunk: memoryview) -> None:
+        if index == self.last:
+            chunk = memoryview(bytes(chunk[:-1]) + bytes([chunk[-1] ^ 0xFF]))
+        self.writer.data(index, chunk)
+
+    def keepalive(self) -> None:
+        self.writer.keepalive()
 
 
-def test_a_relay_that_passes_on_wrong_bytes_costs_its_children_a_fetch_never_a_wrong_version(
+def lying_relay(shelf: RelayShelf) -> WeightsStreamServer:
+    """A relay that changes one byte of the last chunk of every stripe it passes on."""
+    def handler(request: pb.FetchRequest, writer: FrameWriter, active: Callable[[], bool]) -> None:
+        chunk = request.chunk_size or 1
+        last = (request.offset + request.limit + chunk - 1) // chunk - 1
+        serve_relayed(shelf, request, _LastChunkFlipped(writer, last), active)  # type: ignore[arg-type]
+
+    return WeightsStreamServer(authz.WEIGHTS_FROM_RELAY, handler)
+
+
+def keepalive_only_relay(shelf: RelayShelf) -> WeightsStreamServer:
+    """A relay that says it lives and never sends a chunk (a wedged pod whose heartbeat thread runs)."""
+    def handler(request: pb.FetchRequest, writer: FrameWriter, active: Callable[[], bool]) -> None:
+        while active():
+            writer.keepalive()
+            time.sleep(0.2)
+
+    return WeightsStreamServer(authz.WEIGHTS_FROM_RELAY, handler)
+
+
+def test_a_lying_relay_is_caught_at_its_hop_costs_only_its_bad_chunks_and_is_left_out_of_the_next_plans(
         registry: Registry) -> None:
+    """The liar (interior in one stripe tree) changes the last chunk of each stripe it passes on. Its
+    children check every chunk against the registry's hash: they fetch that one chunk from the registry
+    (not the whole version), never pass the bad one on, and report the liar, which then relays nothing
+    in the next version's plan."""
     honest = [Watcher(registry.server.address, f"h{i}") for i in range(2)]
-    liar_shelf = RelayShelf()
-    liar = Watcher(registry.server.address, "liar", service=LyingRelay(liar_shelf, threading.Event()))
-    liar.watcher.shelf = liar.shelf = liar_shelf
+    liar = Watcher(registry.server.address, "liar", relay=lying_relay)
     late = [Watcher(registry.server.address, f"l{i}") for i in range(3)]
     watchers = [*honest, liar, *late]
     try:
-        refetches = counter("overworld_relay_refetches_total")
-        for version in (1, 2):
-            publish_and_wait(registry, watchers, version, float(version))
-            for w in watchers:
-                assert_holds(w, float(version))
-        # the liar is interior in one stripe tree: its children saw the mismatch and refetched
-        assert counter("overworld_relay_refetches_total") > refetches
+        size = len(weights.to_bytes(model(1.0)))
+        bad = counter("overworld_relay_bad_chunks_total")
+        excluded = counter("overworld_registry_relays_excluded_total", reason="lied")
+        egress = publish_and_wait(registry, watchers, 1, 1.0)
+        for w in watchers:
+            assert_holds(w, 1.0)
+        plan = registry.service._plans[(1, "")]
+        children = plan.children(liar.address)
+        assert children >= 1, "the liar must be a parent in the first plan for this test to mean anything"
+        assert counter("overworld_relay_bad_chunks_total") - bad == children  # caught at the liar's own hop
+        chunk = relay_chunk_bytes(size)
+        # one copy, and for each of the liar's children only the chunk it changed
+        assert egress <= 1.05 * size + children * chunk, (egress, size, children)
+        # reported with the acknowledgements: the liar relays none of the next version
+        deadline = time.monotonic() + 10
+        while counter("overworld_registry_relays_excluded_total", reason="lied") == excluded:
+            assert time.monotonic() < deadline, "the liar was not reported"
+            time.sleep(0.02)
+        bad = counter("overworld_relay_bad_chunks_total")
+        publish_and_wait(registry, watchers, 2, 2.0)
+        assert registry.service._plans[(2, "")].children(liar.address) == 0
+        assert counter("overworld_relay_bad_chunks_total") == bad
+        for w in watchers:
+            assert_holds(w, 2.0)
+    finally:
+        for w in watchers:
+            w.close()
+
+
+def test_a_relay_that_sends_keepalives_but_no_data_is_given_up_as_stalled(
+        registry: Registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setattr(relay, "STALL_SECONDS", 1.0)
+    monkeypatch.setattr(relay, "DATA_STALL_SECONDS", 2.0)
+    wedged = Watcher(registry.server.address, "wedged", relay=keepalive_only_relay)
+    others = [Watcher(registry.server.address, f"o{i}") for i in range(3)]
+    watchers = [wedged, *others]
+    try:
+        stalled = counter("overworld_relay_reattaches_total", reason="stalled")
+        excluded = counter("overworld_registry_relays_excluded_total", reason="stalled")
+        # the push completes (wedged is a root: its children go on from the registry after the data stall
+        # time, where without the data watchdog they would wait out the fetch's deadline of 120 s)
+        publish_and_wait(registry, watchers, 1, 1.0, timeout=60)
+        assert registry.service._plans[(1, "")].children(wedged.address) >= 1
+        for w in watchers:
+            assert_holds(w, 1.0)
+        assert counter("overworld_relay_reattaches_total", reason="stalled") > stalled
+        deadline = time.monotonic() + 10
+        while counter("overworld_registry_relays_excluded_total", reason="stalled") == excluded:
+            assert time.monotonic() < deadline, "the stalled relay was not reported"
+            time.sleep(0.02)
+        publish_and_wait(registry, watchers, 2, 2.0, timeout=60)
+        assert registry.service._plans[(2, "")].children(wedged.address) == 0
     finally:
         for w in watchers:
             w.close()
@@ -212,34 +292,42 @@ def test_a_relay_answers_bad_requests_with_a_status(registry: Registry) -> None:
     watchers = [Watcher(registry.server.address, f"v{i}") for i in range(2)]
     try:
         publish_and_wait(registry, watchers, 1, 1.0)
-        from overworld.core.grpc_util import channel
-        from overworld.v1 import rollout_worker_pb2_grpc
-
         held = watchers[0].shelf.get(1, 0, lambda: True)
         assert held is not None
-        with channel(f"127.0.0.1:{watchers[0].server.port}") as ch:
-            stub = rollout_worker_pb2_grpc.RolloutWorkerStub(ch)
-            cases = {
-                "no version": (pb.FetchRequest(version=0, chunk_size=held.chunk), grpc.StatusCode.INVALID_ARGUMENT),
-                "by tag": (pb.FetchRequest(version=1, tag="best", chunk_size=held.chunk),
-                           grpc.StatusCode.INVALID_ARGUMENT),
-                "other precision": (pb.FetchRequest(version=1, chunk_size=held.chunk, precision="bfloat16"),
-                                    grpc.StatusCode.FAILED_PRECONDITION),
-                "other chunk size": (pb.FetchRequest(version=1, chunk_size=1000), grpc.StatusCode.FAILED_PRECONDITION),
-                "odd offset": (pb.FetchRequest(version=1, chunk_size=held.chunk, offset=3), grpc.StatusCode.OUT_OF_RANGE),
-                "past the end": (pb.FetchRequest(version=1, chunk_size=held.chunk, limit=held.size + 1),
-                                 grpc.StatusCode.OUT_OF_RANGE),
-            }
-            for what, (request, code) in cases.items():
-                with pytest.raises(grpc.RpcError) as err:
-                    list(stub.FetchWeights(request, timeout=5))
-                assert err.value.code() == code, what
-            started = time.monotonic()
-            with pytest.raises(grpc.RpcError) as err:  # a version it will never hold: not forever
-                list(stub.FetchWeights(pb.FetchRequest(version=99, chunk_size=held.chunk), timeout=30))
-            assert err.value.code() == grpc.StatusCode.NOT_FOUND and time.monotonic() - started < 20
-            whole = list(stub.FetchWeights(pb.FetchRequest(version=1, chunk_size=held.chunk), timeout=10))
-            assert b"".join(c.data for c in whole) == weights.to_bytes(model(1.0))
+        held.release()
+        address = watchers[0].address
+
+        def fetch(request: pb.FetchRequest) -> bytes:
+            stream = open_stream(address, request, 5.0, 30.0, lambda: False)
+            out = bytearray(held.size)
+            try:
+                while stream.next(lambda i, n: memoryview(out)[i * held.chunk:i * held.chunk + n]).kind != 3:
+                    pass
+            finally:
+                stream.close()
+            return bytes(out)
+
+        cases = {
+            "no version": (pb.FetchRequest(version=0, chunk_size=held.chunk), grpc.StatusCode.INVALID_ARGUMENT),
+            "by tag": (pb.FetchRequest(version=1, tag="best", chunk_size=held.chunk), grpc.StatusCode.INVALID_ARGUMENT),
+            "other precision": (pb.FetchRequest(version=1, chunk_size=held.chunk, precision="bfloat16"),
+                                grpc.StatusCode.FAILED_PRECONDITION),
+            "unknown precision": (pb.FetchRequest(version=1, chunk_size=held.chunk, precision="int3"),
+                                  grpc.StatusCode.INVALID_ARGUMENT),
+            "other chunk size": (pb.FetchRequest(version=1, chunk_size=1000), grpc.StatusCode.FAILED_PRECONDITION),
+            "odd offset": (pb.FetchRequest(version=1, chunk_size=held.chunk, offset=3), grpc.StatusCode.OUT_OF_RANGE),
+            "past the end": (pb.FetchRequest(version=1, chunk_size=held.chunk, limit=held.size + 1),
+                             grpc.StatusCode.OUT_OF_RANGE),
+        }
+        for what, (request, code) in cases.items():
+            with pytest.raises(StreamError) as err:
+                fetch(request)
+            assert err.value.code == code, (what, err.value)
+        started = time.monotonic()
+        with pytest.raises(StreamError) as err:  # a version it will never hold: not forever
+            fetch(pb.FetchRequest(version=99, chunk_size=held.chunk))
+        assert err.value.code == grpc.StatusCode.NOT_FOUND and time.monotonic() - started < 20
+        assert fetch(pb.FetchRequest(version=1, chunk_size=held.chunk)) == weights.to_bytes(model(1.0))
     finally:
         for w in watchers:
             w.close()

@@ -1,5 +1,5 @@
 """Who may call what: the one table of Overworld's authorization, and the server interceptor that
-enforces it.
+enforces it (the weights stream, model_registry/stream.py, checks the same table).
 
 Every gRPC client presents a certificate of the run's CA (core/tls.py); its identity is the service
 kind in that certificate (SAN URI ``spiffe://overworld/<run>/<identity>``, else the common name).
@@ -20,7 +20,14 @@ _GAE = "/overworld.v1.Gae/"
 _MR = "/overworld.v1.ModelRegistry/"
 _TR = "/overworld.v1.Trainer/"
 _RW = "/overworld.v1.RolloutWorker/"
+_WS = "/overworld.v1.WeightsStream/"
 HEALTH = ("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")
+
+# The weights stream's two endpoints (not gRPC: model_registry/stream.py), named as methods so that the
+# table covers them: the registry's port, and each rollout worker's relay port.
+WEIGHTS_FROM_REGISTRY = _WS + "Registry"
+WEIGHTS_FROM_RELAY = _WS + "Relay"
+STREAM_METHODS = (WEIGHTS_FROM_REGISTRY, WEIGHTS_FROM_RELAY)
 
 # Reading status: what the run-controller and `overworld status` / `overworld run` look at.
 READ_STATUS = (_RM + "GetFleetStatus", _RM + "ListVideos", _RB + "GetStats", _MR + "ListVersions",
@@ -32,8 +39,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
                        _RM + "ReportEpisodes", _RM + "UploadVideo",
                        _RB + "Insert", _RB + "Reserve",
                        _MR + "Watch", _MR + "WatchAnnouncements", _MR + "Fetch", _MR + "AckVersion",
-                       # the weights relay: one worker passes a version on to another
-                       _RW + "FetchWeights"),
+                       # the weights stream: a version's chunks from the registry, and passed on from one
+                       # worker to another (the relay)
+                       WEIGHTS_FROM_REGISTRY, WEIGHTS_FROM_RELAY),
     "replay-buffer": (_RM + "GetRunConfig", _RM + "GetSpaces"),
     # The trainer driver and its Ray Train workers (the same certificate on every Ray node).
     "trainer": (_RM + "GetRunConfig", _RM + "GetFleetStatus", _RM + "RequestVideo",
@@ -82,6 +90,29 @@ def peer_identity(auth_context: Mapping[str, Iterable[bytes]]) -> tuple[str, str
     return "", ""
 
 
+def certificate_identity(cert: Mapping[str, Any]) -> tuple[str, str]:
+    """(run, identity) of a peer from its certificate as Python's ssl decodes it (getpeercert()), read as
+    peer_identity reads gRPC's auth context: the SPIFFE URI, else the common name."""
+    context: dict[str, list[bytes]] = {"peer_spiffe_id": [], "x509_common_name": []}
+    for kind, value in cert.get("subjectAltName", ()):
+        if kind == "URI":
+            context["peer_spiffe_id"].append(str(value).encode())
+    for rdn in cert.get("subject", ()):
+        for key, value in rdn:
+            if key == "commonName":
+                context["x509_common_name"].append(str(value).encode())
+    return peer_identity(context)
+
+
+def refusal(own_run: str, run: str, identity: str, method: str) -> str | None:
+    """Why a caller of (run, identity) may not call `method` of a server of `own_run`; None if it may."""
+    if run and own_run and run != own_run:
+        return f"{identity or 'caller'} of run {run!r} may not call {method} of run {own_run!r}"
+    if not allowed(identity, method):
+        return f"{identity or 'an unauthenticated caller'} may not call {method}"
+    return None
+
+
 class Authorizer(grpc.ServerInterceptor):
     """Checks every call against ALLOWED before the servicer sees it. `run` is the server's own run
     (from its certificate): a caller whose certificate names another run is refused too, so that
@@ -100,12 +131,9 @@ class Authorizer(grpc.ServerInterceptor):
         behaviour = getattr(handler, kind)
         def checked(request: Any, context: grpc.ServicerContext) -> Any:
             run, identity = peer_identity(context.auth_context())  # type: ignore[arg-type]  # types-grpcio: str -> bytes; grpc gives str -> list of bytes
-            if run and self.run and run != self.run:
-                context.abort(grpc.StatusCode.PERMISSION_DENIED,
-                              f"{identity or 'caller'} of run {run!r} may not call {method} of run {self.run!r}")
-            if not allowed(identity, method):
-                who = identity or "an unauthenticated caller"
-                context.abort(grpc.StatusCode.PERMISSION_DENIED, f"{who} may not call {method}")
+            refused = refusal(self.run, run, identity, method)
+            if refused:
+                context.abort(grpc.StatusCode.PERMISSION_DENIED, refused)
             return behaviour(request, context)
 
         # An abort raised here is answered like one raised by the servicer, streaming or not.

@@ -196,9 +196,12 @@ class ModelRegistryClient:
                                                             relay_port=relay_port, precision=precision,
                                                             relay_host=relay_host), timeout=timeout)
 
-    def ack(self, watcher_id: str, version: int, timeout: float = 5.0) -> grpc.Future:
-        """Acknowledge a swapped-in version without waiting for the reply."""
-        future = self.stub.AckVersion.future(pb.AckVersionRequest(watcher_id=watcher_id, version=version),
+    def ack(self, watcher_id: str, version: int, relay_faults: list[pb.RelayFault] | None = None,
+            timeout: float = 5.0) -> grpc.Future:
+        """Acknowledge a swapped-in version without waiting for the reply (with the relays that failed
+        this watcher since the last one)."""
+        future = self.stub.AckVersion.future(pb.AckVersionRequest(watcher_id=watcher_id, version=version,
+                                                                  relay_faults=relay_faults or []),
                                              timeout=timeout)
         # a call future that is garbage-collected before it completes cancels its RPC: hold it until then
         with self._acks_lock:

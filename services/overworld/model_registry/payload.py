@@ -13,7 +13,7 @@ from collections.abc import Callable
 import grpc
 
 from overworld.core import safetensors_format
-from overworld.model_registry import wire
+from overworld.model_registry import chunks, wire
 from overworld.v1 import model_registry_pb2 as pb
 
 DEFAULT_CHUNK = 4 << 20  # messages group small tensors up to this size
@@ -103,6 +103,7 @@ class Payload:
         self.cond = threading.Condition()
         self.variants: dict[str, Payload] = {}
         self._variant_lock = threading.Lock()
+        self._hashes: dict[int, bytes] = {}  # chunk size -> the hash of each chunk (the weights stream's)
 
     def feed(self, data: bytes | bytearray | memoryview) -> None:
         """The next bytes of the payload, in order (any piece size). Encodes every message they
@@ -225,6 +226,23 @@ class Payload:
 
     def data(self) -> bytes:
         return self.raw(0, self.size)
+
+    def view(self, start: int, end: int) -> memoryview:
+        """data[start:end] of a complete payload: a view into its message when one holds it (most chunks
+        of the weights stream), else a copy."""
+        i = max(0, bisect.bisect_right(self.starts, start) - 1)
+        if i < len(self.messages) and self.bounds and end <= self.bounds[i]:
+            base, head = self.starts[i], self.header_lens[i]
+            return memoryview(self.messages[i])[head + start - base:head + end - base]
+        return memoryview(self.raw(start, end))
+
+    def chunk_hashes(self, chunk: int) -> bytes:
+        """The hash of each `chunk`-byte chunk of a complete payload (chunks.py), computed once per size."""
+        with self._variant_lock:
+            found = self._hashes.get(chunk)
+            if found is None:
+                found = self._hashes[chunk] = chunks.chunk_hashes(self.size, chunk, self.view)
+            return found
 
     def variant(self, precision: str, is_active: Callable[[], bool]) -> Payload:
         """This version with its floating tensors cast to `precision`: converted once, then cached."""

@@ -1,33 +1,43 @@
 """The worker's side of the weights relay (docs/model_registry.md, "Relay").
 
-The registry announces a new version with a source for each of its stripes: itself, or another
-worker. `fetch_relayed` fetches every stripe at once, each from its source, into a `RelayedVersion`;
-meanwhile this worker's `FetchWeights` (`serve_relayed`) passes each message on, as soon as it has
-arrived, to the workers the registry sent here. A source that breaks, stalls or sends what does
-not fit costs a re-attach: the stripe goes on from the registry at the first message missing. Once
-every stripe is in, the whole is checked against the sha256 the registry announced; only then may
-the worker swap it in. What a relay passes on is not checked by the relay (its children check it
-themselves), so a bad relay costs its subtree a fetch from the registry, never a wrong version.
+The registry announces a new version with a source for each of its stripes (itself, or another
+worker) and the hash of every chunk. `fetch_relayed` fetches every stripe at once, each from its
+source over the weights stream (`stream.py`), into a `RelayedVersion`: one buffer for the whole
+version, reused from one version to the next. Each chunk is checked against its hash as it arrives;
+only then may this worker's relay (`serve_relayed`) pass it on, so a bad relay is caught at its hop
+and its children never see what it changed. A source that breaks, stalls (nothing at all, or
+keep-alives but no data) or sends a chunk that does not match costs a re-attach: the stripe goes on
+from the registry at that chunk, and the source is reported to the registry (a liar or a stalled
+relay is left out of the next plans). Once every chunk is in, the version is verified: the worker
+may swap it in.
 """
 
 from __future__ import annotations
 
-import hashlib
 import logging
 import os
+import ssl
 import threading
 import time
-from collections.abc import Callable, Iterator
-from typing import Any
+from collections.abc import Callable
 
 import grpc
 from prometheus_client import Counter
 
-from overworld.core import safetensors_format
-from overworld.core.grpc_util import Backoff, abort, channel, is_retryable
-from overworld.model_registry import wire
-from overworld.model_registry.client import FetchBroken, ModelRegistryClient
+from overworld.core import authz, safetensors_format
+from overworld.core.grpc_util import Backoff
+from overworld.model_registry import chunks
+from overworld.model_registry.client import FetchBroken
 from overworld.model_registry.relay_plan import REGISTRY, stripe_bounds
+from overworld.model_registry.stream import (
+    DATA,
+    END,
+    FrameWriter,
+    Stalled,
+    StreamError,
+    WeightsStreamServer,
+    open_stream,
+)
 from overworld.v1 import model_registry_pb2 as pb
 
 log = logging.getLogger("overworld.model_registry.relay")
@@ -35,28 +45,30 @@ log = logging.getLogger("overworld.model_registry.relay")
 RELAY_BYTES_SERVED = Counter("overworld_relay_bytes_served_total", "Weight bytes this worker relayed to others")
 RELAY_BYTES_RECEIVED = Counter("overworld_relay_bytes_received_total",
                                "Weight bytes received by relay, by where they came from", ["source"])
-RELAY_REFETCHES = Counter("overworld_relay_refetches_total",
-                          "Versions fetched again whole from the registry: the relayed bytes did not match its sha256")
+RELAY_BAD_CHUNKS = Counter("overworld_relay_bad_chunks_total",
+                           "Chunks that did not match the hash the registry announced (fetched again from it)")
 RELAY_REATTACHES = Counter("overworld_relay_reattaches_total",
                            "Stripes that went on from the registry after their relay failed", ["reason"])
 
-# A source that sends nothing for this long is given up (a stopped or cut-off pod); it should exceed
-# the time a message of RELAY_CHUNK bytes takes on the slowest link.
+# A source that sends nothing at all for this long is given up (a stopped or cut-off pod); it should
+# exceed the time a chunk takes on the slowest link.
 STALL_SECONDS = max(1.0, float(os.environ.get("OVERWORLD_RELAY_STALL_SECONDS", "10")))
-# A relay waiting on its own source sends an empty message this often: its children hear that it lives
-# and do not all give it up for the registry at once (only a relay that is itself silent is given up).
+# A relay waiting on its own source sends a keep-alive this often: its children hear that it lives and
+# do not all give it up for the registry at once (only a relay that is itself silent is given up).
 KEEPALIVE_SECONDS = STALL_SECONDS / 3
+# ...but keep-alives are not data: a source that sends no chunk for twice the stall time is given up
+# too. Its own stalled source is given up after STALL_SECONDS, so an honest relay's data resumes
+# before then; one that only says it lives holds its children no longer.
+DATA_STALL_SECONDS = 2 * STALL_SECONDS
 WAIT_FOR_VERSION_SECONDS = 10.0  # a relay asked for a version it has not begun to receive waits this long
 MAX_STRIPES = 64
 RELAY_CONNECT_TRIES = 3  # a relay that answers nothing this many times in a row is given up
 MIN_CHUNK, MAX_CHUNK = 64 << 10, 64 << 20  # what an announcement's chunk_bytes may be
-_FETCH_WEIGHTS = "/overworld.v1.RolloutWorker/FetchWeights"
-KEEPALIVE = pb.WeightsChunk().SerializeToString()  # no data: the receiver counts it as a sign of life
 RECEIVING, VERIFIED, FAILED = "receiving", "verified", "failed"
-
-
-class RelayMismatch(FetchBroken):
-    """What arrived by relay does not match the sha256 the registry announced."""
+# The registry's answers that end a fetch (the version is gone or cannot be had): the others are retried.
+REGISTRY_FINAL = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ABORTED,
+                  grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
+                  grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED)
 
 
 class RelayFailed(Exception):
@@ -65,38 +77,78 @@ class RelayFailed(Exception):
         self.code = code
 
 
-class RelayedVersion:
-    """One version as a worker receives it: WeightsChunk messages of `chunk` bytes of data, filled
-    stripe by stripe (so out of order), each kept as received to be passed on unchanged."""
+class BufferPool:
+    """Version buffers handed back once nothing reads them: the next version of the same size is
+    received into one (memory touched for the first time costs a page fault per 4 KB)."""
 
-    def __init__(self, info: pb.VersionInfo, chunk: int, precision: str) -> None:
+    def __init__(self, keep: int = 2) -> None:
+        self.keep = keep
+        self._free: list[bytearray] = []
+        self._lock = threading.Lock()
+
+    def get(self, size: int) -> bytearray:
+        with self._lock:
+            for i, buf in enumerate(self._free):
+                if len(buf) == size:
+                    return self._free.pop(i)
+        return bytearray(size)
+
+    def put(self, buf: bytearray) -> None:
+        with self._lock:
+            if len(self._free) < self.keep:
+                self._free.append(buf)
+
+
+class RelayedVersion:
+    """One version as a worker receives it: one buffer, filled chunk by chunk (stripes at once, so out
+    of order), each chunk readable once it matched its hash.
+
+    The buffer goes back to the pool when the last hold is released: the fetch's (then the shelf's,
+    while this worker relays it), the worker's (from take() until it takes a newer version: its tensors
+    are views into the buffer), and each child's serve."""
+
+    def __init__(self, info: pb.VersionInfo, chunk: int, precision: str, hashes: bytes, pool: BufferPool) -> None:
         self.info, self.chunk, self.precision = info, chunk, precision
         self.version, self.size = info.version, info.size_bytes
         self.count = -(-self.size // chunk)
-        self.messages: list[bytes | None] = [None] * self.count
-        self.data: list[memoryview | None] = [None] * self.count
+        if len(hashes) != self.count * chunks.HASH_BYTES:
+            raise ValueError(f"{len(hashes)} bytes of chunk hashes for {self.count} chunks")
+        self.hashes = hashes
+        self._pool = pool
+        self._buffer: bytearray | None = pool.get(self.size)
+        self.view = memoryview(self._buffer)[:self.size]
+        self.verified = bytearray(self.count)
         self.state = RECEIVING
         self.error: RelayFailed | None = None
         self.cond = threading.Condition()
+        self._holds = 1  # the fetch's
 
     def expected(self, index: int) -> tuple[int, int]:
-        """Offset and length of message `index`'s data."""
+        """Offset and length of chunk `index`."""
         start = index * self.chunk
         return start, min(self.chunk, self.size - start)
 
-    def put(self, index: int, message: bytes, data: memoryview) -> None:
+    def slot(self, index: int) -> memoryview:
+        start, length = self.expected(index)
+        return self.view[start:start + length]
+
+    def matches(self, index: int) -> bool:
+        h = chunks.HASH_BYTES
+        return chunks.digest(self.slot(index)) == self.hashes[index * h:(index + 1) * h]
+
+    def mark(self, index: int) -> None:
+        """Chunk `index` is in and matched its hash: it may be passed on."""
         with self.cond:
-            self.messages[index], self.data[index] = message, data
+            self.verified[index] = 1
             self.cond.notify_all()
 
-    def wait(self, index: int, is_active: Callable[[], bool], timeout: float) -> bytes | None:
-        """Message `index`, waiting at most `timeout` seconds for it to arrive (None then)."""
+    def wait(self, index: int, is_active: Callable[[], bool], timeout: float) -> memoryview | None:
+        """Chunk `index`, waiting at most `timeout` seconds for it to be verified (None then)."""
         deadline = time.monotonic() + timeout
         with self.cond:
             while True:
-                message = self.messages[index]
-                if message is not None:
-                    return message
+                if self.verified[index]:
+                    return self.slot(index)
                 if self.state == FAILED:
                     assert self.error is not None
                     raise self.error
@@ -112,27 +164,39 @@ class RelayedVersion:
             self.state, self.error = (FAILED, error) if error else (VERIFIED, None)
             self.cond.notify_all()
 
-    def sha256(self) -> str:
-        digest = hashlib.sha256()
-        for data in self.data:
-            assert data is not None
-            digest.update(data)
-        return digest.hexdigest()
+    def complete(self) -> bool:
+        return all(self.verified)
 
     def pieces(self) -> list[tuple[int, memoryview]]:
-        """(offset, data) of each message: what `weights.from_pieces` reads."""
-        return [(i * self.chunk, d) for i, d in enumerate(self.data) if d is not None]
+        """What `weights.from_pieces` reads: the whole version, one piece (every tensor a view)."""
+        return [(0, self.view)]
+
+    def hold(self) -> None:
+        with self.cond:
+            if self._buffer is None:
+                raise RelayFailed(grpc.StatusCode.NOT_FOUND, f"version {self.version} was let go")
+            self._holds += 1
+
+    def release(self) -> None:
+        with self.cond:
+            self._holds -= 1
+            if self._holds or self._buffer is None:
+                return
+            buf, self._buffer = self._buffer, None
+        self._pool.put(buf)
 
 
 class RelayShelf:
-    """The versions this worker can relay: the one it is receiving and the newest it verified."""
+    """The versions this worker can relay (the one it is receiving and the newest it verified), and the
+    pool their buffers come from."""
 
     def __init__(self) -> None:
         self._held: dict[int, RelayedVersion] = {}
         self._cond = threading.Condition()
+        self.pool = BufferPool()
 
-    def begin(self, info: pb.VersionInfo, chunk: int, precision: str) -> RelayedVersion:
-        held = RelayedVersion(info, chunk, precision)
+    def begin(self, info: pb.VersionInfo, chunk: int, precision: str, hashes: bytes) -> RelayedVersion:
+        held = RelayedVersion(info, chunk, precision, hashes, self.pool)
         with self._cond:
             old = self._held.get(info.version)
             if old is not None and old.state == RECEIVING:
@@ -142,8 +206,8 @@ class RelayShelf:
         return held
 
     def get(self, version: int, wait: float, is_active: Callable[[], bool]) -> RelayedVersion | None:
-        """The version, waiting up to `wait` seconds for this worker to begin receiving it; None at once
-        for one older than what it holds (it skipped or dropped it: it will not come)."""
+        """The version, held for the caller (who releases it), waiting up to `wait` seconds for this worker
+        to begin receiving it; None at once for one older than what it holds (it will not come)."""
         deadline = time.monotonic() + wait
         with self._cond:
             while (held := self._held.get(version)) is None:
@@ -151,18 +215,23 @@ class RelayShelf:
                 if left <= 0 or not is_active() or version < max(self._held, default=0):
                     return None
                 self._cond.wait(min(left, 1.0))
+            held.hold()
             return held
 
     def settle(self, held: RelayedVersion, keep: bool = True) -> None:
         """After a fetch: keep `held` if verified (and `keep`: this worker relays), and nothing else; drop
-        it if it failed (or not `keep`)."""
+        it if it failed (or not `keep`). The fetch's hold becomes the shelf's, or is released."""
+        dropped = []
         with self._cond:
             if held.state != VERIFIED or not keep:
                 if self._held.get(held.version) is held:
                     del self._held[held.version]
-                return
-            for version in [v for v in self._held if v != held.version]:
-                del self._held[version]  # older ones, and newer ones a reset registry took back
+                dropped.append(held)
+            else:
+                for version in [v for v in self._held if v != held.version]:
+                    dropped.append(self._held.pop(version))  # older ones, and newer ones a reset registry took back
+        for version_held in dropped:
+            version_held.release()
 
     def versions(self) -> list[int]:
         with self._cond:
@@ -171,71 +240,78 @@ class RelayShelf:
 
 # -- serving -----------------------------------------------------------------------------------------
 
-def serve_relayed(shelf: RelayShelf, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[bytes]:
-    """FetchWeights: the messages of a version this worker holds or is receiving, from a message
-    boundary, each sent as soon as it is here. Validates the request as the registry's Fetch does."""
+def check_range(request: pb.FetchRequest, chunk: int, size: int, version: int) -> tuple[int, int]:
+    """The chunk indexes [first, last) a relay or registry stream request asks for; StreamError when the
+    request is not whole chunks of this version."""
+    end = request.offset + request.limit if request.limit else size
+    if request.offset % chunk or request.offset > size or end > size or (end % chunk and end != size):
+        raise StreamError(grpc.StatusCode.OUT_OF_RANGE, f"bytes {request.offset}..{end} of version {version} "
+                          f"({size} bytes) are not whole chunks of {chunk} bytes")
+    return request.offset // chunk, -(-end // chunk)
+
+
+def serve_relayed(shelf: RelayShelf, request: pb.FetchRequest, writer: FrameWriter, is_active: Callable[[], bool]
+                  ) -> None:
+    """A child's stream: the chunks of a version this worker holds or is receiving, each as soon as it
+    is verified here, keep-alives while it waits for them. Validates the request as the registry does."""
     if request.version == 0 or request.tag:
-        abort(context, grpc.StatusCode.INVALID_ARGUMENT, "a relay serves a version by number (version > 0, no tag)")
-    held = shelf.get(request.version, WAIT_FOR_VERSION_SECONDS, context.is_active)
+        raise StreamError(grpc.StatusCode.INVALID_ARGUMENT, "a relay serves a version by number (version > 0, no tag)")
+    deadline = time.monotonic() + WAIT_FOR_VERSION_SECONDS
+    while (held := shelf.get(request.version, min(KEEPALIVE_SECONDS, deadline - time.monotonic()), is_active)) is None:
+        if time.monotonic() >= deadline or request.version < max(shelf.versions(), default=0) or not is_active():
+            break
+        writer.keepalive()  # its announcement may come a little after the child's
     if held is None:
-        abort(context, grpc.StatusCode.NOT_FOUND,
-              f"this worker does not hold version {request.version} (it holds {shelf.versions()}): fetch it "
-              "from the registry")
+        raise StreamError(grpc.StatusCode.NOT_FOUND, f"this worker does not hold version {request.version} (it holds "
+                          f"{shelf.versions()}): fetch it from the registry")
     try:
-        precision = safetensors_format.half_precision(request.precision) or ""
-    except ValueError as err:
-        abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"FetchRequest.precision: {err}")
-    if precision != held.precision:
-        abort(context, grpc.StatusCode.FAILED_PRECONDITION,
-              f"this worker holds version {held.version} as {held.precision or 'stored'}, not "
-              f"{request.precision or 'stored'}")
-    if request.chunk_size != held.chunk:
-        abort(context, grpc.StatusCode.FAILED_PRECONDITION,
-              f"this worker relays version {held.version} in messages of {held.chunk} bytes, not {request.chunk_size}")
-    end = request.offset + request.limit if request.limit else held.size
-    if request.offset % held.chunk or request.offset > held.size or end > held.size or (
-            end % held.chunk and end != held.size):
-        abort(context, grpc.StatusCode.OUT_OF_RANGE,
-              f"bytes {request.offset}..{end} of version {held.version} ({held.size} bytes) are not whole "
-              f"messages of {held.chunk} bytes")
-    yield wire.encode_info_chunk(held.info, request.offset)
-    try:
-        for index in range(request.offset // held.chunk, -(-end // held.chunk)):
-            while (message := held.wait(index, context.is_active, KEEPALIVE_SECONDS)) is None:
-                yield KEEPALIVE  # waiting on this worker's own source: say it lives
-            RELAY_BYTES_SERVED.inc(held.expected(index)[1])
-            yield message
+        try:
+            precision = safetensors_format.half_precision(request.precision) or ""
+        except ValueError as err:
+            raise StreamError(grpc.StatusCode.INVALID_ARGUMENT, f"FetchRequest.precision: {err}") from None
+        if precision != held.precision:
+            raise StreamError(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"this worker holds version {held.version} as {held.precision or 'stored'}, not "
+                              f"{request.precision or 'stored'}")
+        if request.chunk_size != held.chunk:
+            raise StreamError(grpc.StatusCode.FAILED_PRECONDITION, f"this worker relays version {held.version} in "
+                              f"chunks of {held.chunk} bytes, not {request.chunk_size}")
+        first, last = check_range(request, held.chunk, held.size, held.version)
+        for index in range(first, last):
+            while (chunk := held.wait(index, is_active, KEEPALIVE_SECONDS)) is None:
+                writer.keepalive()  # waiting on this worker's own source: say it lives
+            writer.data(index, chunk)
+            RELAY_BYTES_SERVED.inc(len(chunk))
     except RelayFailed as err:
-        abort(context, err.code, f"relaying version {held.version}: {err}")
+        raise StreamError(err.code, f"relaying version {held.version}: {err}") from None
+    finally:
+        held.release()
+
+
+def serve_relay(shelf: RelayShelf, host: str = "127.0.0.1", port: int = 0) -> WeightsStreamServer:
+    """This worker's relay: its shelf on a weights-stream port, for the rollout-worker identity only."""
+    return WeightsStreamServer(authz.WEIGHTS_FROM_RELAY,
+                               lambda request, writer, active: serve_relayed(shelf, request, writer, active),
+                               host, port)
 
 
 # -- fetching ----------------------------------------------------------------------------------------
 
-class RelayClient:
-    """A worker's FetchWeights, as the registry's Fetch: a stream of decoded chunks (views into the
-    received messages)."""
-
-    def __init__(self, address: str) -> None:
-        self.address = address
-        self._channel = channel(address)
-        self._fetch = self._channel.unary_stream(_FETCH_WEIGHTS, request_serializer=pb.FetchRequest.SerializeToString,
-                                                 response_deserializer=wire.decode_chunk, _registered_method=True)  # type: ignore[call-arg]  # grpc's own keyword; types-grpcio lacks it
-
-    def fetch_chunks(self, request: pb.FetchRequest, timeout: float) -> Any:
-        return self._fetch(request, timeout=timeout)
-
-    def close(self) -> None:
-        self._channel.close()
+class _BadSource(Exception):
+    """A source sent what does not fit the version (a chunk not asked for, the wrong size, an early end)."""
 
 
-def fetch_relayed(held: RelayedVersion, sources: list[str], registry: ModelRegistryClient,
-                  stop: Callable[[], bool], timeout: float, stall: float = STALL_SECONDS) -> None:
-    """Fill `held` (fetched in its precision, in messages of its chunk size), stripe i from sources[i],
-    and check the whole against held.info.sha256. Marks `held` verified, or failed and raises
-    FetchBroken (RelayMismatch: it did not match): a source that fails hands its stripe to the
-    registry, so only the registry's own answer (NOT_FOUND: the version is gone; UNAVAILABLE for
-    `timeout`) or a sha256 mismatch ends a fetch without the version. One stripe that cannot finish
-    stops the others."""
+class _Lied(Exception):
+    """A source sent a chunk that does not match its hash."""
+
+
+def fetch_relayed(held: RelayedVersion, sources: list[str], registry: str, stop: Callable[[], bool],
+                  timeout: float, faults: list[tuple[str, str]]) -> None:
+    """Fill `held`, stripe i from sources[i] ("" is the registry's weights stream at `registry`), every
+    chunk checked against its hash. Marks `held` verified, or failed and raises FetchBroken: a source
+    that fails hands its stripe to the registry, so only the registry's own answer (the version is gone)
+    or the fetch's deadline ends a fetch without the version. Relays that lied or stalled are appended
+    to `faults` as (address, "lied" | "stalled"). One stripe that cannot finish stops the others."""
     deadline = time.monotonic() + timeout
     errors: list[BaseException] = []
     failed = threading.Event()
@@ -247,7 +323,7 @@ def fetch_relayed(held: RelayedVersion, sources: list[str], registry: ModelRegis
 
     def run(stripe: int, start: int, end: int) -> None:
         try:
-            _fetch_stripe(held, start, end, sources[stripe], registry, give_up, deadline, stall)
+            _fetch_stripe(held, start, end, sources[stripe], registry, give_up, deadline, faults)
         except BaseException as err:  # handed to the caller
             errors.append(err)
             failed.set()
@@ -259,108 +335,100 @@ def fetch_relayed(held: RelayedVersion, sources: list[str], registry: ModelRegis
             thread.start()
         for thread in threads:
             thread.join()
-        if not errors and held.sha256() != held.info.sha256:
-            errors.append(RelayMismatch(f"version {held.version} from {sorted(set(sources))} does not match the "
-                                        "sha256 the registry announced"))
+        if not errors and not held.complete():
+            errors.append(FetchBroken(f"version {held.version}: chunks missing after every stripe ended"))
     except BaseException as err:  # (a thread that cannot start, say): the children must not wait on it
         failed.set()
         held.finish(RelayFailed(grpc.StatusCode.ABORTED, f"fetching version {held.version} stopped: {err!r}"))
         raise
     if errors:
         error = errors[0]
-        code = error.code() if isinstance(error, grpc.RpcError) else grpc.StatusCode.ABORTED
-        held.finish(RelayFailed(code, str(error)))
-        if isinstance(error, grpc.RpcError | FetchBroken):
+        held.finish(RelayFailed(grpc.StatusCode.ABORTED, str(error)))
+        if isinstance(error, FetchBroken):
             raise error
         raise FetchBroken(f"fetching version {held.version} by relay failed: {error!r}") from error
     held.finish()
 
 
-def _fetch_stripe(held: RelayedVersion, start: int, end: int, source: str, registry: ModelRegistryClient,
-                  stop: Callable[[], bool], deadline: float, stall: float) -> None:
-    """Messages [start, end) of `held` from `source`; from the registry once that fails."""
+def _fetch_stripe(held: RelayedVersion, start: int, end: int, source: str, registry: str,
+                  stop: Callable[[], bool], deadline: float, faults: list[tuple[str, str]]) -> None:
+    """Chunks [start, end) of `held` from `source`; from the registry once that fails."""
     index, last = start // held.chunk, -(-end // held.chunk)
     backoff = Backoff(0.1)
     unanswered = 0  # attempts in a row on which a relay answered nothing at all
+
+    def give_up(reason: str, why: object) -> None:
+        nonlocal source
+        RELAY_REATTACHES.labels(reason).inc()
+        if reason in ("stalled", "bad"):
+            faults.append((source, "lied" if reason == "bad" else "stalled"))
+        log.warning("relay %s %s on version %d (%s); fetching bytes %d..%d from the registry", source,
+                    {"bad": "lied", "stalled": "stalled", "broken": "failed"}[reason], held.version, why,
+                    index * held.chunk, end)
+        source = REGISTRY
+
+    def into(got: int, length: int) -> memoryview:
+        """Where a DATA frame goes: the chunk asked for next, nothing else."""
+        if got != index or length != held.expected(index)[1]:
+            raise _BadSource(f"sent chunk {got} of {length} bytes, expected chunk {index} of {held.expected(index)[1]}")
+        return held.slot(index)
+
     while index < last:
         if stop():
             raise FetchBroken("stopped")
-        left = deadline - time.monotonic()
-        if left <= 0:
+        if time.monotonic() > deadline:
             raise FetchBroken(f"version {held.version} not received within the fetch's deadline")
-        relay = RelayClient(source) if source != REGISTRY else None
+        from_relay = source != REGISTRY
         request = pb.FetchRequest(version=held.version, offset=index * held.chunk, limit=end - index * held.chunk,
                                   chunk_size=held.chunk, precision=held.precision)
-        call = (relay or registry).fetch_chunks(request, timeout=left)
-        progress = [time.monotonic()]
-        watchdog = _Watchdog(call, progress, stall, stop)
+
         answered = False
         try:
-            for chunk in call:
-                progress[0] = time.monotonic()
-                answered = True
-                if chunk.info is not None and (chunk.info.version != held.version
-                                               or chunk.info.size_bytes != held.size):
-                    raise _BadSource(f"sent version {chunk.info.version} of {chunk.info.size_bytes} bytes")
-                if not len(chunk.data):
-                    continue
-                offset, size = held.expected(index)
-                if index >= last or chunk.offset != offset or len(chunk.data) != size:
-                    raise _BadSource(f"sent bytes {chunk.offset}+{len(chunk.data)}, expected {offset}+{size}")
-                held.put(index, chunk.data.obj, chunk.data)
-                RELAY_BYTES_RECEIVED.labels("registry" if relay is None else "relay").inc(size)
-                index += 1
-                backoff.reset()
-                unanswered = 0
-            if index < last:
-                raise _BadSource(f"ended the stream at message {index} of {last}")
-        except (grpc.RpcError, _BadSource) as err:
+            stream = open_stream(source if from_relay else registry, request, STALL_SECONDS, DATA_STALL_SECONDS, stop)
+            answered = True
+            try:
+                while True:
+                    frame = stream.next(into)
+                    if frame.kind == DATA:
+                        if not held.matches(index):
+                            RELAY_BAD_CHUNKS.inc()
+                            raise _Lied(f"chunk {index} does not match its hash")
+                        held.mark(index)
+                        RELAY_BYTES_RECEIVED.labels("relay" if from_relay else "registry").inc(frame.length)
+                        index += 1
+                        backoff.reset()
+                        unanswered = 0
+                    elif frame.kind == END:
+                        if index < last:
+                            raise _BadSource(f"ended the stream at chunk {index} of {last}")
+                        break
+            finally:
+                stream.close()
+        except (_Lied, _BadSource, ValueError) as err:
+            if not from_relay:
+                raise FetchBroken(f"the registry {err}") from None
+            give_up("bad", err)
+        except Stalled as err:
             if stop():
                 raise FetchBroken("stopped") from None
-            if (relay is not None and not answered and isinstance(err, grpc.RpcError)
-                    and err.code() == grpc.StatusCode.UNAVAILABLE and unanswered < RELAY_CONNECT_TRIES - 1):
+            if from_relay:
+                give_up("stalled", err)
+            else:
+                backoff.wait()
+        except StreamError as err:
+            if from_relay:
+                give_up("broken", err)
+            elif err.code in REGISTRY_FINAL:
+                raise FetchBroken(f"the registry answered {err}") from None
+            else:
+                backoff.wait()
+        except (OSError, ssl.SSLError) as err:
+            if stop():
+                raise FetchBroken("stopped") from None
+            if from_relay and not answered and unanswered < RELAY_CONNECT_TRIES - 1:
                 unanswered += 1  # no connection yet (a busy relay, a neighbour to resolve): try it again
                 backoff.wait()
-                continue
-            if relay is not None:  # re-attach: the rest of the stripe from the registry
-                reason = "stalled" if watchdog.fired else "bad" if isinstance(err, _BadSource) else "broken"
-                RELAY_REATTACHES.labels(reason).inc()
-                log.warning("relay %s %s version %d (%s); fetching bytes %d..%d from the registry", source,
-                            "stalled on" if watchdog.fired else "failed", held.version,
-                            err if isinstance(err, _BadSource) else f"{err.code().name}: {err.details()}",
-                            index * held.chunk, end)
-                source = REGISTRY
-                continue
-            if isinstance(err, _BadSource):
-                raise FetchBroken(f"the registry {err}") from None
-            if not (is_retryable(err) or watchdog.fired):
-                raise
-            backoff.wait()
-        finally:
-            watchdog.cancel()
-            if relay is not None:
-                relay.close()
-
-
-class _BadSource(Exception):
-    """A source sent something that does not fit the version (it is then given up)."""
-
-
-class _Watchdog:
-    """Cancels a stream that made no progress for `stall` seconds."""
-
-    def __init__(self, call: Any, progress: list[float], stall: float, stop: Callable[[], bool]) -> None:
-        self.fired = False
-        self._done = threading.Event()
-
-        def watch() -> None:
-            while not self._done.wait(min(1.0, stall / 4)):
-                if stop() or time.monotonic() - progress[0] > stall:
-                    self.fired = not stop()
-                    call.cancel()
-                    return
-
-        threading.Thread(target=watch, name="relay-watchdog", daemon=True).start()
-
-    def cancel(self) -> None:
-        self._done.set()
+            elif from_relay:
+                give_up("broken", err)
+            else:
+                backoff.wait()

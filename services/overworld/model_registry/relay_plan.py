@@ -12,13 +12,23 @@ docs/model_registry.md says why it was chosen over a single tree or a chain.
 
 from __future__ import annotations
 
+import logging
 from collections import deque
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
+
+from prometheus_client import Counter
 
 from overworld.model_registry.payload import MAX_FETCH_MESSAGES
 
+log = logging.getLogger("overworld.model_registry")
+
+RELAYS_EXCLUDED = Counter("overworld_registry_relays_excluded_total",
+                          "Relays left out of the next plans: a child reported that one lied or stalled", ["reason"])
+
 RELAY_CHUNK = 512 << 10  # a hop costs about one message's transfer: keep them small
 REGISTRY = ""  # a source that is the registry itself
+EXCLUDED_VERSIONS = 10  # a relay reported as failed relays none of the next this many versions
+FAULTS = ("lied", "stalled")
 
 
 def relay_chunk_bytes(size: int) -> int:
@@ -102,3 +112,27 @@ class RelayPlan:
     def children(self, address: str) -> int:
         """How many stripe transfers the relay at `address` serves (for tests and logs)."""
         return sum(sources.count(address) for sources in self.sources.values())
+
+
+class RelayExclusions:
+    """Relays the watchers reported (a chunk that did not match its hash, or no data for the data stall
+    time): each is a leaf, never a parent, in the plans of the next EXCLUDED_VERSIONS versions. A
+    report is a worker's word; the worst a false one does is make a relay a leaf for a while."""
+
+    def __init__(self) -> None:
+        self._until: dict[str, int] = {}  # relay address -> the last version it is left out of
+
+    def report(self, relay: str, reason: str, version: int) -> None:
+        if reason not in FAULTS or not relay:
+            raise ValueError(f"a relay fault names a relay and one of {FAULTS}, not {relay!r}, {reason!r}")
+        if self._until.get(relay, 0) < version:  # counted once per failure, however many children saw it
+            RELAYS_EXCLUDED.labels(reason).inc()
+            log.warning("relay %s %s on version %d: it relays none of versions %d..%d", relay, reason, version,
+                        version + 1, version + EXCLUDED_VERSIONS)
+        self._until[relay] = max(self._until.get(relay, 0), version + EXCLUDED_VERSIONS)
+
+    def apply(self, members: list[Member], version: int) -> list[Member]:
+        """`members` for the plan of `version`: the excluded ones as leaves (no address to relay from)."""
+        for relay in [r for r, until in self._until.items() if until < version]:
+            del self._until[relay]
+        return [replace(m, address="") if m.address in self._until else m for m in members]

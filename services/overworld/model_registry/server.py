@@ -28,7 +28,7 @@ from typing import Any
 import grpc
 from prometheus_client import Counter
 
-from overworld.core import safetensors_format
+from overworld.core import authz, safetensors_format
 from overworld.core.blobs import BlobStore
 from overworld.core.grpc_util import abort, add_overriding
 from overworld.model_registry import wire
@@ -42,7 +42,9 @@ from overworld.model_registry.payload import (
     message_bounds,
 )
 from overworld.model_registry.publish import Publishing
+from overworld.model_registry.relay import MAX_CHUNK, MIN_CHUNK, check_range
 from overworld.model_registry.store import RESERVED_TAGS, TAG_RE, manifest_key, weights_key
+from overworld.model_registry.stream import FrameWriter, StreamError, WeightsStreamServer
 from overworld.model_registry.watch import Watching
 from overworld.v1 import model_registry_pb2 as pb
 from overworld.v1 import model_registry_pb2_grpc
@@ -61,7 +63,10 @@ class ModelRegistryService(Publishing, Watching, model_registry_pb2_grpc.ModelRe
     def __init__(self, blobs: BlobStore, retain: int = 20, max_model_bytes: int = 8 << 30,
                  chunk_size: int = DEFAULT_CHUNK, largest_message: int = LARGEST_MESSAGE, publish_wait: float = 120.0,
                  keepalive: float = 15.0, cut_through: bool = False,
-                 relay_fanout: int = DEFAULT_RELAY_FANOUT) -> None:
+                 relay_fanout: int = DEFAULT_RELAY_FANOUT, weights_host: str = "127.0.0.1",
+                 weights_port: int = 0) -> None:
+        """`weights_host`/`weights_port`: where the weights stream listens (port 0: any free port; the
+        announcements say which)."""
         if not 0 <= relay_fanout <= MAX_RELAY_FANOUT:
             raise ValueError(f"relay_fanout must be 0 (every watcher fetches from the registry) to {MAX_RELAY_FANOUT}, "
                              f"not {relay_fanout}")
@@ -71,6 +76,43 @@ class ModelRegistryService(Publishing, Watching, model_registry_pb2_grpc.ModelRe
         super().__init__(blobs, retain, max_model_bytes, chunk_size, largest_message, publish_wait, keepalive,
                          cut_through, relay_fanout)
         self._load()
+        self._weights = WeightsStreamServer(authz.WEIGHTS_FROM_REGISTRY, self.stream_fetch, weights_host, weights_port)
+        self.weights_port = self._weights.port
+
+    def stop(self) -> None:
+        super().stop()
+        self._weights.stop()
+
+    # -- the weights stream -------------------------------------------------------------------------
+    def stream_fetch(self, request: pb.FetchRequest, writer: FrameWriter, is_active: Callable[[], bool]) -> None:
+        """A watcher's stripe over the weights stream: chunks of `chunk_size` bytes of a version (in a
+        precision) from `offset`, `limit` bytes (0: to the end), each a view into the encoded messages."""
+        if request.version == 0 or request.tag:
+            raise StreamError(grpc.StatusCode.INVALID_ARGUMENT, "the weights stream serves a version by number")
+        if not MIN_CHUNK <= request.chunk_size <= MAX_CHUNK:
+            raise StreamError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"chunk_size {request.chunk_size} is not within {MIN_CHUNK}..{MAX_CHUNK}")
+        with self._lock:
+            known = request.version in self._versions or request.version in self._cache
+        if not known:
+            raise StreamError(grpc.StatusCode.NOT_FOUND, f"version {request.version} does not exist (or was not retained)")
+        try:
+            payload = self._payload(request.version)
+            half = safetensors_format.half_precision(request.precision)
+            if half:
+                payload = payload.variant(half, is_active)
+            payload.wait_verified(is_active)
+        except ValueError as err:
+            raise StreamError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
+        except PayloadFailed as err:
+            raise StreamError(err.code, str(err)) from None
+        FETCHES.labels(request.precision or "stored").inc()
+        chunk = request.chunk_size
+        first, last = check_range(request, chunk, payload.size, request.version)
+        for index in range(first, last):
+            data = payload.view(index * chunk, min((index + 1) * chunk, payload.size))
+            writer.data(index, data)
+            BYTES_PUSHED.inc(len(data))
 
     # -- fetch ------------------------------------------------------------------------------------
     def fetch_messages(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[bytes]:

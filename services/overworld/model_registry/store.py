@@ -18,7 +18,7 @@ from overworld.core.blobs import BlobStore
 from overworld.core.grpc_util import abort
 from overworld.model_registry.payload import VERIFIED, Payload, PayloadFailed
 from overworld.model_registry.pushes import PushTracker
-from overworld.model_registry.relay_plan import RelayPlan
+from overworld.model_registry.relay_plan import RelayExclusions, RelayPlan
 from overworld.v1 import model_registry_pb2 as pb
 
 log = logging.getLogger("overworld.model_registry")
@@ -63,6 +63,8 @@ class RegistryStore:
         self._cache: dict[int, Payload] = {}  # the latest stored version (and the one being published)
         self._pushes = PushTracker(self._lock)
         self._plans: dict[tuple[int, str], RelayPlan] = {}  # (version, precision) -> its relay plan
+        self._exclusions = RelayExclusions()
+        self.weights_port = 0  # the weights stream's (server.py starts it)
         self._spare: bytearray | None = None
         self._stopping = False
 

@@ -14,13 +14,15 @@ import grpc
 
 from overworld.core import safetensors_format
 from overworld.core.grpc_util import abort
+from overworld.model_registry import chunks
 from overworld.model_registry.payload import Payload, PayloadFailed
-from overworld.model_registry.relay_plan import Member, RelayPlan, relay_chunk_bytes
+from overworld.model_registry.relay_plan import REGISTRY, Member, RelayPlan, relay_chunk_bytes
 from overworld.model_registry.store import RegistryStore, log
 from overworld.v1 import model_registry_pb2 as pb
 
 HOST_RE = re.compile(r"[A-Za-z0-9]([A-Za-z0-9-]{0,62}[A-Za-z0-9])?(\.[A-Za-z0-9]([A-Za-z0-9-]{0,62}[A-Za-z0-9])?)*")
-RELAY_PLANS_KEPT = 4  # (version, precision) plans kept for watchers that connect during a push
+RELAY_PLANS_KEPT = 4
+MAX_FAULTS = 64  # relay faults read from one acknowledgement  # (version, precision) plans kept for watchers that connect during a push
 
 
 def peer_host(peer: str) -> str:
@@ -118,35 +120,49 @@ class Watching(RegistryStore):
 
     def _announcement(self, head: Payload, member: Member, context: grpc.ServicerContext) -> pb.Announcement | None:
         """The announcement of `head` to one watcher: the info of the bytes it will receive (in its
-        precision) and, by relay, where each stripe comes from. None if the version cannot be sent in
-        that precision (its publish failed meanwhile, or it does not convert): nothing to announce."""
+        precision), where each stripe comes from over the weights stream (by relay: the plan's; else the
+        registry) and the hash of each chunk. None if the version cannot be sent in that precision (its
+        publish failed meanwhile, or it does not convert): nothing to announce."""
         version = head.info.version
         with self._lock:
             info = self._info(version) if version in self._versions else head.info
-        if not self.relay_fanout or not member.relayed or not info.sha256:
-            return pb.Announcement(info=info)  # the star; or cut-through, announced before its sha256
-        if member.precision:  # the sha256 and size of what this watcher will receive
-            try:
-                info = self._payload(version).variant(member.precision, context.is_active).info
-            except PayloadFailed as err:
-                log.warning("not announcing version %d to %s: %s", version, member.watcher, err)
-                return None
-        with self._lock:
-            key = (version, member.precision)
-            plan = self._plans.get(key)
-            if plan is None:
-                plan = self._plans[key] = RelayPlan(self._pushes.member_list(member.precision), self.relay_fanout)
-                for old in sorted(self._plans)[:-RELAY_PLANS_KEPT]:
-                    del self._plans[old]
-            sources = plan.place(member)
-        if not sources:
-            return pb.Announcement(info=info)
-        return pb.Announcement(info=info, sources=sources, chunk_bytes=relay_chunk_bytes(info.size_bytes))
+        if not member.relayed or not info.sha256 or not self.weights_port:
+            return pb.Announcement(info=info)  # Watch (an older release's watchers), or cut-through: Fetch
+        try:
+            payload = self._payload(version)
+            if member.precision:  # the sha256 and size of what this watcher will receive
+                payload = payload.variant(member.precision, context.is_active)
+                info = payload.info
+            chunk = relay_chunk_bytes(info.size_bytes)
+            hashes = payload.chunk_hashes(chunk)
+        except PayloadFailed as err:
+            log.warning("not announcing version %d to %s: %s", version, member.watcher, err)
+            return None
+        sources: list[str] = []
+        if self.relay_fanout:
+            with self._lock:
+                key = (version, member.precision)
+                plan = self._plans.get(key)
+                if plan is None:
+                    members = self._exclusions.apply(self._pushes.member_list(member.precision), version)
+                    plan = self._plans[key] = RelayPlan(members, self.relay_fanout)
+                    for old in sorted(self._plans)[:-RELAY_PLANS_KEPT]:
+                        del self._plans[old]
+                sources = plan.place(member)
+        return pb.Announcement(info=info, sources=sources or [REGISTRY], chunk_bytes=chunk,
+                               weights_port=self.weights_port, chunk_hashes=hashes, chunk_hash=chunks.CHUNK_HASH)
 
     def AckVersion(self, request: pb.AckVersionRequest, context: grpc.ServicerContext) -> pb.AckVersionResponse:
         now = time.monotonic()
         with self._lock:
             self._pushes.ack(request.watcher_id, request.version, now)
+            newest = max(self.latest(), self._head.info.version if self._head else 0)
+            for fault in request.relay_faults[:MAX_FAULTS]:
+                try:
+                    # a fault is of a version announced: none later (a report cannot exclude a relay for good)
+                    self._exclusions.report(fault.relay[:300], fault.reason, min(fault.version, newest))
+                except ValueError as err:
+                    abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"AckVersionRequest.relay_faults: {err}")
         return pb.AckVersionResponse()
 
     def GetPushStatus(self, request: pb.PushStatusRequest, context: grpc.ServicerContext) -> pb.PushStatus:

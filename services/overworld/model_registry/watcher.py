@@ -9,23 +9,26 @@ another is being fetched is fetched next; versions announced in between are skip
 always catches up to the newest). When the stream breaks (registry restart, network), the watcher
 reconnects with `known_version` and the registry announces its latest version at once.
 
-By relay (an announcement that names sources, `relay.py`), the stripes come from other workers and
-the registry, and the watcher keeps what it receives on its `shelf`, from where its worker's
-FetchWeights passes it on; it checks the sha256 the registry announced before the version is taken.
-With `relay_port` the watcher tells the registry it can relay (its worker serves the shelf there).
+Each version comes over the weights stream (`stream.py`, `relay.py`): stripes from other workers and
+the registry, as the announcement names them, into one buffer that is reused from one version to the
+next; every chunk is checked against the hash the registry announced as it arrives. The watcher keeps
+what it received on its `shelf`, from where its worker's relay passes it on. With `relay_port` the
+watcher tells the registry it can relay (its relay serves the shelf there). Relays that lied or
+stalled are reported to the registry with the next acknowledgement. A registry that announces no
+weights stream (a version announced before its sha256 is known: cut-through) is fetched with Fetch.
 
-Nothing is copied between the socket and the worker's load_state_dict: the registry cuts its
-messages at tensor boundaries, and each returned tensor is a view into the message it arrived in.
-Treat them as read-only; load_state_dict(state) copies them, load_state_dict(state, assign=True)
-adopts them (zero-copy swap on a CPU worker). A worker holds at most one version besides its model
-(two while the next one arrives).
+Nothing is copied between the socket and the worker's load_state_dict: each returned tensor is a view
+into the version's buffer. Treat them as read-only, and as valid until the next take() returns a
+newer version: then the buffer goes back to be received into again (load_state_dict(state) copies
+them; load_state_dict(state, assign=True) adopts them, which is fine as long as each version taken is
+swapped in before the next take). A relaying worker holds at most two versions besides its model.
 
 Environment (for workers started without code changes): OVERWORLD_WEIGHTS_PRECISION ('' = as
 stored, 'bfloat16' or 'float16': the registry halves the floating tensors for the transfer and they
-are cast back to the model's dtypes here), OVERWORLD_WEIGHTS_VERIFY ('1' = check the sha256 of
-every version received as well; default '0': the registry checked it when the version was published
-and when it read it back from the blob store, and the watcher checks every message's offset and the
-size; a sha256 pass costs each worker about as much CPU as receiving the bytes).
+are cast back to the model's dtypes here), OVERWORLD_WEIGHTS_VERIFY ('1' = check the sha256 of a
+version fetched with Fetch as well; default '0': the registry checked it when the version was
+published and when it read it back from the blob store, and the watcher checks every message's offset
+and the size. A version that comes over the weights stream is always checked, chunk by chunk).
 """
 
 from __future__ import annotations
@@ -41,13 +44,13 @@ import torch
 
 from overworld.core import safetensors_format, weights
 from overworld.core.grpc_util import Backoff
+from overworld.model_registry import chunks
 from overworld.model_registry.client import FetchBroken, ModelRegistryClient
 from overworld.model_registry.relay import (
     MAX_CHUNK,
     MAX_STRIPES,
     MIN_CHUNK,
-    RELAY_REFETCHES,
-    RelayMismatch,
+    RelayedVersion,
     RelayShelf,
     fetch_relayed,
 )
@@ -72,6 +75,8 @@ class WeightsWatcher:
         # where other workers reach this one's relay: its pod IP (the chart's OVERWORLD_POD_IP), else the
         # address the registry sees it at
         self.relay_host = os.environ.get("OVERWORLD_POD_IP", "")
+        # the registry's weights stream is on the host this watcher reaches it at
+        self.registry_host = address.removeprefix("dns:///").rpartition(":")[0]
         self.shelf = shelf or RelayShelf()
         if verify is None:
             verify = os.environ.get("OVERWORLD_WEIGHTS_VERIFY", "0").lower() in ("1", "true", "yes")
@@ -79,7 +84,9 @@ class WeightsWatcher:
         self.version = 0  # the newest version fetched (pending or taken)
         self.announced = 0  # the newest version the registry announced
         self.fetch_seconds = 0.0  # duration of the last fetch
-        self._pending: tuple[int, dict[str, torch.Tensor]] | None = None
+        self._pending: tuple[int, dict[str, torch.Tensor], RelayedVersion | None] | None = None
+        self._taken: RelayedVersion | None = None  # the version whose tensors the worker holds
+        self._faults: list[tuple[str, str, int]] = []  # relays that failed it, for the next acknowledgement
         self._announcement: pb.Announcement | None = None
         self._first_of_stream = False
         self._cond = threading.Condition()
@@ -149,7 +156,7 @@ class WeightsWatcher:
             info = announcement.info
             started = time.monotonic()
             try:
-                fetched, state = self._fetch(announcement)
+                fetched, state, held = self._fetch(announcement)
             except (FetchBroken, grpc.RpcError, ValueError) as err:
                 if self._stop.is_set():
                     return
@@ -170,39 +177,45 @@ class WeightsWatcher:
                 continue
             self.fetch_seconds = time.monotonic() - started
             with self._cond:
-                self._pending = (fetched.version, state)
+                replaced, self._pending = self._pending, (fetched.version, state, held)
                 self.version = fetched.version
                 self._cond.notify_all()
+            if replaced is not None and replaced[2] is not None:
+                replaced[2].release()  # fetched, never taken: its buffer can be received into again
             del state
             log.debug("model version %d fetched in %.2fs", fetched.version, self.fetch_seconds)
 
-    def _fetch(self, announcement: pb.Announcement) -> tuple[pb.VersionInfo, dict[str, torch.Tensor]]:
+    def _fetch(self, announcement: pb.Announcement
+               ) -> tuple[pb.VersionInfo, dict[str, torch.Tensor], RelayedVersion | None]:
+        """The version announced, as a state dict, and the RelayedVersion its tensors view (held for the
+        worker until it takes a newer one); None for one fetched with Fetch."""
         info = announcement.info
         sources = list(announcement.sources)
-        relayed = (sources and MIN_CHUNK <= announcement.chunk_bytes <= MAX_CHUNK and info.sha256
-                   and info.size_bytes and len(sources) <= MAX_STRIPES)
+        count = -(-info.size_bytes // announcement.chunk_bytes) if announcement.chunk_bytes else 0
+        streamed = (announcement.weights_port and sources and len(sources) <= MAX_STRIPES
+                    and MIN_CHUNK <= announcement.chunk_bytes <= MAX_CHUNK and info.size_bytes
+                    and announcement.chunk_hash == chunks.CHUNK_HASH
+                    and len(announcement.chunk_hashes) == count * chunks.HASH_BYTES)
         # a large version over slow links takes longer than the 120 s that is plenty for most
         timeout = max(120.0, info.size_bytes / 2e6)
-        if not relayed:  # the whole version from the registry
-            return self.client.fetch_state(info.version, like=self.like, precision=self.precision, verify=self.verify,
-                                           timeout=timeout, stop=self._stop.is_set)
-        held = self.shelf.begin(info, announcement.chunk_bytes, self.precision)
+        if not streamed:  # the whole version with Fetch
+            fetched, state = self.client.fetch_state(info.version, like=self.like, precision=self.precision,
+                                                     verify=self.verify, timeout=timeout, stop=self._stop.is_set)
+            return fetched, state, None
+        held = self.shelf.begin(info, announcement.chunk_bytes, self.precision, announcement.chunk_hashes)
+        faults: list[tuple[str, str]] = []
         try:
-            fetch_relayed(held, sources, self.client, self._stop.is_set, timeout)
-        except RelayMismatch as err:
-            if self._stop.is_set():
-                raise
-            # bytes that do not match what the registry announced: some relay passed on bad ones. The
-            # whole version from the registry, checked here too.
-            log.warning("%s; fetching version %d from the registry", err, info.version)
-            RELAY_REFETCHES.inc()
-            return self.client.fetch_state(info.version, like=self.like, precision=self.precision, verify=True,
-                                           timeout=timeout, stop=self._stop.is_set)
+            fetch_relayed(held, sources, f"{self.registry_host}:{announcement.weights_port}", self._stop.is_set,
+                          timeout, faults)
+            held.hold()  # the worker's, from here until it takes a newer version
         finally:
+            with self._cond:
+                self._faults += [(relay, reason, info.version) for relay, reason in faults]
             self.shelf.settle(held, keep=bool(self.relay_port))  # kept only where it is served
         try:
-            return info, weights.from_pieces(held.pieces(), self.like)
+            return info, weights.from_pieces(held.pieces(), self.like), held
         except ValueError as err:  # verified bytes the registry accepted, but not safetensors for this model
+            held.release()
             raise FetchBroken(f"version {info.version}: {err}") from None
 
     # -- the worker's side -------------------------------------------------------------------------------
@@ -210,7 +223,13 @@ class WeightsWatcher:
         """The newest fetched version not taken yet, or None. Call between two inference batches."""
         with self._cond:
             pending, self._pending = self._pending, None
-            return pending
+            if pending is None:
+                return None
+            version, state, held = pending
+            released, self._taken = self._taken, held
+        if released is not None:
+            released.release()  # the worker swapped in a newer version: the old one's buffer can be reused
+        return version, state
 
     def wait_first(self, stop: threading.Event) -> tuple[int, dict[str, torch.Tensor]] | None:
         """Block until the first version arrives (the trainer publishes its initial weights)."""
@@ -226,8 +245,11 @@ class WeightsWatcher:
 
     def ack(self, version: int) -> None:
         """Tell the registry this version is swapped in. Does not wait for the reply."""
+        with self._cond:
+            faults, self._faults = self._faults, []
         try:
-            self.client.ack(self.watcher_id, version)
+            self.client.ack(self.watcher_id, version, [pb.RelayFault(relay=relay, reason=reason, version=v)
+                                                       for relay, reason, v in faults])
         except (grpc.RpcError, ValueError) as err:  # ValueError: the channel is closed
             log.debug("could not acknowledge version %d: %s", version, err)
 

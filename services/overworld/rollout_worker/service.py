@@ -1,31 +1,28 @@
-"""`overworld serve rollout-worker`: the worker loop plus its gRPC service: the control surface
-(status, drain) and the weights relay (FetchWeights: the versions it receives, passed on to the
-workers the registry sends to it)."""
+"""`overworld serve rollout-worker`: the worker loop plus its gRPC service (the control surface: status,
+drain) and its weights relay (model_registry/relay.py: the versions it receives, passed on over the
+weights stream to the workers the registry sends to it)."""
 
 from __future__ import annotations
 
 import logging
 import threading
-from collections.abc import Iterable
 from typing import Any
 
 import grpc
 
-from overworld.core.grpc_util import Server, abort, add_overriding, serve
-from overworld.model_registry.relay import RelayShelf, serve_relayed
+from overworld.core.grpc_util import Server, abort, serve
+from overworld.model_registry.relay import RelayShelf, serve_relay
 from overworld.rollout_worker.worker import RolloutWorker
-from overworld.v1 import model_registry_pb2, rollout_worker_pb2_grpc
 from overworld.v1 import rollout_worker_pb2 as pb
+from overworld.v1 import rollout_worker_pb2_grpc
 
 log = logging.getLogger("overworld.rollout_worker")
 
 
 class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
-    """Serves before the worker is built (the registry must know where it relays before the first
-    version arrives): status calls answer UNAVAILABLE until then."""
+    """Serves before the worker is built: status calls answer UNAVAILABLE until then."""
 
-    def __init__(self, shelf: RelayShelf, drain: threading.Event) -> None:
-        self.shelf = shelf
+    def __init__(self, drain: threading.Event) -> None:
         self.drain = drain
         self.worker: RolloutWorker | None = None
 
@@ -42,38 +39,33 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
         self.drain.set()
         return pb.DrainResponse()
 
-    def fetch_weights(self, request: model_registry_pb2.FetchRequest, context: grpc.ServicerContext
-                      ) -> Iterable[bytes]:
-        return serve_relayed(self.shelf, request, context)
-
-
-def _identity(message: bytes) -> bytes:
-    return message
-
 
 def add_to_server(service: WorkerService, server: Any) -> None:
-    """The generated registration, but FetchWeights sends the messages as received (no re-encoding)."""
-    add_overriding(rollout_worker_pb2_grpc.add_RolloutWorkerServicer_to_server, service, server,
-                   "overworld.v1.RolloutWorker", {
-                       "FetchWeights": grpc.unary_stream_rpc_method_handler(
-                           service.fetch_weights, request_deserializer=model_registry_pb2.FetchRequest.FromString,
-                           response_serializer=_identity)})
+    rollout_worker_pb2_grpc.add_RolloutWorkerServicer_to_server(service, server)
 
 
 class RolloutWorkerProcess:
     """Runs the worker loop in a thread; stop() flushes and deregisters."""
 
     def __init__(self, rollout_manager: str, replay_buffer: str, model_registry: str, host: str, port: int,
-                 done: threading.Event, flush_timeout: float = 30.0) -> None:
+                 done: threading.Event, flush_timeout: float = 30.0, weights_port: int = 0) -> None:
         self.flush_timeout = flush_timeout
         shelf = RelayShelf()
-        self.service = WorkerService(shelf, done)
+        self.service = WorkerService(done)
         self.server: Server = serve([(add_to_server, self.service, "overworld.v1.RolloutWorker")], host, port)
-        self.server.set_serving(False)  # the probes wait for the worker; the relay serves at once
+        self.server.set_serving(False)  # the probes wait for the worker
+        try:
+            # the relay serves before the worker is built: the registry must know where it relays before the
+            # first version arrives
+            self.relay = serve_relay(shelf, host, weights_port)
+        except BaseException:
+            self.server.stop(0)
+            raise
         try:
             self.worker = RolloutWorker(rollout_manager, replay_buffer, model_registry,
-                                        address=f"{host}:{self.server.port}", relay_port=self.server.port, shelf=shelf)
+                                        address=f"{host}:{self.server.port}", relay_port=self.relay.port, shelf=shelf)
         except BaseException:
+            self.relay.stop()
             self.server.stop(0)
             raise
         self.service.worker = self.worker
@@ -95,4 +87,5 @@ class RolloutWorkerProcess:
         self.worker.stop_event.set()
         self._thread.join(30)
         self.worker.shutdown(self.flush_timeout)
+        self.relay.stop()
         self.server.stop(grace)

@@ -45,6 +45,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
              "workers relay each new version to one another in this many stripes, each forwarded to this "
              "many workers (the registry sends one copy in all); 0: every worker fetches the whole version "
              "from the registry (a star)")
+    env_flag(p, "--weights-port", 0,
+             "port of the weights stream, where workers fetch each version's chunks (the chart's 50064); "
+             "0: any free port (the announcements say which)")
     env_flag(p, "--registry-max-rpcs", DEFAULT_MAX_RPCS,
              "gRPC server threads: each open Watch and each running Fetch holds one")
 
@@ -60,7 +63,8 @@ def build(args: argparse.Namespace, done: threading.Event) -> Any:
                                        chunk_size=args.registry_chunk_bytes,
                                        largest_message=args.registry_largest_message_bytes,
                                        cut_through=bool(args.registry_cut_through),
-                                       relay_fanout=args.registry_relay_fanout)
+                                       relay_fanout=args.registry_relay_fanout, weights_host=args.host,
+                                       weights_port=args.weights_port)
     except ValueError as err:
         raise SystemExit(f"model-registry: {err}") from None
     # Every open watch stream and running fetch holds a thread: size the pool for a large fleet.

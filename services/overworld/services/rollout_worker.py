@@ -23,7 +23,8 @@ ENVIRONMENT = {
     **SERVER_ENVIRONMENT,
     "OVERWORLD_WEIGHTS_PRECISION": "fetch weights in bfloat16 / float16 (default: as published)",
     "OVERWORLD_WEIGHTS_VERIFY": "1: check the sha256 of versions fetched from the registry too",
-    "OVERWORLD_RELAY_STALL_SECONDS": "a relay that sends nothing for this long is given up for the registry (10)",
+    "OVERWORLD_RELAY_STALL_SECONDS": "a relay that sends nothing for this long (no data for twice as long) is "
+                                     "given up for the registry (10)",
     "OVERWORLD_POD_IP": "where the other workers reach its weights relay (default: the address the registry sees)",
     "OVERWORLD_ACK_LOG": "a file each acknowledgement from the replay buffer is appended to (default: none)",
     "OVERWORLD_ENV_BACKEND": "subprocess (default) or inprocess; overrides worker_config.env_backend",
@@ -35,6 +36,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     address_flag(p, "rollout-manager")
     address_flag(p, "replay-buffer")
     address_flag(p, "model-registry")
+    env_flag(p, "--weights-port", 0,
+             "port of its weights relay, where other workers fetch the versions it receives (the chart's "
+             "50066); 0: any free port (it tells the registry which)")
     env_flag(p, "--flush-timeout", 30.0,
              "seconds its stop waits for the replay buffer to take the fragments it holds")
     accept_workdir(p)
@@ -44,4 +48,4 @@ def build(args: argparse.Namespace, done: threading.Event) -> Any:
     from overworld.rollout_worker.service import RolloutWorkerProcess
 
     return RolloutWorkerProcess(args.rollout_manager, args.replay_buffer, args.model_registry, args.host,
-                                args.port, done, flush_timeout=args.flush_timeout)
+                                args.port, done, flush_timeout=args.flush_timeout, weights_port=args.weights_port)

@@ -86,14 +86,20 @@ class WatchRequest(_message.Message):
     def __init__(self, watcher_id: _Optional[str] = ..., known_version: _Optional[int] = ..., relay_port: _Optional[int] = ..., precision: _Optional[str] = ..., relay_host: _Optional[str] = ...) -> None: ...
 
 class Announcement(_message.Message):
-    __slots__ = ("info", "sources", "chunk_bytes")
+    __slots__ = ("info", "sources", "chunk_bytes", "weights_port", "chunk_hashes", "chunk_hash")
     INFO_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    WEIGHTS_PORT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_HASHES_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_HASH_FIELD_NUMBER: _ClassVar[int]
     info: VersionInfo
     sources: _containers.RepeatedScalarFieldContainer[str]
     chunk_bytes: int
-    def __init__(self, info: _Optional[_Union[VersionInfo, _Mapping]] = ..., sources: _Optional[_Iterable[str]] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...
+    weights_port: int
+    chunk_hashes: bytes
+    chunk_hash: str
+    def __init__(self, info: _Optional[_Union[VersionInfo, _Mapping]] = ..., sources: _Optional[_Iterable[str]] = ..., chunk_bytes: _Optional[int] = ..., weights_port: _Optional[int] = ..., chunk_hashes: _Optional[bytes] = ..., chunk_hash: _Optional[str] = ...) -> None: ...
 
 class ListVersionsRequest(_message.Message):
     __slots__ = ()
@@ -116,12 +122,24 @@ class SetTagRequest(_message.Message):
     def __init__(self, tag: _Optional[str] = ..., version: _Optional[int] = ..., remove: _Optional[bool] = ...) -> None: ...
 
 class AckVersionRequest(_message.Message):
-    __slots__ = ("watcher_id", "version")
+    __slots__ = ("watcher_id", "version", "relay_faults")
     WATCHER_ID_FIELD_NUMBER: _ClassVar[int]
     VERSION_FIELD_NUMBER: _ClassVar[int]
+    RELAY_FAULTS_FIELD_NUMBER: _ClassVar[int]
     watcher_id: str
     version: int
-    def __init__(self, watcher_id: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
+    relay_faults: _containers.RepeatedCompositeFieldContainer[RelayFault]
+    def __init__(self, watcher_id: _Optional[str] = ..., version: _Optional[int] = ..., relay_faults: _Optional[_Iterable[_Union[RelayFault, _Mapping]]] = ...) -> None: ...
+
+class RelayFault(_message.Message):
+    __slots__ = ("relay", "reason", "version")
+    RELAY_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    VERSION_FIELD_NUMBER: _ClassVar[int]
+    relay: str
+    reason: str
+    version: int
+    def __init__(self, relay: _Optional[str] = ..., reason: _Optional[str] = ..., version: _Optional[int] = ...) -> None: ...
 
 class AckVersionResponse(_message.Message):
     __slots__ = ()

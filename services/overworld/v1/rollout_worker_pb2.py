@@ -22,10 +22,9 @@ _runtime_version.ValidateProtobufRuntimeVersion(
 _sym_db = _symbol_database.Default()
 
 
-from overworld.v1 import model_registry_pb2 as overworld_dot_v1_dot_model__registry__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!overworld/v1/rollout_worker.proto\x12\x0coverworld.v1\x1a!overworld/v1/model_registry.proto\"\x18\n\x16GetWorkerStatusRequest\"\xbf\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08num_envs\x18\x02 \x01(\r\x12\x11\n\tenv_steps\x18\x03 \x01(\x04\x12\x16\n\x0e\x66ragments_sent\x18\x04 \x01(\x04\x12\x19\n\x11\x66ragments_dropped\x18\x05 \x01(\x04\x12\x15\n\rmodel_version\x18\x06 \x01(\x04\x12\x18\n\x10send_queue_depth\x18\x07 \x01(\r\x12\x1c\n\x14\x65nv_steps_per_second\x18\x08 \x01(\x01\x12\x41\n\x0c\x65nv_restarts\x18\t \x03(\x0b\x32+.overworld.v1.WorkerStatus.EnvRestartsEntry\x1a\x32\n\x10\x45nvRestartsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x0e\n\x0c\x44rainRequest\"\x0f\n\rDrainResponse2\xea\x01\n\rRolloutWorker\x12M\n\tGetStatus\x12$.overworld.v1.GetWorkerStatusRequest\x1a\x1a.overworld.v1.WorkerStatus\x12@\n\x05\x44rain\x12\x1a.overworld.v1.DrainRequest\x1a\x1b.overworld.v1.DrainResponse\x12H\n\x0c\x46\x65tchWeights\x12\x1a.overworld.v1.FetchRequest\x1a\x1a.overworld.v1.WeightsChunk0\x01\x62\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!overworld/v1/rollout_worker.proto\x12\x0coverworld.v1\"\x18\n\x16GetWorkerStatusRequest\"\xbf\x02\n\x0cWorkerStatus\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08num_envs\x18\x02 \x01(\r\x12\x11\n\tenv_steps\x18\x03 \x01(\x04\x12\x16\n\x0e\x66ragments_sent\x18\x04 \x01(\x04\x12\x19\n\x11\x66ragments_dropped\x18\x05 \x01(\x04\x12\x15\n\rmodel_version\x18\x06 \x01(\x04\x12\x18\n\x10send_queue_depth\x18\x07 \x01(\r\x12\x1c\n\x14\x65nv_steps_per_second\x18\x08 \x01(\x01\x12\x41\n\x0c\x65nv_restarts\x18\t \x03(\x0b\x32+.overworld.v1.WorkerStatus.EnvRestartsEntry\x1a\x32\n\x10\x45nvRestartsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x0e\n\x0c\x44rainRequest\"\x0f\n\rDrainResponse2\xa0\x01\n\rRolloutWorker\x12M\n\tGetStatus\x12$.overworld.v1.GetWorkerStatusRequest\x1a\x1a.overworld.v1.WorkerStatus\x12@\n\x05\x44rain\x12\x1a.overworld.v1.DrainRequest\x1a\x1b.overworld.v1.DrainResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -34,16 +33,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_WORKERSTATUS_ENVRESTARTSENTRY']._loaded_options = None
   _globals['_WORKERSTATUS_ENVRESTARTSENTRY']._serialized_options = b'8\001'
-  _globals['_GETWORKERSTATUSREQUEST']._serialized_start=86
-  _globals['_GETWORKERSTATUSREQUEST']._serialized_end=110
-  _globals['_WORKERSTATUS']._serialized_start=113
-  _globals['_WORKERSTATUS']._serialized_end=432
-  _globals['_WORKERSTATUS_ENVRESTARTSENTRY']._serialized_start=382
-  _globals['_WORKERSTATUS_ENVRESTARTSENTRY']._serialized_end=432
-  _globals['_DRAINREQUEST']._serialized_start=434
-  _globals['_DRAINREQUEST']._serialized_end=448
-  _globals['_DRAINRESPONSE']._serialized_start=450
-  _globals['_DRAINRESPONSE']._serialized_end=465
-  _globals['_ROLLOUTWORKER']._serialized_start=468
-  _globals['_ROLLOUTWORKER']._serialized_end=702
+  _globals['_GETWORKERSTATUSREQUEST']._serialized_start=51
+  _globals['_GETWORKERSTATUSREQUEST']._serialized_end=75
+  _globals['_WORKERSTATUS']._serialized_start=78
+  _globals['_WORKERSTATUS']._serialized_end=397
+  _globals['_WORKERSTATUS_ENVRESTARTSENTRY']._serialized_start=347
+  _globals['_WORKERSTATUS_ENVRESTARTSENTRY']._serialized_end=397
+  _globals['_DRAINREQUEST']._serialized_start=399
+  _globals['_DRAINREQUEST']._serialized_end=413
+  _globals['_DRAINRESPONSE']._serialized_start=415
+  _globals['_DRAINRESPONSE']._serialized_end=430
+  _globals['_ROLLOUTWORKER']._serialized_start=433
+  _globals['_ROLLOUTWORKER']._serialized_end=593
 # @@protoc_insertion_point(module_scope)

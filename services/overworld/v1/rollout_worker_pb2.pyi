@@ -1,4 +1,3 @@
-from overworld.v1 import model_registry_pb2 as _model_registry_pb2
 from google.protobuf.internal import containers as _containers
 from google.protobuf import descriptor as _descriptor
 from google.protobuf import message as _message

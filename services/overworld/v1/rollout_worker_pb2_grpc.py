@@ -3,7 +3,6 @@
 import grpc
 import warnings
 
-from overworld.v1 import model_registry_pb2 as overworld_dot_v1_dot_model__registry__pb2
 from overworld.v1 import rollout_worker_pb2 as overworld_dot_v1_dot_rollout__worker__pb2
 
 GRPC_GENERATED_VERSION = '1.85.1'
@@ -46,11 +45,6 @@ class RolloutWorkerStub:
                 request_serializer=overworld_dot_v1_dot_rollout__worker__pb2.DrainRequest.SerializeToString,
                 response_deserializer=overworld_dot_v1_dot_rollout__worker__pb2.DrainResponse.FromString,
                 _registered_method=True)
-        self.FetchWeights = channel.unary_stream(
-                '/overworld.v1.RolloutWorker/FetchWeights',
-                request_serializer=overworld_dot_v1_dot_model__registry__pb2.FetchRequest.SerializeToString,
-                response_deserializer=overworld_dot_v1_dot_model__registry__pb2.WeightsChunk.FromString,
-                _registered_method=True)
 
 
 class RolloutWorkerServicer:
@@ -70,14 +64,6 @@ class RolloutWorkerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
-    def FetchWeights(self, request, context):
-        """Relay: the weights this worker holds or is receiving, to the workers the registry sends to it,
-        as the registry's Fetch (same request, same messages), forwarded as they arrive.
-        """
-        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
-        context.set_details('Method not implemented!')
-        raise NotImplementedError('Method not implemented!')
-
 
 def add_RolloutWorkerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -90,11 +76,6 @@ def add_RolloutWorkerServicer_to_server(servicer, server):
                     servicer.Drain,
                     request_deserializer=overworld_dot_v1_dot_rollout__worker__pb2.DrainRequest.FromString,
                     response_serializer=overworld_dot_v1_dot_rollout__worker__pb2.DrainResponse.SerializeToString,
-            ),
-            'FetchWeights': grpc.unary_stream_rpc_method_handler(
-                    servicer.FetchWeights,
-                    request_deserializer=overworld_dot_v1_dot_model__registry__pb2.FetchRequest.FromString,
-                    response_serializer=overworld_dot_v1_dot_model__registry__pb2.WeightsChunk.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -152,33 +133,6 @@ class RolloutWorker:
             '/overworld.v1.RolloutWorker/Drain',
             overworld_dot_v1_dot_rollout__worker__pb2.DrainRequest.SerializeToString,
             overworld_dot_v1_dot_rollout__worker__pb2.DrainResponse.FromString,
-            options,
-            channel_credentials,
-            insecure,
-            call_credentials,
-            compression,
-            wait_for_ready,
-            timeout,
-            metadata,
-            _registered_method=True)
-
-    @staticmethod
-    def FetchWeights(request,
-            target,
-            options=(),
-            channel_credentials=None,
-            call_credentials=None,
-            insecure=False,
-            compression=None,
-            wait_for_ready=None,
-            timeout=None,
-            metadata=None):
-        return grpc.experimental.unary_stream(
-            request,
-            target,
-            '/overworld.v1.RolloutWorker/FetchWeights',
-            overworld_dot_v1_dot_model__registry__pb2.FetchRequest.SerializeToString,
-            overworld_dot_v1_dot_model__registry__pb2.WeightsChunk.FromString,
             options,
             channel_credentials,
             insecure,

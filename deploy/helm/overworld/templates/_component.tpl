@@ -92,6 +92,10 @@ spec:
           env:
             {{- include "overworld.env.ports" (dict "context" $ "port" $v.port) | nindent 12 }}
             {{- include "overworld.env.security" (dict "context" $ "identity" .component) | nindent 12 }}
+            {{- if $v.weightsPort }}
+            - name: OVERWORLD_WEIGHTS_PORT
+              value: {{ $v.weightsPort | quote }}
+            {{- end }}
             {{- with .env }}
             {{- . | nindent 12 }}
             {{- end }}
@@ -102,6 +106,11 @@ spec:
             - name: grpc
               containerPort: {{ $v.port }}
               protocol: TCP
+            {{- if $v.weightsPort }}
+            - name: weights
+              containerPort: {{ $v.weightsPort }}
+              protocol: TCP
+            {{- end }}
             - name: health
               containerPort: {{ $.Values.tls.healthPort }}
               protocol: TCP
@@ -185,6 +194,12 @@ spec:
       targetPort: grpc
       protocol: TCP
       appProtocol: grpc
+    {{- if $v.weightsPort }}
+    - name: weights
+      port: {{ $v.weightsPort }}
+      targetPort: weights
+      protocol: TCP
+    {{- end }}
     {{- if $.Values.metrics.enabled }}
     - name: metrics
       port: {{ $.Values.metrics.port }}

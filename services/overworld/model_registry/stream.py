@@ -1,0 +1,457 @@
+"""The weights stream: how a version's chunks travel from the registry to a worker and from one worker
+to the next (the relay), outside gRPC Python.
+
+Why not gRPC: gRPC Python costs a receiver 2.4 CPU-s per GB before TLS, and Python's `ssl` reads TLS
+records of 16 KB with two system calls each (1.2 CPU-s per GB received here); the relay's budget is
+2 CPU-s per GB for receiving, checking, passing on and swapping in a version. So a connection is:
+
+1. TCP, then a TLS 1.3 handshake with the run's certificates, both ways (core/tls.py's files: the
+   server asks for a client certificate of the run's CA, the client checks the server's against the
+   CA and SERVER_NAME, as gRPC does). The server reads the caller's identity from its certificate and
+   checks it against core/authz.py's table, as the gRPC interceptor does.
+2. Inside TLS: the request (a FetchRequest, protobuf), the answer (a status; when OK a fresh AES-128
+   key for this connection), and the client's "start". Nothing else goes through TLS.
+3. On the bare socket: frames of a 9-byte header (kind, chunk index, length) and a payload sealed with
+   AES-128-GCM under that key (the header is its associated data, the nonce a frame counter, so a
+   frame cannot be altered, replayed, reordered or dropped unnoticed), 512 KB and more each: a chunk
+   is read with recv_into into a reused buffer and opened into the version's own buffer, and one is
+   sealed from a slice of that buffer and sent with sendmsg. AES-GCM of `cryptography` costs 0.1
+   CPU-s per GB each way here (docs/model_registry.md has the measurements).
+
+Without credentials (`--insecure`, tests) the same exchange runs in plaintext, frames unsealed.
+A frame's payload is what its kind says: DATA a chunk of the version; KEEPALIVE nothing (the sender
+lives but has no data yet); END nothing (the stream ended complete); ERROR a status code and a message.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import ssl
+import struct
+import threading
+import time
+from collections.abc import Callable
+from dataclasses import dataclass
+from pathlib import Path
+
+import grpc
+from cryptography.exceptions import InvalidTag
+from cryptography.hazmat.primitives.ciphers.aead import AESGCM
+from google.protobuf.message import DecodeError
+
+from overworld.core import authz, tls
+from overworld.v1 import model_registry_pb2 as pb
+
+log = logging.getLogger("overworld.model_registry.stream")
+
+HEADER = struct.Struct("!BII")  # kind, chunk index, payload length
+DATA, KEEPALIVE, END, ERROR = 1, 2, 3, 4
+TAG = 16  # AES-GCM's tag after every sealed payload
+KEY_BYTES = 16
+MAX_REQUEST = 4096  # a FetchRequest is tens of bytes
+MAX_FRAME = 64 << 20  # the largest chunk (relay.MAX_CHUNK)
+MAX_ERROR = 2048
+HANDSHAKE_SECONDS = 10.0  # TLS, request, answer and start: a peer slower than this is dropped
+SEND_SECONDS = 60.0  # a receiver that takes nothing for this long is dropped (a stopped pod)
+POLL_SECONDS = 0.25  # how often a receiver blocked on its socket looks at its stop and stall clocks
+MAX_CONNECTIONS = 512
+START = b"S"
+_CODES = {code.value[0]: code for code in grpc.StatusCode}
+
+
+class StreamError(Exception):
+    """The other side answered with a status (or broke the protocol: INTERNAL / DATA_LOSS)."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(f"{code.name}: {message}")
+        self.code = code
+        self.message = message
+
+
+class Stalled(Exception):
+    """No frame at all for the stall time, or no data for the data stall time."""
+
+
+# -- TLS ---------------------------------------------------------------------------------------------
+
+class _Contexts:
+    """SSL contexts of one identity's credential files, made again when the files change (rotation)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Lock()
+        self._made: dict[tuple[Path, bool], tuple[tuple[bytes, bytes, bytes], ssl.SSLContext, str]] = {}
+
+    def get(self, files: tls.CredentialFiles | None, server: bool) -> tuple[ssl.SSLContext, str] | None:
+        """(context, the run its certificate names) or None for plaintext."""
+        if files is None:
+            return None
+        files.reload()
+        key = (files.directory, server)
+        with self._lock:
+            made = self._made.get(key)
+            if made is None or made[0] != files.pems:
+                ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
+                ctx.minimum_version = ssl.TLSVersion.TLSv1_3
+                ctx.load_cert_chain(files.directory / tls.CERT, files.directory / tls.KEY)
+                ctx.load_verify_locations(files.directory / tls.CA)
+                ctx.verify_mode = ssl.CERT_REQUIRED
+                if server:
+                    ctx.num_tickets = 0  # no session tickets: the TLS part of a connection ends where the frames begin
+                made = self._made[key] = (files.pems, ctx, files.run())
+            return made[1], made[2]
+
+
+_contexts = _Contexts()
+
+
+class _Envelope:
+    """The handshake part of a connection: TLS through memory BIOs (so that this code, not OpenSSL,
+    reads the socket and no byte of the frames after it is taken), or plaintext."""
+
+    def __init__(self, sock: socket.socket, ctx: ssl.SSLContext | None, server: bool) -> None:
+        self.sock = sock
+        self.obj: ssl.SSLObject | None = None
+        if ctx is not None:
+            self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
+            self.obj = ctx.wrap_bio(self._in, self._out, server_side=server,
+                                    server_hostname=None if server else tls.SERVER_NAME)
+            while True:
+                try:
+                    self.obj.do_handshake()
+                    break
+                except ssl.SSLWantReadError:
+                    self._flush()
+                    self._pump()
+            self._flush()
+
+    def _flush(self) -> None:
+        assert self.obj is not None
+        data = self._out.read()
+        if data:
+            self.sock.sendall(data)
+
+    def _pump(self) -> None:
+        data = self.sock.recv(16384)
+        if not data:
+            raise ConnectionError("the peer closed the connection")
+        self._in.write(data)
+
+    def peer(self) -> tuple[str, str]:
+        """(run, identity) from the peer's certificate; ("", "") in plaintext."""
+        if self.obj is None:
+            return "", ""
+        return authz.certificate_identity(self.obj.getpeercert() or {})
+
+    def send(self, data: bytes) -> None:
+        message = struct.pack("!I", len(data)) + data
+        if self.obj is None:
+            self.sock.sendall(message)
+            return
+        self.obj.write(message)
+        self._flush()
+
+    def _read(self, n: int) -> bytes:
+        out = bytearray()
+        while len(out) < n:
+            if self.obj is None:
+                part = self.sock.recv(n - len(out))
+                if not part:
+                    raise ConnectionError("the peer closed the connection")
+            else:
+                try:
+                    part = self.obj.read(n - len(out))
+                except ssl.SSLWantReadError:
+                    self._pump()
+                    continue
+                if not part:
+                    raise ConnectionError("the peer closed the connection")
+            out += part
+        return bytes(out)
+
+    def receive(self, limit: int) -> bytes:
+        (n,) = struct.unpack("!I", self._read(4))
+        if n > limit:
+            raise StreamError(grpc.StatusCode.INVALID_ARGUMENT, f"a message of {n} bytes (at most {limit})")
+        return self._read(n)
+
+    def finish(self) -> None:
+        """The frames begin: nothing of them may have been read into TLS's buffer."""
+        if self.obj is not None and self._in.pending:
+            raise StreamError(grpc.StatusCode.INTERNAL, "the peer sent more than the protocol's handshake")
+
+
+def _answer(code: grpc.StatusCode, body: bytes) -> bytes:
+    return struct.pack("!B", code.value[0]) + body
+
+
+# -- frames ------------------------------------------------------------------------------------------
+
+def _nonce(counter: int) -> bytes:
+    return counter.to_bytes(12, "big")
+
+
+def send_parts(sock: socket.socket, parts: list[memoryview]) -> None:
+    """Send every byte of `parts` with as few system calls as the socket takes (no joined copy)."""
+    views = [p for p in parts if len(p)]
+    while views:
+        sent = sock.sendmsg(views)
+        while sent:
+            if sent >= len(views[0]):
+                sent -= len(views.pop(0))
+            else:
+                views[0] = views[0][sent:]
+                sent = 0
+
+
+class FrameWriter:
+    """The server's side of a stream once it started: sealed frames, one reused output buffer."""
+
+    def __init__(self, sock: socket.socket, key: bytes, peer: str) -> None:
+        self.sock = sock
+        self.peer = peer
+        self._aead = AESGCM(key) if key else None
+        self._out = bytearray()
+        self._counter = 0
+        self.sent = 0  # data bytes sent
+
+    def data(self, index: int, chunk: memoryview) -> None:
+        self._send(DATA, index, chunk)
+        self.sent += len(chunk)
+
+    def keepalive(self) -> None:
+        self._send(KEEPALIVE, 0, memoryview(b""))
+
+    def end(self) -> None:
+        self._send(END, 0, memoryview(b""))
+
+    def error(self, code: grpc.StatusCode, message: str) -> None:
+        self._send(ERROR, 0, memoryview(_answer(code, message.encode()[:MAX_ERROR - 1])))
+
+    def _send(self, kind: int, index: int, payload: memoryview) -> None:
+        header = HEADER.pack(kind, index, len(payload))
+        if self._aead is None:
+            send_parts(self.sock, [memoryview(header), payload])
+            return
+        need = len(payload) + TAG
+        if len(self._out) < need:
+            self._out = bytearray(need)
+        sealed = memoryview(self._out)[:need]
+        self._aead.encrypt_into(_nonce(self._counter), payload, header, sealed)
+        self._counter += 1
+        send_parts(self.sock, [memoryview(header), sealed])
+
+
+@dataclass
+class Frame:
+    kind: int
+    index: int
+    length: int
+
+
+class WeightsStream:
+    """The client's side: frames read into where `into(index, length)` says (the version's buffer),
+    opened there; a reused buffer for what arrives sealed. Raises Stalled when nothing at all arrives
+    for `stall` seconds or no DATA frame for `data_stall` seconds, StreamError for an ERROR frame or a
+    frame that does not open (DATA_LOSS: altered on the way)."""
+
+    def __init__(self, sock: socket.socket, key: bytes, stall: float, data_stall: float,
+                 stop: Callable[[], bool]) -> None:
+        self.sock = sock
+        self._aead = AESGCM(key) if key else None
+        self._counter = 0
+        self._sealed = bytearray()
+        self._header = bytearray(HEADER.size)
+        self.stall, self.data_stall, self.stop = stall, data_stall, stop
+        self.last_byte = self.last_data = time.monotonic()
+        sock.settimeout(min(POLL_SECONDS, stall))
+
+    def _fill(self, view: memoryview) -> None:
+        got = 0
+        while got < len(view):
+            try:
+                n = self.sock.recv_into(view[got:])
+            except TimeoutError:
+                n = -1
+            now = time.monotonic()
+            if n == 0:
+                raise ConnectionError("the source closed the connection")
+            if n > 0:
+                got += n
+                self.last_byte = now
+            if self.stop():
+                raise ConnectionAbortedError("stopped")
+            if now - self.last_byte > self.stall:
+                raise Stalled(f"nothing for {self.stall:.0f} s")
+            if now - self.last_data > self.data_stall:
+                raise Stalled(f"no data for {self.data_stall:.0f} s (keep-alives only)")
+
+    def next(self, into: Callable[[int, int], memoryview]) -> Frame:
+        header = memoryview(self._header)
+        self._fill(header)
+        kind, index, length = HEADER.unpack(header)
+        if kind not in (DATA, KEEPALIVE, END, ERROR) or length > MAX_FRAME or (
+                kind in (KEEPALIVE, END) and length) or (kind == ERROR and not 1 <= length <= MAX_ERROR):
+            raise StreamError(grpc.StatusCode.INTERNAL, f"a frame of kind {kind} and {length} bytes")
+        if kind == DATA:
+            dest = into(index, length)  # ValueError: a chunk that was not asked for
+            self._open(bytes(header), dest)
+            self.last_data = time.monotonic()
+        elif kind == ERROR:
+            message = bytearray(length)
+            self._open(bytes(header), memoryview(message))
+            code = _CODES.get(message[0], grpc.StatusCode.UNKNOWN)
+            raise StreamError(code, message[1:].decode(errors="replace"))
+        else:
+            self._open(bytes(header), memoryview(bytearray()))
+        return Frame(kind, index, length)
+
+    def _open(self, header: bytes, dest: memoryview) -> None:
+        if self._aead is None:
+            self._fill(dest)
+            return
+        need = len(dest) + TAG
+        if len(self._sealed) < need:
+            self._sealed = bytearray(need)
+        sealed = memoryview(self._sealed)[:need]
+        self._fill(sealed)
+        try:
+            self._aead.decrypt_into(_nonce(self._counter), sealed, header, dest)
+        except InvalidTag:
+            raise StreamError(grpc.StatusCode.DATA_LOSS, "a frame was altered on the way") from None
+        self._counter += 1
+
+    def close(self) -> None:
+        self.sock.close()
+
+
+def split_address(address: str) -> tuple[str, int]:
+    host, _, port = address.rpartition(":")
+    if not host or not port.isdigit():
+        raise ValueError(f"{address!r} is not host:port")
+    return host.strip("[]"), int(port)
+
+
+def open_stream(address: str, request: pb.FetchRequest, stall: float, data_stall: float,
+                stop: Callable[[], bool], connect_timeout: float = HANDSHAKE_SECONDS) -> WeightsStream:
+    """Connect to a weights stream at `address`, ask for `request`, and return the frames' reader.
+    Raises OSError (nobody answers), ssl.SSLError (the handshake failed), StreamError (its answer)."""
+    host, port = split_address(address)
+    sock = socket.create_connection((host, port), timeout=connect_timeout)
+    try:
+        sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+        made = _contexts.get(tls.credentials(), server=False)
+        envelope = _Envelope(sock, made[0] if made else None, server=False)
+        envelope.send(request.SerializeToString())
+        answer = envelope.receive(MAX_ERROR + KEY_BYTES)
+        if not answer:
+            raise StreamError(grpc.StatusCode.INTERNAL, "an empty answer")
+        code = _CODES.get(answer[0], grpc.StatusCode.UNKNOWN)
+        if code != grpc.StatusCode.OK:
+            raise StreamError(code, answer[1:].decode(errors="replace"))
+        key = answer[1:]
+        if len(key) != (KEY_BYTES if made else 0):
+            raise StreamError(grpc.StatusCode.INTERNAL, f"a key of {len(key)} bytes")
+        envelope.send(START)
+        envelope.finish()
+        return WeightsStream(sock, key, stall, data_stall, stop)
+    except BaseException:
+        sock.close()
+        raise
+
+
+# -- serving -----------------------------------------------------------------------------------------
+
+Handler = Callable[[pb.FetchRequest, FrameWriter, Callable[[], bool]], None]
+
+
+class WeightsStreamServer:
+    """Serves one weights-stream endpoint (`method`: authz.WEIGHTS_FROM_REGISTRY or _RELAY) on a TCP
+    port: a thread per connection, each checked against core/authz.py's table before `handler` runs.
+    The handler sends frames through the writer and raises StreamError to end with a status; its
+    third argument says whether the connection is still wanted (False once the server stops)."""
+
+    def __init__(self, method: str, handler: Handler, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.method, self.handler = method, handler
+        self._files = tls.credentials()  # this process's identity when the server starts, as a gRPC server's
+        self._listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                              backlog=256)
+        self.port: int = self._listener.getsockname()[1]
+        self._open: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._accept, name=f"weights-stream-{self.port}", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                if self._stopped.is_set():
+                    return
+                time.sleep(0.05)  # out of file descriptors, say: do not spin
+                continue
+            with self._lock:
+                if len(self._open) >= MAX_CONNECTIONS:
+                    conn.close()
+                    continue
+                self._open.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="weights-stream-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        peer = "?"
+        try:
+            host, port = conn.getpeername()[:2]
+            peer = f"{host}:{port}"
+            conn.settimeout(HANDSHAKE_SECONDS)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            made = _contexts.get(self._files, server=True)
+            envelope = _Envelope(conn, made[0] if made else None, server=True)
+            try:
+                request = pb.FetchRequest.FromString(envelope.receive(MAX_REQUEST))
+            except StreamError as err:
+                envelope.send(_answer(err.code, err.message.encode()))
+                return
+            except DecodeError:
+                envelope.send(_answer(grpc.StatusCode.INVALID_ARGUMENT, b"the request is not a FetchRequest"))
+                return
+            if made is not None:
+                run, identity = envelope.peer()
+                refused = authz.refusal(made[1], run, identity, self.method)
+                if refused:
+                    log.warning("weights stream: refused %s: %s", peer, refused)
+                    envelope.send(_answer(grpc.StatusCode.PERMISSION_DENIED, refused.encode()))
+                    return
+            key = os.urandom(KEY_BYTES) if made is not None else b""
+            envelope.send(_answer(grpc.StatusCode.OK, key))
+            if envelope.receive(len(START)) != START:
+                return
+            envelope.finish()
+            conn.settimeout(SEND_SECONDS)
+            writer = FrameWriter(conn, key, peer)
+            try:
+                self.handler(request, writer, lambda: not self._stopped.is_set())
+            except StreamError as err:
+                writer.error(err.code, err.message)
+                return
+            writer.end()
+        except (OSError, ssl.SSLError, StreamError) as err:
+            log.debug("weights stream to %s ended: %r", peer, err)
+        except Exception:  # a bug: said, and this connection closed; the server goes on
+            log.exception("weights stream to %s failed", peer)
+        finally:
+            with self._lock:
+                self._open.discard(conn)
+            conn.close()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._listener.close()
+        with self._lock:
+            conns = list(self._open)
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)

@@ -1,0 +1,170 @@
+"""The weights stream (model_registry/stream.py) is guarded as the gRPC services are, over real
+sockets: the registry's and a worker's relay port refuse a plaintext client and a client of another CA
+at the handshake, answer PERMISSION_DENIED (naming the caller and the endpoint) to every identity the
+table does not give the endpoint, and take the rollout-worker identity; a frame changed on the way
+is refused; a request that is not one is answered, not crashed on."""
+
+from __future__ import annotations
+
+import socket
+import ssl
+import struct
+from collections.abc import Iterator
+from pathlib import Path
+
+import grpc
+import pytest
+
+from overworld.core import authz, tls, weights
+from overworld.core.blobs import LocalBlobStore
+from overworld.core.grpc_util import serve
+from overworld.model_registry.relay import RelayShelf, serve_relay
+from overworld.model_registry.relay_plan import relay_chunk_bytes
+from overworld.model_registry.server import ModelRegistryService, registration
+from overworld.model_registry.stream import END, StreamError, WeightsStream, open_stream
+from overworld.v1 import model_registry_pb2 as pb
+
+RUN = "stream-run"
+
+
+@pytest.fixture(scope="module")
+def identities(tmp_path_factory: pytest.TempPathFactory) -> dict[str, Path]:
+    return tls.write_run_credentials(tmp_path_factory.mktemp("tls"), RUN)
+
+
+@pytest.fixture(scope="module")
+def endpoints(identities: dict[str, Path], tmp_path_factory: pytest.TempPathFactory) -> Iterator[dict[str, str]]:
+    """A registry holding version 1 (its weights stream) and a worker's relay, each with its identity."""
+    import torch
+
+    tls.use(identities["model-registry"])
+    service = ModelRegistryService(LocalBlobStore(tmp_path_factory.mktemp("blobs")))
+    server = serve([registration(service)])
+    tls.use(identities["rollout-worker"])
+    relay = serve_relay(RelayShelf())
+    try:
+        tls.use(identities["trainer"])
+        from overworld.model_registry.client import ModelRegistryClient
+
+        client = ModelRegistryClient(server.address)
+        client.publish(1, weights.to_bytes({"w": torch.arange(300_000, dtype=torch.float32)}))
+        client.close()
+        yield {authz.WEIGHTS_FROM_REGISTRY: f"127.0.0.1:{service.weights_port}",
+               authz.WEIGHTS_FROM_RELAY: f"127.0.0.1:{relay.port}"}
+    finally:
+        tls.reset()
+        relay.stop()
+        service.stop()
+        server.stop(0)
+
+
+def request(version: int = 1) -> pb.FetchRequest:
+    return pb.FetchRequest(version=version, chunk_size=relay_chunk_bytes(1))
+
+
+def answer(address: str) -> grpc.StatusCode:
+    """What the endpoint answers this process's identity (OK: it streamed the whole version, sealed)."""
+    out = bytearray(8 << 20)
+    try:
+        stream = open_stream(address, request(), 5.0, 15.0, lambda: False)
+        try:
+            while stream.next(lambda i, n: memoryview(out)[:n]).kind != END:
+                pass
+        finally:
+            stream.close()
+    except StreamError as err:
+        return err.code
+    return grpc.StatusCode.OK
+
+
+def test_each_identity_may_use_exactly_the_endpoints_the_table_gives_it(identities: dict[str, Path],
+                                                                        endpoints: dict[str, str]) -> None:
+    assert set(endpoints) == set(authz.STREAM_METHODS)
+    for identity in authz.IDENTITIES:
+        tls.use(identities[identity])
+        for method, address in endpoints.items():
+            if authz.allowed(identity, method):
+                # the registry streams version 1; the relay holds nothing: NOT_FOUND, past the check
+                assert answer(address) in (grpc.StatusCode.OK, grpc.StatusCode.NOT_FOUND), (identity, method)
+                continue
+            with pytest.raises(StreamError) as err:
+                open_stream(address, request(), 5.0, 15.0, lambda: False)
+            assert err.value.code == grpc.StatusCode.PERMISSION_DENIED, (identity, method, err.value)
+            assert identity in err.value.message and method in err.value.message, err.value.message
+    assert authz.callers(authz.WEIGHTS_FROM_RELAY) == ["rollout-worker"]
+
+
+def test_a_plaintext_client_and_a_client_of_another_ca_are_refused_at_the_handshake(
+        endpoints: dict[str, str], tmp_path: Path) -> None:
+    tls.use(None)
+    for address in endpoints.values():
+        with pytest.raises((OSError, ssl.SSLError, StreamError)) as err:
+            open_stream(address, request(), 5.0, 15.0, lambda: False)
+        assert not (isinstance(err.value, StreamError) and err.value.code == grpc.StatusCode.OK)
+    other = tls.write_run_credentials(tmp_path, RUN)  # same run and identity names, another CA
+    tls.use(other["rollout-worker"])
+    for address in endpoints.values():
+        with pytest.raises(ssl.SSLError):
+            open_stream(address, request(), 5.0, 15.0, lambda: False)
+
+
+def test_a_worker_of_another_run_from_the_same_issuer_is_refused(endpoints: dict[str, str], tmp_path: Path,
+                                                                  identities: dict[str, Path]) -> None:
+    """A certificate naming another run, from the same CA (the run's CA key is gone, so a shared issuer
+    is imitated with a fresh CA for both sides)."""
+    ca = tls.Authority.create("shared")
+    for run, identity in ((RUN, "rollout-worker"), ("other-run", "rollout-worker")):
+        tls.write_identity(tmp_path / run / identity, ca.pem, *ca.issue(identity, run))
+    tls.use(tmp_path / RUN / "rollout-worker")
+    relay = serve_relay(RelayShelf())
+    try:
+        tls.use(tmp_path / "other-run" / "rollout-worker")
+        with pytest.raises(StreamError) as err:
+            open_stream(f"127.0.0.1:{relay.port}", request(), 5.0, 15.0, lambda: False)
+        assert err.value.code == grpc.StatusCode.PERMISSION_DENIED and "other-run" in err.value.message
+    finally:
+        relay.stop()
+
+
+def test_a_frame_changed_on_the_way_is_refused(identities: dict[str, Path], endpoints: dict[str, str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """AES-GCM over each frame: a byte flipped between the sockets (a man in the middle without the
+    connection's key) is DATA_LOSS, not a chunk."""
+    tls.use(identities["rollout-worker"])
+    received = WeightsStream._fill
+
+    def flip(self: WeightsStream, view: memoryview) -> None:
+        received(self, view)
+        if len(view) > 1000:  # a sealed chunk
+            view[100] ^= 0x01
+
+    monkeypatch.setattr(WeightsStream, "_fill", flip)
+    stream = open_stream(endpoints[authz.WEIGHTS_FROM_REGISTRY], request(), 5.0, 15.0, lambda: False)
+    out = bytearray(8 << 20)
+    try:
+        with pytest.raises(StreamError) as err:
+            while stream.next(lambda i, n: memoryview(out)[:n]).kind != END:
+                pass
+        assert err.value.code == grpc.StatusCode.DATA_LOSS
+    finally:
+        stream.close()
+
+
+def test_a_request_that_is_not_one_is_answered(identities: dict[str, Path], endpoints: dict[str, str]) -> None:
+    tls.use(identities["rollout-worker"])
+    files = tls.credentials()
+    assert files is not None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.load_cert_chain(files.directory / tls.CERT, files.directory / tls.KEY)
+    ctx.load_verify_locations(files.directory / tls.CA)
+    # bytes that are not a FetchRequest; a length of 1 GB
+    for sent in (struct.pack("!I", 40) + b"\xff" * 40, struct.pack("!I", 1 << 30)):
+        host, port = endpoints[authz.WEIGHTS_FROM_REGISTRY].rsplit(":", 1)
+        with socket.create_connection((host, int(port)), timeout=10) as raw, \
+                ctx.wrap_socket(raw, server_hostname=tls.SERVER_NAME) as conn:
+            conn.sendall(sent)
+            n = struct.unpack("!I", conn.recv(4))[0]
+            reply = conn.recv(n)
+            assert reply[0] == grpc.StatusCode.INVALID_ARGUMENT.value[0], reply
+    # and the endpoint still serves
+    assert answer(endpoints[authz.WEIGHTS_FROM_REGISTRY]) == grpc.StatusCode.OK
