@@ -1,18 +1,23 @@
 """Shared fixtures: free ports, and real servers (redis-server, an S3-protocol server) on loopback,
-started per test session and stopped by PID.
+started per test session and stopped by PID; the images built here (`image_store`).
 
 `redis-server` and `promtool` are the system's or the project's pinned copies, fetched on first use
 (tests/server_binaries.py). Before any test runs, the binaries the selected tests need are located;
 one that can be neither found nor fetched ends the session with one message, not an error per test.
+Likewise for the image tests and the cluster rehearsal: what they need of the machine (root, an image
+builder, nft, ...) is checked, and the images are built (tests/oci_images.py; layers cached across
+runs, OVERWORLD_SKIP_IMAGE_BUILD=1 uses them as they are), before any test runs.
 """
 
 from __future__ import annotations
 
 import os
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
 
+from tests import oci_images
 from tests.support import RedisServer, S3Server, server_binary
 
 # Ray started by tests stays on loopback (read by Ray when it is imported).
@@ -30,9 +35,48 @@ def _needs(item: pytest.Item) -> set[str]:
     return needs
 
 
+@pytest.hookimpl(trylast=True)  # after `-m`/`-k` have deselected: only what will run is prepared
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
     for name in sorted(set().union(*(_needs(item) for item in items))):
         server_binary(name)
+    _prepare_images(config, items)
+
+
+def _prepare_images(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """The machine checked for what the selected image tests and network-namespace tests need, then the
+    images built: what is missing, or a build that fails, ends the session with one message."""
+    images = any("image_store" in getattr(item, "fixturenames", ()) for item in items)
+    namespaces = any(Path(str(item.path)).is_relative_to(CLUSTER_TESTS) for item in items)
+    if not images and not namespaces:
+        return
+    missing = oci_images.missing_prerequisites(images=images, namespaces=namespaces)
+    if missing:
+        pytest.exit(f"the selected tests (image tests, tests/cluster) need what this machine lacks: {'; '.join(missing)}."
+                    " .ci/run installs it all (.ci/apt-packages.txt), as root; or leave them out:"
+                    " --ignore=tests/cluster --ignore=tests/images", returncode=1)
+    if not images or config.option.collectonly or os.environ.get("OVERWORLD_SKIP_IMAGE_BUILD") == "1":
+        return
+    log = oci_images.REPO / "output" / "image-build.log"
+    reporter = config.pluginmanager.get_plugin("terminalreporter")
+    if reporter is not None:
+        reporter.write_line(f"building the images the tests run (make rehearsal-images, cached layers); log: {log}")
+    try:
+        oci_images.build(log)
+    except oci_images.ImageBuildFailed as err:
+        pytest.exit(f"the images could not be built: {err}", returncode=1)
+
+
+CLUSTER_TESTS = Path(__file__).parent / "cluster"
+
+
+@pytest.fixture(scope="session")
+def image_store() -> Iterator[oci_images.ImageStore]:
+    """The images `make rehearsal-images` built (their configs and root filesystems)."""
+    store = oci_images.ImageStore.here()
+    try:
+        yield store
+    finally:
+        store.close()
 
 
 @pytest.fixture(scope="session")

@@ -30,10 +30,17 @@ What Kubernetes would do, done here, and nothing more:
   and worker pods started as KubeRay starts them) and a submitter pod running KubeRay's own
   `ray job submit` command, and follows the job as KubeRay does.
 
-Substituted, because the images are not on this machine: the Python services run from this
-checkout's virtual environment; the chart's SeaweedFS container is moto's S3 server with its
-requests recorded on the pod's volume (:mod:`tests.cluster.s3_pod`; it does not check the S3 keys
-it is given). Not enforced: resource limits, liveness probes.
+- **images**: with `images` (reference -> :class:`tests.oci_images.Image`, built by `make
+  rehearsal-images`), each pod runs from the image its manifest names: the image's root filesystem
+  under a writable layer of the container's own, its entrypoint, cmd, env, working directory and
+  user merged with the container spec as the kubelet merges them (:mod:`tests.cluster.container`).
+  The chart's third-party images are stood in for by images built here: Redis by Debian's
+  redis-server, SeaweedFS by moto's S3 server with its requests recorded on the pod's volume
+  (:mod:`tests.cluster.s3_pod`; it does not check the S3 keys it is given). Without `images` (the
+  scale rehearsal, :mod:`tests.cluster.fleet`), pods run on this machine's root filesystem, the
+  Python ones from this checkout's virtual environment.
+
+Not enforced: resource limits.
 """
 
 from __future__ import annotations
@@ -54,10 +61,11 @@ import threading
 import time
 import urllib.request
 from collections.abc import Callable, Iterator
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
+from tests.cluster.container import enter_argv, home_of, image_user, process_of, root_commands
 from tests.cluster.netns import (
     HomeThread,
     Host,
@@ -72,10 +80,13 @@ from tests.cluster.rbac import ADMIN, Authorizer, serving_certificate
 from tests.cluster.rbac import Request as ApiRequest
 from tests.cluster.rbac import serve as serve_rbac
 
+if TYPE_CHECKING:
+    from tests.oci_images import Image
+
 REPO = Path(__file__).resolve().parents[2]
 VENV_BIN = Path(sys.executable).parent
-# What a pod's image holds, taken from this machine: the code and its venv. A volume mounted over
-# them (the chart's emptyDir at /tmp, with a checkout under /tmp) must not hide them.
+# Without images, what a pod's image holds is taken from this machine: the code and its venv. A volume
+# mounted over them (the chart's emptyDir at /tmp, with a checkout under /tmp) must not hide them.
 _IMAGE = {REPO, VENV_BIN.parent, Path(sys.base_prefix).resolve()}  # the venv's interpreter is in the image too
 IMAGE_PATHS = sorted(p for p in _IMAGE if not any(p != q and p.is_relative_to(q) for q in _IMAGE))
 
@@ -99,7 +110,7 @@ OBJECT_STORE_IMAGE = "chrislusf/seaweedfs"
 POD_IP = "\x00status.podIP"  # a fieldRef to the pod's IP in a template's environment, filled in at its start
 
 
-def image_entrypoint(image: str) -> list[str]:
+def dockerfile_entrypoint(image: str) -> list[str]:
     from tests.deploy.test_chart import image_entrypoint as read_entrypoint
 
     for repository, (dockerfile, target) in SERVICE_IMAGE_ENTRYPOINTS.items():
@@ -137,6 +148,7 @@ class Security:
     groups: tuple[int, ...] = ()  # supplementalGroups and fsGroup
     fs_group: int | None = None
     run_as_non_root: bool = False
+    user_verifiable: bool = True  # False: the image's USER is a name, which runAsNonRoot cannot check
     read_only_root: bool = False
     drop_all_capabilities: bool = False
     no_new_privileges: bool = False
@@ -154,7 +166,7 @@ class Security:
         return [*argv, "--"]
 
 
-def image_user(image: str) -> tuple[int, int]:
+def dockerfile_user(image: str) -> tuple[int, int]:
     """The USER (uid, gid) of one of this project's images, from its Dockerfile; (0, 0) otherwise."""
     from dockerfile_parse import DockerfileParser
 
@@ -172,10 +184,15 @@ def image_user(image: str) -> tuple[int, int]:
     return 0, 0
 
 
-def security_of(pod_spec: dict[str, Any], container: dict[str, Any]) -> Security:
+def security_of(pod_spec: dict[str, Any], container: dict[str, Any], image: Image | None = None) -> Security:
+    """The container's securityContext over its pod's, over the image's USER (from its config when the
+    image is given, else from this project's Dockerfiles)."""
     pod = pod_spec.get("securityContext") or {}
     own = container.get("securityContext") or {}
-    image_uid, image_gid = image_user(container.get("image", ""))
+    if image is not None:
+        image_uid, image_gid, numeric = image_user(image)
+    else:
+        (image_uid, image_gid), numeric = dockerfile_user(container.get("image", "")), True
     uid = int(own.get("runAsUser", pod.get("runAsUser", image_uid)))
     gid = int(own.get("runAsGroup", pod.get("runAsGroup", image_gid if "runAsUser" not in own | pod else 0)))
     fs_group = pod.get("fsGroup")
@@ -183,9 +200,21 @@ def security_of(pod_spec: dict[str, Any], container: dict[str, Any]) -> Security
                                   *([int(fs_group)] if fs_group is not None else [])]))
     return Security(uid=uid, gid=gid, groups=groups, fs_group=None if fs_group is None else int(fs_group),
                     run_as_non_root=bool(own.get("runAsNonRoot", pod.get("runAsNonRoot", False))),
+                    user_verifiable=numeric or "runAsUser" in own | pod,
                     read_only_root=bool(own.get("readOnlyRootFilesystem", False)),
                     drop_all_capabilities="ALL" in ((own.get("capabilities") or {}).get("drop") or []),
                     no_new_privileges=own.get("allowPrivilegeEscalation") is False)
+
+
+def run_as_non_root_refusal(security: Security) -> str:
+    """Why the kubelet refuses to start a container with `runAsNonRoot` ("" when it does not)."""
+    if not security.run_as_non_root:
+        return ""
+    if security.uid == 0:
+        return "container has runAsNonRoot and image will run as root"
+    if not security.user_verifiable:
+        return "container has runAsNonRoot and image has non-numeric user, cannot verify user is non-root"
+    return ""
 
 
 @dataclass
@@ -218,6 +247,8 @@ class PodTemplate:
     startup: tuple[str, int, str] | None = None  # until it succeeds, neither readiness nor liveness runs
     startup_timing: Timing = field(default_factory=Timing)
     extended: dict[str, int] = field(default_factory=dict)  # extended resources it asks for (nvidia.com/gpu)
+    image: Image | None = None  # what it runs from; None: this machine's root filesystem
+    workdir: str = "/"
 
 
 @dataclass
@@ -278,9 +309,11 @@ class ServiceEntry:
 
 
 class Cluster:
-    def __init__(self, objects: list[dict[str, Any]], workdir: Path, link: tuple[float, float] | None = None) -> None:
+    def __init__(self, objects: list[dict[str, Any]], workdir: Path, link: tuple[float, float] | None = None,
+                 images: dict[str, Image] | None = None) -> None:
         self.objects = objects
         self.workdir = workdir
+        self.images = images or {}  # image reference as a manifest names it -> the image it runs from
         self.link = link  # (Mbit/s, ms): every pod's link shaped so (netns.Network.shape); None: veth speed
         # what the node declares of the extended resources pods ask for (a device plugin's nvidia.com/gpu):
         # a pod that does not fit is not started ("FailedScheduling"); CPU and memory are this machine's
@@ -421,19 +454,21 @@ class Cluster:
             text = response.read()
         return json.loads(text) if text else {}
 
-    def kubeconfig(self, server_host: str, user: str = ADMIN) -> Path:
+    def kubeconfig(self, server_host: str, user: str = ADMIN, path: Path | None = None) -> Path:
         """A kubeconfig for `user` (a person: everything; a ServiceAccount,
         `system:serviceaccount:<namespace>:<name>`: what its bindings grant) with a token of its own."""
         from tests.deploy.kube_support import write_kubeconfig
 
-        path = self.workdir / f"kubeconfig-{server_host}-{user.replace(':', '-')}"
+        path = path or self.workdir / f"kubeconfig-{server_host}-{user.replace(':', '-')}"
+        path.parent.mkdir(parents=True, exist_ok=True)
         return write_kubeconfig(path, f"https://{server_host}:{self.api_port}", NAMESPACE,
                                 token=self.authorizer.token_for(user), ca_pem=self.api_certificate[0])
 
     def service_account_kubeconfig(self, pod_spec: dict[str, Any]) -> Path | None:
         """What the kubelet gives a pod to reach the API server: a token of its ServiceAccount (as a
-        kubeconfig here) when the ServiceAccount exists and its token is mounted (the pod's
-        `automountServiceAccountToken`, else the ServiceAccount's); None otherwise."""
+        kubeconfig here, alone in its directory: the pod mounts that) when the ServiceAccount exists and
+        its token is mounted (the pod's `automountServiceAccountToken`, else the ServiceAccount's); None
+        otherwise."""
         name = pod_spec.get("serviceAccountName", "default")
         accounts = {o["metadata"]["name"]: o for o in self.objects if o["kind"] == "ServiceAccount"}
         if name not in accounts:
@@ -442,7 +477,8 @@ class Cluster:
         if not mounted:
             return None
         assert self.control is not None
-        return self.kubeconfig(self.control.address, user=f"system:serviceaccount:{NAMESPACE}:{name}")
+        return self.kubeconfig(self.control.address, user=f"system:serviceaccount:{NAMESPACE}:{name}",
+                               path=self.workdir / "serviceaccounts" / name / "kubeconfig")
 
     def kubectl(self, *args: str, check: bool = True) -> str:
         from tests.deploy.deploy_support import kubectl
@@ -664,11 +700,14 @@ class Cluster:
     def _launch(self, pod: Pod) -> None:
         template = pod.template
         security = template.security
-        if security.run_as_non_root and security.uid == 0:
+        refusal = run_as_non_root_refusal(security)
+        if refusal:
             # the kubelet's CreateContainerConfigError: the container never starts, the pod waits
-            self.event("CreateContainerConfigError",
-                       f"{pod.name}: container has runAsNonRoot and image will run as root")
+            self.event("CreateContainerConfigError", f"{pod.name}: {refusal}")
             pod.phase, pod.ready = "Pending", False
+            return
+        if template.image is not None:
+            self._start_process(pod, self._root_script(pod, template.image))
             return
         mounts, read_only, writable = [], [], []
         if security.uid != 0:  # the image readable by the container's user: open what hides it
@@ -700,15 +739,7 @@ class Cluster:
                 mounts.append(f"mount -t tmpfs -o size={SHM_SIZE},mode={'2777' if group is not None else '1777'}"
                               f"{f',gid={group}' if group is not None else ''} tmpfs {quoted}")
             else:
-                source = volume.source or pod.root / f"volume-{index}"
-                if volume.source is None:  # an emptyDir: world-writable (the kubelet's 0777), the fsGroup's
-                    source.mkdir(parents=True, exist_ok=True)
-                    source.chmod(0o777)
-                    if group is not None:
-                        os.chown(source, 0, group)
-                        source.chmod(0o2777)
-                elif group is not None and volume.kind == "dir" and not volume.read_only:
-                    _own_for_group(source, group)  # a claim: the kubelet gives it to the fsGroup
+                source = self._volume_source(pod, index, volume)
                 mounts.append(f"mkdir -p {quoted}; mount --bind {shlex.quote(str(source))} {quoted}")
             for image, stage in zip(hidden, stages, strict=True):  # back where the image has it
                 mounts.append(f"mkdir -p {shlex.quote(str(image))}; mount --bind {stage} {shlex.quote(str(image))}")
@@ -727,19 +758,55 @@ class Cluster:
             mounts.append("if touch /.owr-read-only-probe 2>/dev/null; then rm -f /.owr-read-only-probe; "
                           "echo 'rehearsal: the read-only root filesystem is not in force' >&2; exit 70; fi")
         run = " ".join(shlex.quote(a) for a in security.setpriv())
-        script = "set -e; hostname \"$OWR_POD_NAME\"; " + "; ".join(mounts) + f'; exec {run} "$@"'
-        env = {
+        self._start_process(pod, "; ".join(mounts) + f'; exec {run} "$@"', {
             "PATH": f"{VENV_BIN}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
             "PYTHONPATH": f"{REPO / 'services'}:{REPO}",
             "HOME": "/tmp",
             "LANG": "C.UTF-8",
             "OVERWORLD_LOG_FORMAT": "text",
             "RAY_USAGE_STATS_ENABLED": "0",
+        })
+
+    def _root_script(self, pod: Pod, image: Image) -> str:
+        """The commands that make the pod's root filesystem from its image (tests.cluster.container),
+        then exec the container's process as its securityContext says."""
+        template = pod.template
+        ordered = sorted(template.volumes, key=lambda v: len(Path(v.mount_path).parts))
+        volumes = [replace(v, source=self._volume_source(pod, index, v)) if v.kind != "memory" else v
+                   for index, v in enumerate(ordered)]
+        hostname = pod.root / "hostname"
+        hostname.write_text(f"{pod.name}\n")
+        root = pod.root / "rootfs"
+        commands = root_commands(image, root, pod.root / f"layer-{pod.restarts}", volumes, template.security, hostname)
+        enter = " ".join(shlex.quote(a) for a in enter_argv("new", str(root), template.security, template.workdir))
+        return "; ".join(commands) + f'; exec {enter} "$@"'
+
+    def _volume_source(self, pod: Pod, index: int, volume: Volume) -> Path:
+        """The directory behind a volume, owned as the kubelet owns it: an emptyDir world-writable and
+        the fsGroup's, a claim handed to the fsGroup."""
+        group = pod.template.security.fs_group
+        source = volume.source or pod.root / f"volume-{index}"
+        if volume.source is None:
+            source.mkdir(parents=True, exist_ok=True)
+            source.chmod(0o777)
+            if group is not None:
+                os.chown(source, 0, group)
+                source.chmod(0o2777)
+        elif group is not None and volume.kind == "dir" and not volume.read_only:
+            _own_for_group(source, group)
+        return source
+
+    def _start_process(self, pod: Pod, script: str, base_env: dict[str, str] | None = None) -> None:
+        """Run `script` (which execs the container's process) as PID 1 of the pod's namespaces."""
+        template = pod.template
+        env = {
+            **(base_env or {}),
             "OWR_POD_NAME": pod.name,
             **{k: pod.ip if v == POD_IP else v for k, v in template.env.items()},
             **(template.env_from_pod(pod) if template.env_from_pod else {}),
         }
         pod.env = env
+        script = 'set -e; hostname "$OWR_POD_NAME"; ' + script
         argv = ["ip", "netns", "exec", pod.host.netns, "unshare", "--pid", "--fork", "--kill-child",
                 "--mount-proc", "--uts", "--propagation", "private", "/bin/sh", "-c", script, "sh",
                 *template.argv]
@@ -791,8 +858,8 @@ class Cluster:
             return
         if pod.template.pre_stop:
             with pod.log.open("ab") as log:
-                hook = subprocess.Popen(["nsenter", "-t", str(pid1), "-a", *pod.template.security.setpriv(),
-                                         *pod.template.pre_stop], env=pod.env, stdout=log, stderr=subprocess.STDOUT)
+                hook = subprocess.Popen([*self._enter(pod, pid1), *pod.template.pre_stop], env=pod.env, stdout=log,
+                                        stderr=subprocess.STDOUT)
             with contextlib.suppress(subprocess.TimeoutExpired):
                 hook.wait(timeout=max(1.0, deadline - time.monotonic()))
             if hook.poll() is None:
@@ -817,11 +884,23 @@ class Cluster:
         """`kubectl exec`: a command in the pod's namespaces (network, mounts, hosts file) and environment."""
         pid1 = pod.pid1()
         assert pid1 is not None, f"{pod.name} is not running"
-        command = [sys.executable, *argv[1:]] if argv[0] in ("python", "python3") else list(argv)
-        result = subprocess.run(["nsenter", "-t", str(pid1), "-a", *pod.template.security.setpriv(), *command],
-                                env=pod.env, capture_output=True, text=True, timeout=timeout)
+        command = list(argv)
+        if pod.template.image is None and argv[0] in ("python", "python3"):
+            command[0] = sys.executable
+        result = subprocess.run([*self._enter(pod, pid1), *command], env=pod.env, capture_output=True, text=True,
+                                timeout=timeout)
         assert result.returncode == 0, f"exec in {pod.name}: {result.stderr[-2000:]}"
         return result.stdout
+
+    @staticmethod
+    def _enter(pod: Pod, pid1: int) -> list[str]:
+        """The argv prefix that runs a command in a running container (kubectl exec, a preStop hook): its
+        namespaces, its root filesystem, its user."""
+        security = pod.template.security
+        if pod.template.image is None:
+            return ["nsenter", "-t", str(pid1), "-a", *security.setpriv()]
+        return ["nsenter", "-t", str(pid1), "-n", "-u", "-p", "--",
+                *enter_argv("join", str(pid1), security, pod.template.workdir)]
 
     def scrape(self, pod: Pod, port: int = 9090, scraper: str = f"{RELEASE}-rollout-manager") -> dict[str, float]:
         """A pod's Prometheus metrics, read from inside the cluster (from a pod of `scraper`, as
@@ -1042,16 +1121,28 @@ class Cluster:
                                claims: dict[str, Path] | None = None) -> PodTemplate:
         """A PodTemplate from a rendered pod spec: its first container, volumes, probe, hooks."""
         container = pod_spec["containers"][0]
-        image = container.get("image", "")
-        argv = [*(container.get("command") or image_entrypoint(image)), *(container.get("args") or [])]
-        env = self.container_env(container.get("env") or [])
-        security = security_of(pod_spec, container)
-        volumes = self._volumes(pod_spec, container, claims or {}, security.fs_group)
-        if OBJECT_STORE_IMAGE in image:
+        reference = container.get("image", "")
+        image = self.images.get(reference)
+        if OBJECT_STORE_IMAGE in reference:  # the stand-in's own program, on the chart's port and volume
             port = next(p["containerPort"] for p in container["ports"] if p["name"] == "s3")
-            argv = [sys.executable, str(REPO / "tests" / "cluster" / "s3_pod.py"), "--port", str(port), "--data", "/data"]
-        if argv and argv[0] in ("python", "python3"):
-            argv[0] = sys.executable
+            arguments = ["--port", str(port), "--data", "/data"]
+            container = {**container, "command": None if image else [sys.executable, str(REPO / "tests" / "cluster" / "s3_pod.py")],
+                         "args": arguments}
+        env = self.container_env(container.get("env") or [])
+        security = security_of(pod_spec, container, image)
+        volumes = self._volumes(pod_spec, container, claims or {}, security.fs_group)
+        pre_stop = (((container.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}).get("command")
+        workdir = "/"
+        if image is not None:
+            process = process_of(container, image, env)
+            argv, env, workdir = process.argv, process.env, process.workdir
+            env.setdefault("HOME", home_of(image, security.uid))
+        else:
+            argv = [*(container.get("command") or dockerfile_entrypoint(reference)), *(container.get("args") or [])]
+            if argv and argv[0] in ("python", "python3"):
+                argv[0] = sys.executable
+            if pre_stop and pre_stop[0] in ("python", "python3"):
+                pre_stop = [sys.executable, *pre_stop[1:]]
         ports = {p.get("name"): p["containerPort"] for p in container.get("ports") or []}
         readiness = _probe_of(container.get("readinessProbe") or {}, ports)
         liveness = _probe_of(container.get("livenessProbe") or {}, ports)
@@ -1059,16 +1150,14 @@ class Cluster:
         resources = container.get("resources") or {}
         extended = {k: int(quantity(v)) for k, v in {**(resources.get("requests") or {}),
                                                       **(resources.get("limits") or {})}.items() if "/" in k}
-        pre_stop = (((container.get("lifecycle") or {}).get("preStop") or {}).get("exec") or {}).get("command")
-        if pre_stop and pre_stop[0] in ("python", "python3"):
-            pre_stop = [sys.executable, *pre_stop[1:]]
         return PodTemplate(labels=dict(labels), argv=argv, env=env, volumes=volumes,
                            grace=float(pod_spec.get("terminationGracePeriodSeconds", 30)),
                            restart=pod_spec.get("restartPolicy", "Always"), pre_stop=pre_stop,
                            readiness=readiness, security=security, ports=ports,
                            readiness_timing=Timing.of(container.get("readinessProbe") or {}), liveness=liveness,
                            liveness_timing=Timing.of(container.get("livenessProbe") or {}), extended=extended,
-                           startup=startup, startup_timing=Timing.of(container.get("startupProbe") or {}))
+                           startup=startup, startup_timing=Timing.of(container.get("startupProbe") or {}),
+                           image=image, workdir=workdir)
 
     def container_env(self, items: list[dict[str, Any]]) -> dict[str, str]:
         env: dict[str, str] = {}

@@ -1,7 +1,8 @@
-"""The rehearsal: the chart rendered with CPU values and a CartPole run, brought up as pods, and the
-calls a person (or a dashboard) would make to see how it is doing.
+"""The rehearsal: the chart rendered with CPU values and a CartPole run, brought up as pods from the
+images built here (tests/oci_images.py), and the calls a person (or a dashboard) would make to see
+how it is doing.
 
-    with Rehearsal.up(workdir) as rehearsal:
+    with Rehearsal.up(workdir, ImageStore.here()) as rehearsal:
         rehearsal.wait_training(versions=3)
         rehearsal.delete("overworld-gae")
 """
@@ -29,23 +30,29 @@ from overworld.v1 import (
     trainer_pb2,
     trainer_pb2_grpc,
 )
-from tests.cluster.cluster import NAMESPACE, RELEASE, REPO, Cluster, Pod, Workload
+from tests.cluster.cluster import NAMESPACE, RELEASE, REPO, Cluster, Pod, Volume, Workload
 from tests.cluster.kuberay import KubeRay
 from tests.cluster.netns import Network, remove_leftovers, wait_until
 from tests.deploy.deploy_support import CHART, by_kind, render, values_from_files
+from tests.oci_images import OBJECT_STORE, REDIS, REGISTRY, TAG, Image, ImageStore
 
 RUN = RELEASE  # the TrainingRun the chart creates
 STORES = (f"{RELEASE}-redis", f"{RELEASE}-seaweedfs")
 SERVICES = tuple(f"{RELEASE}-{name}" for name in ("rollout-manager", "model-registry", "gae", "replay-buffer",
                                                    "rollout-worker"))
 CONTROLLER = f"{RELEASE}-run-controller"
+SERVICE_ACCOUNT_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
 def rehearsal_values() -> dict[str, Any]:
-    """The CPU values of the chart, a CartPole run that checkpoints and logs to the object store, two
-    replay-buffer fronts, stores on volumes, a one-worker Ray cluster whose worker declares a GPU, and
-    the chart's NetworkPolicies."""
+    """The CPU values of the chart, the images built for the tests (the CPU-only torch), a CartPole run
+    that checkpoints and logs to the object store, two replay-buffer fronts, stores on volumes, a
+    one-worker Ray cluster whose worker declares a GPU, and the chart's NetworkPolicies."""
     values = values_from_files([CHART / "ci" / "cpu-values.yaml"])
+    registry, _, namespace = REGISTRY.partition("/")
+    for component, role in ((values, "services"), (values["rolloutWorker"], "rollout-worker"),
+                            (values["trainer"], "trainer")):  # as a user's values name their images
+        component["image"] = {"registry": registry, "repository": f"{namespace}/overworld-{role}", "tag": TAG}
     config = yaml.safe_load((REPO / "examples" / "cartpole.yaml").read_text())
     # save_path: the chart's (--save-path / OVERWORLD_SAVE_PATH, the object store) replaces the config's.
     config["train_config"].update(num_workers=1,  # on the cluster's worker group, not the head (local mode)
@@ -63,10 +70,27 @@ def rehearsal_values() -> dict[str, Any]:
     return values
 
 
+def pod_images(objects: list[dict[str, Any]], store: ImageStore) -> dict[str, Image]:
+    """Every image the release's pods name (the TrainingRun's, for the RayJob, too), as built here; the
+    chart's Redis and SeaweedFS by their stand-ins."""
+    stand_ins = {"redis": REDIS, "seaweedfs": OBJECT_STORE}
+    named: set[str] = set()
+    for obj in objects:
+        if obj["kind"] == "TrainingRun":
+            named.add(obj["spec"]["image"])
+        template = (obj.get("spec") or {}).get("template") or {}
+        named.update(c["image"] for c in (template.get("spec") or {}).get("containers") or [])
+    images = {}
+    for reference in sorted(named):
+        stand_in = next((ref for name, ref in stand_ins.items() if f"/{name}:" in reference), None)
+        images[reference] = store.image(stand_in or reference)
+    return images
+
+
 class Rehearsal:
-    def __init__(self, workdir: Path) -> None:
+    def __init__(self, workdir: Path, store: ImageStore) -> None:
         self.objects = render(rehearsal_values(), release=RELEASE, namespace=NAMESPACE)
-        self.cluster = Cluster(self.objects, workdir)
+        self.cluster = Cluster(self.objects, workdir, images=pod_images(self.objects, store))
         # the node's device plugin declares one GPU: the Ray worker group's pod asks for it
         self.cluster.node_resources = {"nvidia.com/gpu": 1}
         self.kuberay = KubeRay(self.cluster)
@@ -75,9 +99,9 @@ class Rehearsal:
 
     @classmethod
     @contextlib.contextmanager
-    def up(cls, workdir: Path) -> Iterator[Rehearsal]:
+    def up(cls, workdir: Path, store: ImageStore) -> Iterator[Rehearsal]:
         remove_leftovers()
-        rehearsal = cls(workdir)
+        rehearsal = cls(workdir, store)
         try:
             rehearsal.start()
             yield rehearsal
@@ -94,8 +118,9 @@ class Rehearsal:
         controller = cluster.workload_from_manifest(workloads[CONTROLLER])
         # the controller's ServiceAccount token, if the chart mounts one, with what the chart's Role grants
         kubeconfig = cluster.service_account_kubeconfig(workloads[CONTROLLER]["spec"]["template"]["spec"])
-        if kubeconfig is not None:
-            controller.template.env["KUBECONFIG"] = str(kubeconfig)
+        if kubeconfig is not None:  # where the kubelet mounts the ServiceAccount's token
+            controller.template.volumes.append(Volume(SERVICE_ACCOUNT_MOUNT, "dir", kubeconfig.parent, read_only=True))
+            controller.template.env["KUBECONFIG"] = f"{SERVICE_ACCOUNT_MOUNT}/{kubeconfig.name}"
         cluster.add_workload(controller)
         manifest = cluster.workdir / "trainingrun.yaml"
         (training_run,) = by_kind(self.objects, "TrainingRun").values()

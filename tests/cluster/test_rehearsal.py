@@ -23,9 +23,10 @@ from pathlib import Path
 import pytest
 
 from overworld.run_controller.rayjob import JOB_STOP_WAIT_SECONDS
-from tests.cluster.cluster import RELEASE
+from tests.cluster.cluster import RELEASE, REPO
 from tests.cluster.netns import wait_until
 from tests.cluster.rehearsal import Rehearsal
+from tests.oci_images import OBJECT_STORE, REDIS, ImageStore, reference
 
 # Ray clusters come and go in some of these: minutes each on two busy cores.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -36,14 +37,10 @@ BUFFER = f"{RELEASE}-replay-buffer"
 
 
 @pytest.fixture(scope="module")
-def rehearsal() -> Iterator[Rehearsal]:
-    if os.geteuid() != 0:
-        pytest.fail("the rehearsal makes network namespaces: it needs root (CI runs as root)")
-    # Outside /tmp: every pod mounts an emptyDir of its own there.
-    with Rehearsal.up(Path("/var/tmp") / f"overworld-rehearsal-{os.getpid()}") as started:
+def rehearsal(image_store: ImageStore) -> Iterator[Rehearsal]:
+    with Rehearsal.up(Path("/var/tmp") / f"overworld-rehearsal-{os.getpid()}", image_store) as started:
         started.wait_training(timeout=360)
         yield started
-
 
 
 def progress(rehearsal: Rehearsal) -> tuple[int, int]:
@@ -157,6 +154,41 @@ def test_pods_run_as_their_security_context_says(rehearsal: Rehearsal) -> None:
         assert (tmp, etc, image, key) == ("True", "False", "False", "True"), owner
     redis = cluster.pod(f"{RELEASE}-redis")
     assert rehearsal.exec(redis, "sh", "-c", "id -u; stat -c %g /data").split() == ["999", "999"]
+
+
+def test_every_pod_runs_from_the_image_its_manifest_names(rehearsal: Rehearsal) -> None:
+    """Each pod's root filesystem is the image its manifest names (the RayJob's head, worker and
+    submitter: the TrainingRun's trainer image; Redis and SeaweedFS: their stand-ins), under a layer of
+    its own; the checkout is not in it; its PID 1 is the image's entrypoint with the chart's args (the
+    Ray nodes: KubeRay's command), its environment the image's ENV with the container's env over it."""
+    cluster = rehearsal.cluster
+    ray_cluster = rehearsal.rayjob()["status"]["rayClusterName"]
+    expected = {f"{RELEASE}-redis": REDIS, f"{RELEASE}-seaweedfs": OBJECT_STORE,
+                f"{RELEASE}-rollout-worker": reference("rollout-worker"), f"{ray_cluster}-head": reference("trainer"),
+                f"{ray_cluster}-worker-gpu": reference("trainer"),
+                **{f"{RELEASE}-{name}": reference("services") for name in
+                   ("rollout-manager", "model-registry", "gae", "replay-buffer", "run-controller")}}
+    running = [p for p in cluster.pods if p.phase == "Running" and not p.deleting]
+    assert {p.owner for p in running} >= set(expected), sorted({p.owner for p in running})
+    for pod in running:
+        image = pod.template.image
+        assert image is not None, f"{pod.name} runs from this machine's root filesystem"
+        assert image.reference == expected.get(pod.owner, image.reference), (pod.name, image.reference)
+        pid1 = pod.pid1()
+        assert pid1 is not None, pod.name
+        root = next(line.split(" - ")[1].split() for line in Path(f"/proc/{pid1}/mountinfo").read_text().splitlines()
+                    if line.split()[4] == "/")
+        assert root[0] == "overlay" and f"lowerdir={image.rootfs}" in root[2], (pod.name, root)
+        assert not Path(f"/proc/{pid1}/root{REPO}").exists(), f"{pod.name} sees the checkout"
+    worker = cluster.pod(WORKERS)
+    pid1 = worker.pid1()
+    argv = Path(f"/proc/{pid1}/cmdline").read_bytes().decode().split("\0")
+    assert argv[1:4] == ["/opt/overworld/bin/overworld", "serve", "rollout-worker"], argv
+    environ = dict(item.split("=", 1) for item in Path(f"/proc/{pid1}/environ").read_bytes().decode().split("\0") if item)
+    image_env = worker.template.image.config.env  # type: ignore[union-attr]
+    assert environ["NUMBA_CACHE_LOCATOR_CLASSES"] == image_env["NUMBA_CACHE_LOCATOR_CLASSES"]
+    assert environ["PATH"] == image_env["PATH"] and "OVERWORLD_ROLLOUT_MANAGER" in environ, sorted(environ)
+    assert os.readlink(f"/proc/{pid1}/cwd") == "/tmp"
 
 
 # --- two replay-buffer replicas behind one name ---------------------------------------------------
