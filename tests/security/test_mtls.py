@@ -198,8 +198,7 @@ def test_the_documented_table_is_the_code() -> None:
 def test_unreadable_credentials_say_which_file_and_why(tmp_path: Path) -> None:
     """A Secret mounted 0440 without the pod's fsGroup: the files are there but this user cannot read
     them. The error names the file, the user and the file's owner and mode, not "incomplete"."""
-    import subprocess
-    import sys
+    import os
     import tempfile
 
     base = Path(tempfile.mkdtemp(dir="/var/tmp"))  # pytest's tmp_path is root's only: not searchable by 10001
@@ -208,12 +207,30 @@ def test_unreadable_credentials_say_which_file_and_why(tmp_path: Path) -> None:
     (base / "run").chmod(0o755)
     for path in [identity, *identity.iterdir()]:
         path.chmod(0o755 if path.is_dir() else 0o440)  # root's, as the kubelet mounts a Secret without fsGroup
-    script = "from pathlib import Path; from overworld.core import tls; tls.CredentialFiles(Path(__import__('sys').argv[1]))"
-    out = subprocess.run(["setpriv", "--reuid=10001", "--regid=10001", "--clear-groups", sys.executable, "-c", script,
-                          str(identity)], capture_output=True, text=True, timeout=60)
-    assert out.returncode != 0
-    assert f"cannot read {identity / tls.CERT}" in out.stderr and "uid 10001" in out.stderr, out.stderr[-800:]
-    assert "fsGroup" in out.stderr, out.stderr[-800:]
+    # A fork that becomes uid 10001 with the code this process has loaded: a new interpreter as 10001
+    # could not import overworld from a clone under a directory only root may enter (mktemp -d).
+    read, write = os.pipe()
+    child = os.fork()
+    if child == 0:
+        try:
+            os.setgroups([])
+            os.setgid(10001)
+            os.setuid(10001)
+            try:
+                tls.CredentialFiles(identity)
+                message = "read them"
+            except Exception as err:
+                message = f"{type(err).__name__}: {err}"
+            os.write(write, message.encode())
+        finally:
+            os._exit(0)
+    os.close(write)
+    with os.fdopen(read, "rb") as pipe:
+        message = pipe.read().decode()
+    os.waitpid(child, 0)
+    assert message.startswith("PermissionError"), message
+    assert f"cannot read {identity / tls.CERT}" in message and "uid 10001" in message, message
+    assert "fsGroup" in message, message
     (identity / tls.KEY).unlink()
     with pytest.raises(FileNotFoundError, match=f"{identity / tls.KEY} is missing"):
         tls.CredentialFiles(identity)
