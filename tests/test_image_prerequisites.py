@@ -1,0 +1,41 @@
+"""A machine without what the image tests and the cluster rehearsal need (an image builder, nft, ...):
+the test run stops before any test runs, with one line naming what is missing and how to get it;
+never an error per test, never a silent pass (tests/conftest.py, tests/oci_images.py)."""
+
+from __future__ import annotations
+
+import os
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+
+REPO = Path(__file__).resolve().parents[1]
+HIDDEN = {"nft", "buildah", "docker", "podman", "mmdebstrap"}
+
+
+def path_without(hidden: set[str], bin_dir: Path) -> str:
+    """A PATH of one directory holding every program of this PATH but the hidden ones."""
+    bin_dir.mkdir()
+    for directory in os.environ.get("PATH", "").split(":"):
+        for program in Path(directory).glob("*") if Path(directory).is_dir() else []:
+            link = bin_dir / program.name
+            if program.name not in hidden and not link.exists() and os.access(program, os.X_OK):
+                link.symlink_to(program)
+    return str(bin_dir)
+
+
+@pytest.mark.slow
+def test_without_a_builder_or_nft_the_run_stops_at_once_with_one_line(tmp_path: Path) -> None:
+    env = {**os.environ, "PATH": path_without(HIDDEN, tmp_path / "bin")}
+    done = subprocess.run([sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "tests/images",
+                           "tests/cluster/test_netns.py"], cwd=REPO, env=env, capture_output=True, text=True,
+                          timeout=300)
+    output = done.stdout + done.stderr
+    assert done.returncode == 1, output[-3000:]
+    said = [line for line in output.splitlines() if "need what this machine lacks" in line]
+    assert len(said) == 1, output[-3000:]
+    assert "an image builder (Docker, or buildah: apt-get install buildah)" in said[0], said[0]
+    assert "nft (apt-get install nftables)" in said[0] and ".ci/run" in said[0], said[0]
+    assert not any(word in output for word in (" passed", " failed", " error")), output[-3000:]
