@@ -14,8 +14,9 @@ ARG PYTHON_VERSION=3.11
 
 FROM python:${PYTHON_VERSION}-slim-bookworm AS deps
 ARG TORCH_VERSION=2.13.0
-# cuda: PyPI's torch (bundles CUDA); cpu: PyTorch's CPU-only build (TORCH_CPU_INDEX_URL, "" where
-# pip's own configuration already finds it); torch is pinned (TORCH_VERSION, hadolint reads no +cpu)
+# cuda: PyPI's torch (bundles CUDA), "===" so that no local +cpu build a wheel directory offers counts;
+# cpu: PyTorch's CPU-only build (TORCH_CPU_INDEX_URL, "" where pip's configuration already finds it).
+# torch is pinned (TORCH_VERSION; hadolint does not read "+cpu")
 ARG TORCH_VARIANT=cuda
 ARG TORCH_CPU_INDEX_URL=https://download.pytorch.org/whl/cpu
 ARG RAY_VERSION=2.60.0
@@ -25,7 +26,7 @@ ENV PATH=/opt/overworld/bin:$PATH
 WORKDIR /src
 # hadolint ignore=DL3013
 RUN case "${TORCH_VARIANT}" in \
-      cuda) pip install "torch==${TORCH_VERSION}" \
+      cuda) pip install "torch===${TORCH_VERSION}" \
          && python -c "import sys, torch; sys.exit(torch.version.cuda is None and 'a CPU-only torch: TORCH_VARIANT=cpu?')" ;; \
       cpu) pip install "torch==${TORCH_VERSION}+cpu" ${TORCH_CPU_INDEX_URL:+--extra-index-url "${TORCH_CPU_INDEX_URL}"} ;; \
       *) echo "TORCH_VARIANT is cuda or cpu, not ${TORCH_VARIANT}" >&2; exit 1 ;; \

@@ -73,7 +73,7 @@ def test_pins_match_pyproject(dockerfile: Path) -> None:
         assert not re.search(r"torch|\bray\b|wandb", installs), "the services image needs no torch, Ray or W&B"
     else:
         assert defaults.get("TORCH_VERSION") == versions["torch"]
-        assert re.search(r'"torch==\$\{TORCH_VERSION\}"', text), "torch is not installed at the pinned version"
+        assert re.search(r'"torch===?\$\{TORCH_VERSION\}"', text), "torch is not installed at the pinned version"
     pinned = dict(re.findall(r'"([A-Za-z0-9_.-]+)(?:\[[^\]]*\])?==([^"]+)"', (REPO / "pyproject.toml").read_text()))
     for name, version in re.findall(r'"([A-Za-z0-9_.-]+)==([^"$]+)"', text):
         assert pinned.get(name) == version, f"{dockerfile.name} pins {name}=={version}, pyproject.toml {pinned.get(name)}"
