@@ -1,6 +1,7 @@
 # Overworld: `make run` trains the default task on this machine, `make test` runs the tests.
 # Both create .venv and install what is missing on first use; the tests fetch the servers they need
-# (redis-server, promtool) when the system has none (tests/server_binaries.py).
+# (redis-server, promtool) when the system has none (tests/server_binaries.py), and the image tests and
+# the rehearsal build the images first (make rehearsal-images; tests/oci_images.py).
 
 PYTHON ?= python3
 VENV := .venv
@@ -40,7 +41,8 @@ test-fast: $(STAMP)
 
 # The cluster rehearsal (tests/cluster, also part of `make test`): the rendered chart as pods, each in
 # network, PID, mount and UTS namespaces of its own on a bridge; pods deleted, workers scaled and cut
-# off, a kubectl resume. Needs root (ip netns); docs/operations.md says what it covers.
+# off, a kubectl resume, every pod from the image its manifest names (built first: make rehearsal-images).
+# Needs root, nft and an image builder; docs/operations.md says what it covers.
 rehearsal: $(STAMP)
 	$(call pytest,$(PY),tests/cluster)
 
