@@ -59,6 +59,12 @@ def local_paths(option: str, value: str) -> list[Path]:
     return paths
 
 
+def wheel_found_locally(pattern: str) -> bool:
+    """Whether a wheel directory pip is configured with here holds a wheel matching `pattern`."""
+    links = configured().get("find-links", "")
+    return any(Path(d).is_dir() and any(Path(d).glob(pattern)) for d in links.split())
+
+
 def main(argv: list[str]) -> int:
     if len(argv) != 1:
         print(__doc__, file=sys.stderr)

@@ -19,7 +19,6 @@ ARG TORCH_VERSION=2.13.0
 # torch is pinned (TORCH_VERSION; hadolint does not read "+cpu")
 ARG TORCH_VARIANT=cuda
 ARG TORCH_CPU_INDEX_URL=https://download.pytorch.org/whl/cpu
-ARG RAY_VERSION=2.60.0
 ENV PIP_NO_CACHE_DIR=1 PIP_DISABLE_PIP_VERSION_CHECK=1 PYTHONDONTWRITEBYTECODE=1
 RUN python -m venv /opt/overworld
 ENV PATH=/opt/overworld/bin:$PATH
@@ -31,6 +30,8 @@ RUN case "${TORCH_VARIANT}" in \
       cpu) pip install "torch==${TORCH_VERSION}+cpu" ${TORCH_CPU_INDEX_URL:+--extra-index-url "${TORCH_CPU_INDEX_URL}"} ;; \
       *) echo "TORCH_VARIANT is cuda or cpu, not ${TORCH_VARIANT}" >&2; exit 1 ;; \
     esac
+# Up to here the same as the rollout worker's: a builder with a layer cache builds torch's layer once.
+ARG RAY_VERSION=2.60.0
 COPY pyproject.toml docker/role_requirements.py ./
 # The trainer role of pyproject.toml (its pins; torch is the one above): Ray Train, W&B, TensorBoard.
 RUN python role_requirements.py pyproject.toml trainer > requirements.txt \

@@ -22,11 +22,15 @@ import os
 import re
 import shutil
 import subprocess
+import sys
 import tarfile
 from dataclasses import dataclass, field
 from pathlib import Path
 
 REPO = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(REPO / "docker"))
+from pip_config_mounts import wheel_found_locally  # noqa: E402
+
 VERSION = re.search(r'^version = "([^"]+)"', (REPO / "pyproject.toml").read_text(), flags=re.M)[1]  # type: ignore[index]
 REGISTRY = "localhost/overworld-rl"
 TAG = f"{VERSION}-cpu"
@@ -93,11 +97,7 @@ def _base_available(kind: str) -> bool:
 def _local_cpu_torch() -> bool:
     """Whether pip here finds PyTorch's CPU wheel without PyTorch's index (a local wheel directory)."""
     torch = re.search(r'"torch==([^"]+)"', (REPO / "pyproject.toml").read_text())
-    if torch is None:
-        return False
-    listed = subprocess.run(["python3", "-m", "pip", "config", "list"], capture_output=True, text=True, timeout=60)
-    links = re.findall(r"find-links='([^']+)'", listed.stdout)
-    return any(any(Path(d).glob(f"torch-{torch[1]}+cpu-*.whl")) for value in links for d in value.split())
+    return torch is not None and wheel_found_locally(f"torch-{torch[1]}+cpu-*.whl")
 
 
 def build(log: Path) -> None:
