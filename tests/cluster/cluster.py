@@ -3,8 +3,8 @@
 What Kubernetes would do, done here, and nothing more:
 
 - **pods**: each a process tree in namespaces of its own (:mod:`tests.cluster.netns`), started with
-  its container's command, arguments and environment exactly as rendered (the image's ENTRYPOINT
-  when the container has no command, read from `docker/*.Dockerfile`); Secrets (env and volumes:
+  its container's command, arguments and environment exactly as rendered, merged with its image's
+  config (see **images**; without images, the ENTRYPOINT of `docker/*.Dockerfile`); Secrets (env and volumes:
   each pod's identity certificate, Redis' password, the S3 keys, KubeRay's Ray token), fieldRefs and
   ConfigMap volumes resolved; emptyDirs fresh directories (tmpfs for `medium: Memory`), gone with
   the pod; a StatefulSet's volume claims directories that outlive their pods. A deleted pod runs
