@@ -453,7 +453,10 @@ def test_kubectl_resume_replaces_the_trainer_and_continues_from_its_checkpoint(r
     # The old trainer ended by itself: Ray did not wait out RAY_JOB_STOP_WAIT_TIME_S to SIGKILL it (a
     # driver aborted by Ray's signal handler, or a zombie under the head's PID 1, made every resume wait).
     assert time.monotonic() - patched < JOB_STOP_WAIT_SECONDS, cluster.logs(old["status"]["rayClusterName"])[-6000:]
-    # The old trainer was gone before the new RayJob existed: no two trainers of one run at once.
+    # The old trainer was gone before the new RayJob existed: no two trainers of one run at once. (The
+    # API server holds the new RayJob before KubeRay's next reconcile sees it: wait for that.)
+    wait_until(lambda: any(kind == "rayjob-seen" and what == job["metadata"]["name"] for _, kind, what in cluster.events),
+               60, "KubeRay seeing the next attempt's RayJob")
     seen = {what: at for at, kind, what in cluster.events if kind == "rayjob-seen"}
     assert all(p.ended and p.ended <= seen[job["metadata"]["name"]] for p in old_pods), [
         (p.name, p.ended) for p in old_pods]
