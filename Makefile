@@ -72,7 +72,7 @@ sb3: $(SB3_STAMP)
 
 # ruff, then mypy over services/overworld ([tool.mypy] in pyproject.toml): any error fails.
 lint: $(STAMP)
-	$(VENV)/bin/ruff check services tests bench
+	$(VENV)/bin/ruff check services tests bench docker
 	$(PY) -m mypy
 
 protos: $(STAMP)
