@@ -24,7 +24,8 @@ from overworld.model_registry.client import ModelRegistryClient
 from overworld.model_registry.relay import RelayShelf, serve_relay, serve_relayed
 from overworld.model_registry.relay_plan import relay_chunk_bytes
 from overworld.model_registry.server import ModelRegistryService, registration
-from overworld.model_registry.stream import FrameWriter, StreamError, WeightsStreamServer, open_stream
+from overworld.model_registry.stream import FrameWriter, StreamError, open_stream
+from overworld.model_registry.stream_server import WeightsStreamServer
 from overworld.model_registry.watcher import WeightsWatcher
 from overworld.v1 import model_registry_pb2 as pb
 

@@ -35,9 +35,9 @@ from overworld.model_registry.stream import (
     FrameWriter,
     Stalled,
     StreamError,
-    WeightsStreamServer,
     open_stream,
 )
+from overworld.model_registry.stream_server import WeightsStreamServer
 from overworld.v1 import model_registry_pb2 as pb
 
 log = logging.getLogger("overworld.model_registry.relay")

@@ -44,7 +44,8 @@ from overworld.model_registry.payload import (
 from overworld.model_registry.publish import Publishing
 from overworld.model_registry.relay import MAX_CHUNK, MIN_CHUNK, check_range
 from overworld.model_registry.store import RESERVED_TAGS, TAG_RE, manifest_key, weights_key
-from overworld.model_registry.stream import FrameWriter, StreamError, WeightsStreamServer
+from overworld.model_registry.stream import FrameWriter, StreamError
+from overworld.model_registry.stream_server import WeightsStreamServer
 from overworld.model_registry.watch import Watching
 from overworld.v1 import model_registry_pb2 as pb
 from overworld.v1 import model_registry_pb2_grpc

@@ -25,9 +25,7 @@ lives but has no data yet); END nothing (the stream ended complete); ERROR a sta
 
 from __future__ import annotations
 
-import contextlib
 import logging
-import os
 import socket
 import ssl
 import struct
@@ -40,7 +38,6 @@ from pathlib import Path
 import grpc
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
-from google.protobuf.message import DecodeError
 
 from overworld.core import authz, tls
 from overworld.v1 import model_registry_pb2 as pb
@@ -77,7 +74,7 @@ class Stalled(Exception):
 
 # -- TLS ---------------------------------------------------------------------------------------------
 
-class _Contexts:
+class Contexts:
     """SSL contexts of one identity's credential files, made again when the files change (rotation)."""
 
     def __init__(self) -> None:
@@ -104,10 +101,10 @@ class _Contexts:
             return made[1], made[2]
 
 
-_contexts = _Contexts()
+contexts = Contexts()
 
 
-class _Envelope:
+class Envelope:
     """The handshake part of a connection: TLS through memory BIOs (so that this code, not OpenSSL,
     reads the socket and no byte of the frames after it is taken), or plaintext."""
 
@@ -183,7 +180,7 @@ class _Envelope:
             raise StreamError(grpc.StatusCode.INTERNAL, "the peer sent more than the protocol's handshake")
 
 
-def _answer(code: grpc.StatusCode, body: bytes) -> bytes:
+def answer(code: grpc.StatusCode, body: bytes) -> bytes:
     return struct.pack("!B", code.value[0]) + body
 
 
@@ -228,7 +225,7 @@ class FrameWriter:
         self._send(END, 0, memoryview(b""))
 
     def error(self, code: grpc.StatusCode, message: str) -> None:
-        self._send(ERROR, 0, memoryview(_answer(code, message.encode()[:MAX_ERROR - 1])))
+        self._send(ERROR, 0, memoryview(answer(code, message.encode()[:MAX_ERROR - 1])))
 
     def _send(self, kind: int, index: int, payload: memoryview) -> None:
         header = HEADER.pack(kind, index, len(payload))
@@ -342,8 +339,8 @@ def open_stream(address: str, request: pb.FetchRequest, stall: float, data_stall
     sock = socket.create_connection((host, port), timeout=connect_timeout)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        made = _contexts.get(tls.credentials(), server=False)
-        envelope = _Envelope(sock, made[0] if made else None, server=False)
+        made = contexts.get(tls.credentials(), server=False)
+        envelope = Envelope(sock, made[0] if made else None, server=False)
         envelope.send(request.SerializeToString())
         answer = envelope.receive(MAX_ERROR + KEY_BYTES)
         if not answer:
@@ -360,98 +357,3 @@ def open_stream(address: str, request: pb.FetchRequest, stall: float, data_stall
     except BaseException:
         sock.close()
         raise
-
-
-# -- serving -----------------------------------------------------------------------------------------
-
-Handler = Callable[[pb.FetchRequest, FrameWriter, Callable[[], bool]], None]
-
-
-class WeightsStreamServer:
-    """Serves one weights-stream endpoint (`method`: authz.WEIGHTS_FROM_REGISTRY or _RELAY) on a TCP
-    port: a thread per connection, each checked against core/authz.py's table before `handler` runs.
-    The handler sends frames through the writer and raises StreamError to end with a status; its
-    third argument says whether the connection is still wanted (False once the server stops)."""
-
-    def __init__(self, method: str, handler: Handler, host: str = "127.0.0.1", port: int = 0) -> None:
-        self.method, self.handler = method, handler
-        self._files = tls.credentials()  # this process's identity when the server starts, as a gRPC server's
-        self._listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
-                                              backlog=256)
-        self.port: int = self._listener.getsockname()[1]
-        self._open: set[socket.socket] = set()
-        self._lock = threading.Lock()
-        self._stopped = threading.Event()
-        self._thread = threading.Thread(target=self._accept, name=f"weights-stream-{self.port}", daemon=True)
-        self._thread.start()
-
-    def _accept(self) -> None:
-        while not self._stopped.is_set():
-            try:
-                conn, _ = self._listener.accept()
-            except OSError:
-                if self._stopped.is_set():
-                    return
-                time.sleep(0.05)  # out of file descriptors, say: do not spin
-                continue
-            with self._lock:
-                if len(self._open) >= MAX_CONNECTIONS:
-                    conn.close()
-                    continue
-                self._open.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="weights-stream-conn", daemon=True).start()
-
-    def _serve(self, conn: socket.socket) -> None:
-        peer = "?"
-        try:
-            host, port = conn.getpeername()[:2]
-            peer = f"{host}:{port}"
-            conn.settimeout(HANDSHAKE_SECONDS)
-            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-            made = _contexts.get(self._files, server=True)
-            envelope = _Envelope(conn, made[0] if made else None, server=True)
-            try:
-                request = pb.FetchRequest.FromString(envelope.receive(MAX_REQUEST))
-            except StreamError as err:
-                envelope.send(_answer(err.code, err.message.encode()))
-                return
-            except DecodeError:
-                envelope.send(_answer(grpc.StatusCode.INVALID_ARGUMENT, b"the request is not a FetchRequest"))
-                return
-            if made is not None:
-                run, identity = envelope.peer()
-                refused = authz.refusal(made[1], run, identity, self.method)
-                if refused:
-                    log.warning("weights stream: refused %s: %s", peer, refused)
-                    envelope.send(_answer(grpc.StatusCode.PERMISSION_DENIED, refused.encode()))
-                    return
-            key = os.urandom(KEY_BYTES) if made is not None else b""
-            envelope.send(_answer(grpc.StatusCode.OK, key))
-            if envelope.receive(len(START)) != START:
-                return
-            envelope.finish()
-            conn.settimeout(SEND_SECONDS)
-            writer = FrameWriter(conn, key, peer)
-            try:
-                self.handler(request, writer, lambda: not self._stopped.is_set())
-            except StreamError as err:
-                writer.error(err.code, err.message)
-                return
-            writer.end()
-        except (OSError, ssl.SSLError, StreamError) as err:
-            log.debug("weights stream to %s ended: %r", peer, err)
-        except Exception:  # a bug: said, and this connection closed; the server goes on
-            log.exception("weights stream to %s failed", peer)
-        finally:
-            with self._lock:
-                self._open.discard(conn)
-            conn.close()
-
-    def stop(self) -> None:
-        self._stopped.set()
-        self._listener.close()
-        with self._lock:
-            conns = list(self._open)
-        for conn in conns:
-            with contextlib.suppress(OSError):
-                conn.shutdown(socket.SHUT_RDWR)

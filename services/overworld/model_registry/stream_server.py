@@ -1,0 +1,126 @@
+"""The serving side of the weights stream (stream.py describes the protocol): a TCP port, a thread per
+connection, each caller checked against core/authz.py's table before the handler sends its frames."""
+
+from __future__ import annotations
+
+import contextlib
+import logging
+import os
+import socket
+import ssl
+import threading
+import time
+from collections.abc import Callable
+
+import grpc
+from google.protobuf.message import DecodeError
+
+from overworld.core import authz, tls
+from overworld.model_registry.stream import (
+    HANDSHAKE_SECONDS,
+    KEY_BYTES,
+    MAX_CONNECTIONS,
+    MAX_REQUEST,
+    SEND_SECONDS,
+    START,
+    Envelope,
+    FrameWriter,
+    StreamError,
+    answer,
+    contexts,
+)
+from overworld.v1 import model_registry_pb2 as pb
+
+log = logging.getLogger("overworld.model_registry.stream")
+
+Handler = Callable[[pb.FetchRequest, FrameWriter, Callable[[], bool]], None]
+
+
+class WeightsStreamServer:
+    """Serves one weights-stream endpoint (`method`: authz.WEIGHTS_FROM_REGISTRY or _RELAY) on a TCP
+    port: a thread per connection, each checked against core/authz.py's table before `handler` runs.
+    The handler sends frames through the writer and raises StreamError to end with a status; its
+    third argument says whether the connection is still wanted (False once the server stops)."""
+
+    def __init__(self, method: str, handler: Handler, host: str = "127.0.0.1", port: int = 0) -> None:
+        self.method, self.handler = method, handler
+        self._files = tls.credentials()  # this process's identity when the server starts, as a gRPC server's
+        self._listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
+                                              backlog=256)
+        self.port: int = self._listener.getsockname()[1]
+        self._open: set[socket.socket] = set()
+        self._lock = threading.Lock()
+        self._stopped = threading.Event()
+        self._thread = threading.Thread(target=self._accept, name=f"weights-stream-{self.port}", daemon=True)
+        self._thread.start()
+
+    def _accept(self) -> None:
+        while not self._stopped.is_set():
+            try:
+                conn, _ = self._listener.accept()
+            except OSError:
+                if self._stopped.is_set():
+                    return
+                time.sleep(0.05)  # out of file descriptors, say: do not spin
+                continue
+            with self._lock:
+                if len(self._open) >= MAX_CONNECTIONS:
+                    conn.close()
+                    continue
+                self._open.add(conn)
+            threading.Thread(target=self._serve, args=(conn,), name="weights-stream-conn", daemon=True).start()
+
+    def _serve(self, conn: socket.socket) -> None:
+        peer = "?"
+        try:
+            host, port = conn.getpeername()[:2]
+            peer = f"{host}:{port}"
+            conn.settimeout(HANDSHAKE_SECONDS)
+            conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
+            made = contexts.get(self._files, server=True)
+            envelope = Envelope(conn, made[0] if made else None, server=True)
+            try:
+                request = pb.FetchRequest.FromString(envelope.receive(MAX_REQUEST))
+            except StreamError as err:
+                envelope.send(answer(err.code, err.message.encode()))
+                return
+            except DecodeError:
+                envelope.send(answer(grpc.StatusCode.INVALID_ARGUMENT, b"the request is not a FetchRequest"))
+                return
+            if made is not None:
+                run, identity = envelope.peer()
+                refused = authz.refusal(made[1], run, identity, self.method)
+                if refused:
+                    log.warning("weights stream: refused %s: %s", peer, refused)
+                    envelope.send(answer(grpc.StatusCode.PERMISSION_DENIED, refused.encode()))
+                    return
+            key = os.urandom(KEY_BYTES) if made is not None else b""
+            envelope.send(answer(grpc.StatusCode.OK, key))
+            if envelope.receive(len(START)) != START:
+                return
+            envelope.finish()
+            conn.settimeout(SEND_SECONDS)
+            writer = FrameWriter(conn, key, peer)
+            try:
+                self.handler(request, writer, lambda: not self._stopped.is_set())
+            except StreamError as err:
+                writer.error(err.code, err.message)
+                return
+            writer.end()
+        except (OSError, ssl.SSLError, StreamError) as err:
+            log.debug("weights stream to %s ended: %r", peer, err)
+        except Exception:  # a bug: said, and this connection closed; the server goes on
+            log.exception("weights stream to %s failed", peer)
+        finally:
+            with self._lock:
+                self._open.discard(conn)
+            conn.close()
+
+    def stop(self) -> None:
+        self._stopped.set()
+        self._listener.close()
+        with self._lock:
+            conns = list(self._open)
+        for conn in conns:
+            with contextlib.suppress(OSError):
+                conn.shutdown(socket.SHUT_RDWR)
