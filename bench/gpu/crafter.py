@@ -40,7 +40,10 @@ STAND_IN_SETS = ["train_config.num_gpus_per_worker=0", "rollout_config.num_gpus_
                  "train_config.batch_size_per_gpu=2", "train_config.batches_per_iteration=2",
                  "rollout_config.replay_buffer_config.min_size_to_sample=4",
                  "rollout_config.replay_buffer_config.samples_per_insert_error=4",
-                 "policy_kwargs.channels=[8,16,16]", "policy_kwargs.dense=32", "policy_kwargs.hidden=64"]
+                 "policy_kwargs.channels=[8,16,16]", "policy_kwargs.dense=32", "policy_kwargs.hidden=64",
+                 # an iteration here is 64 env steps, not the recipe's 4,096: its 250 would end the run
+                 # before the clock does (100 s once workers stopped idling on a full buffer)
+                 "train_config.num_iterations=1000000"]
 
 
 class Stopped(Exception):
