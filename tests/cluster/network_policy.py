@@ -1,9 +1,14 @@
-"""NetworkPolicies enforced in the rehearsal as a CNI enforces them (ingress; the chart declares no
-egress policies): a pod that some policy selects accepts only what one of those policies' ingress
-rules allows, from the pods and namespaces they select, on the ports they name (a named port is the
-pod's container port of that name); a pod no policy selects accepts everything. Replies to a pod's
-own connections, loopback, and the node (the kubelet's probes, port-forwards: the control host here)
-are always accepted, as on a cluster.
+"""NetworkPolicies enforced in the rehearsal as a CNI enforces them: a pod that some policy selects
+accepts only what one of those policies' ingress rules allows, from the pods they select (a
+`podSelector` alone: pods of the policy's own namespace; with a `namespaceSelector`: pods of the
+namespaces it selects, by their `kubernetes.io/metadata.name` label) and the ipBlocks they name, on
+the ports they name (a named port is the pod's container port of that name); a pod no policy selects
+accepts everything. Replies to a pod's own connections, loopback, and the node (the kubelet's probes,
+port-forwards: the control host here) are always accepted, as on a cluster.
+
+What is not enforced here is refused when the policies are read, never passed over: a policy with
+egress rules (`policyTypes: [Egress]` or an `egress` list; the chart declares none), a selector
+operator other than In, NotIn, Exists and DoesNotExist, a peer or port field this module does not know.
 
 Each pod's rules are an nftables table in its own network namespace, rewritten when the pods a rule
 selects come or go. Services' `port` -> `targetPort` is honoured the same way, as kube-proxy does it:
@@ -19,10 +24,54 @@ from typing import Any
 NAMESPACE_LABEL = "kubernetes.io/metadata.name"
 
 
+OPERATORS = ("In", "NotIn", "Exists", "DoesNotExist")
+PEER_FIELDS = {"podSelector", "namespaceSelector", "ipBlock"}
+PORT_FIELDS = {"port", "protocol", "endPort"}
+
+
+class UnsupportedPolicy(ValueError):
+    """A NetworkPolicy the rehearsal cannot enforce as a CNI would: refused, not half-enforced."""
+
+
+def check_selector(selector: dict[str, Any] | None, where: str) -> None:
+    """Refuse a label selector with a field or an operator that the API server would refuse or that
+    :func:`matches` does not evaluate."""
+    if selector is None:
+        return
+    unknown = set(selector) - {"matchLabels", "matchExpressions"}
+    if unknown:
+        raise UnsupportedPolicy(f"{where}: unknown selector fields {sorted(unknown)}")
+    for expression in selector.get("matchExpressions") or []:
+        operator = expression.get("operator")
+        if operator not in OPERATORS:
+            raise UnsupportedPolicy(f"{where}: selector operator {operator!r} is not one of {', '.join(OPERATORS)}")
+        if (operator in ("In", "NotIn")) != bool(expression.get("values")):
+            raise UnsupportedPolicy(f"{where}: {operator} {'needs' if operator in ('In', 'NotIn') else 'takes no'} values")
+
+
+def check_policy(policy: dict[str, Any]) -> None:
+    """Refuse what :class:`NetworkPolicies` would not enforce as a CNI does (module docstring)."""
+    name = f"NetworkPolicy {policy['metadata']['name']}"
+    spec = policy["spec"]
+    if "Egress" in (spec.get("policyTypes") or []) or spec.get("egress"):
+        raise UnsupportedPolicy(f"{name}: egress rules are not enforced by the rehearsal (tests/cluster/network_policy.py)")
+    check_selector(spec.get("podSelector") or {}, f"{name} podSelector")
+    for rule in spec.get("ingress") or []:
+        for peer in rule.get("from") or []:
+            if not peer or set(peer) - PEER_FIELDS:
+                raise UnsupportedPolicy(f"{name}: peer {peer} (known: {sorted(PEER_FIELDS)})")
+            check_selector(peer.get("podSelector"), f"{name} from.podSelector")
+            check_selector(peer.get("namespaceSelector"), f"{name} from.namespaceSelector")
+        for port in rule.get("ports") or []:
+            if set(port) - PORT_FIELDS:
+                raise UnsupportedPolicy(f"{name}: port {port} (known: {sorted(PORT_FIELDS)})")
+
+
 def matches(selector: dict[str, Any] | None, labels: dict[str, str]) -> bool:
     """A label selector (matchLabels and matchExpressions) against labels; {} selects everything."""
     if selector is None:
         return False
+    check_selector(selector, "selector")
     if any(labels.get(k) != v for k, v in (selector.get("matchLabels") or {}).items()):
         return False
     for expression in selector.get("matchExpressions") or []:
@@ -52,8 +101,9 @@ class NetworkPolicies:
     def __init__(self, objects: list[dict[str, Any]], namespace: str) -> None:
         self.namespace = namespace
         self.policies = [o for o in objects if o["kind"] == "NetworkPolicy"
-                         and o["metadata"].get("namespace", namespace) == namespace
-                         and "Ingress" in (o["spec"].get("policyTypes") or ["Ingress"])]
+                         and o["metadata"].get("namespace", namespace) == namespace]
+        for policy in self.policies:
+            check_policy(policy)
         self.services = [o for o in objects if o["kind"] == "Service" and o["spec"].get("clusterIP") != "None"]
 
     def _sources(self, rule: dict[str, Any], peers: list[Peer]) -> tuple[list[str], list[str]] | None:
