@@ -39,3 +39,21 @@ def test_without_a_builder_or_nft_the_run_stops_at_once_with_one_line(tmp_path: 
     assert "an image builder (Docker, or buildah: apt-get install buildah)" in said[0], said[0]
     assert "nft (apt-get install nftables)" in said[0] and ".ci/run" in said[0], said[0]
     assert not any(word in output for word in (" passed", " failed", " error")), output[-3000:]
+
+
+def test_without_root_the_cluster_tests_stop_the_run_and_none_skips(monkeypatch: pytest.MonkeyPatch,
+                                                                    pytestconfig: pytest.Config) -> None:
+    """CI runs as root, so a test of tests/cluster that skipped without root (the relay's kill, pause
+    and cut-off tests, the network-namespace tests did) would pass there quietly the day it lost root.
+    Without root the run stops before any test, naming root; no module of tests/cluster skips on it."""
+    from types import SimpleNamespace
+
+    from tests import conftest
+
+    monkeypatch.setattr(os, "geteuid", lambda: 1000)
+    item = SimpleNamespace(path=REPO / "tests" / "cluster" / "test_relay_links.py", fixturenames=())
+    with pytest.raises(pytest.exit.Exception, match="need what this machine lacks: root"):
+        conftest._prepare_images(pytestconfig, [item])  # type: ignore[list-item]
+    skipping = [path.name for path in (REPO / "tests" / "cluster").glob("test_*.py")
+                if "geteuid" in path.read_text() or "pytest.skip" in path.read_text() or "skipif" in path.read_text()]
+    assert not skipping, skipping

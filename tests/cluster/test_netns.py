@@ -15,8 +15,6 @@ import pytest
 
 from tests.cluster.netns import NAME_PREFIX, delete_netns, ip
 
-pytestmark = pytest.mark.skipif(os.geteuid() != 0, reason="network namespaces need root")
-
 REPO = Path(__file__).resolve().parents[2]
 
 # In a fresh interpreter, so that gRPC's thread pool does not exist yet: the namespaced thread's call
