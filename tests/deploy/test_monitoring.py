@@ -46,6 +46,22 @@ def test_rules_pass_promtool_check(tmp_path: Path) -> None:
     assert [r["alert"] for r in groups["groups"][0]["rules"]] == list(ALERTS)
 
 
+
+def test_each_alerts_for_is_its_default_or_the_values_pending_for() -> None:
+    """`metrics.prometheusRule.pendingFor` sets each alert's `for:` (the cluster rehearsal makes two
+    alerts fire in seconds with it); unset, the defaults the docs' alert table gives."""
+    def pending(values: dict[str, Any]) -> dict[str, str]:
+        (rule,) = by_kind(render(values, release=RELEASE), "PrometheusRule").values()
+        return {r["alert"]: r["for"] for r in rule["spec"]["groups"][0]["rules"]}
+
+    base = values_from_files([CHART / "ci" / "monitoring-values.yaml"])
+    assert pending(base) == dict(zip(ALERTS, ("5m", "15m", "10m", "10m"), strict=True))
+    base["metrics"]["prometheusRule"]["pendingFor"] = {"workersDown": "10s", "learnerStalled": "30s"}
+    assert pending(base) == dict(zip(ALERTS, ("10s", "15m", "30s", "10m"), strict=True))
+    base["metrics"]["prometheusRule"]["pendingFor"] = {"workersDown": "soon"}
+    with pytest.raises(Exception, match="workersDown"):  # the schema refuses what is not a duration
+        pending(base)
+
 def histogram(name: str, lag_buckets: dict[str, str]) -> list[dict[str, str]]:
     return [
         {"series": f'{name}_bucket{{{SEL}, le="{le}"}}', "values": values}
