@@ -56,6 +56,7 @@ from tests.cluster.fleet import (  # noqa: E402
     Fleet,
 )
 from tests.cluster.netns import wait_until  # noqa: E402
+from tests.oci_images import ImageStore, build  # noqa: E402
 
 LAG_METRIC = "overworld_replay_buffer_sample_policy_lag"
 
@@ -306,7 +307,10 @@ def store_footprint(fleet: Fleet) -> dict[str, float]:
     return {**counts, "redis_keys": int(dbsize.strip() or 0)}
 
 
-def soak(fleet: Fleet, minutes: float, warmup_minutes: float = 5.0) -> dict[str, Any]:
+def soak(fleet: Fleet, minutes: float, warmup_minutes: float | None = None) -> dict[str, Any]:
+    """Memory and open files of every pod, and the stores' sizes, once a minute for `minutes`; the drift
+    is measured after `warmup_minutes` (5, or half of a shorter soak)."""
+    warmup_minutes = min(5.0, minutes / 2) if warmup_minutes is None else warmup_minutes
     samples = []
     end = time.monotonic() + minutes * 60
     started = time.monotonic()
@@ -384,12 +388,23 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--weights-mb", type=float, default=48.0)
     p.add_argument("--soak-minutes", type=float, default=30.0, help="0: no soak")
     p.add_argument("--workdir", default="/var/tmp/overworld-scale")
+    p.add_argument("--results", type=Path, default=RESULTS, help="where scale.json and scale.png go")
     args = p.parse_args(argv)
     if os.geteuid() != 0:
         print("bench_scale needs root: the scale rehearsal builds network namespaces", file=sys.stderr)
         return 1
     # SIGTERM (a CI timeout, kill) unwinds like Ctrl-C: the fleet's pods and namespaces are removed
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    log("building the images (make scale-images; cached layers are reused)")
+    build(Path(args.workdir) / "image-build.log", target="scale-images")
+    store = ImageStore.here()
+    try:
+        return measure(args, store, argv)
+    finally:
+        store.close()
+
+
+def measure(args: argparse.Namespace, store: ImageStore, argv: list[str] | None) -> int:
     sizes = [int(n) for n in args.sizes.split(",")]
     result: dict[str, Any] = {"command": " ".join(["python -m bench.bench_scale", *(argv or sys.argv[1:])]),
                               "weights_mb": args.weights_mb, "sizes": sizes, "curve": {}}
@@ -397,7 +412,7 @@ def main(argv: list[str] | None = None) -> int:
         fanout = {"relay": 2, "star": 0}[mode]
         rows: list[dict[str, Any]] = []
         result["curve"][mode] = rows
-        with Fleet.up(Path(args.workdir) / mode, workers=sizes[0], relay_fanout=fanout,
+        with Fleet.up(Path(args.workdir) / mode, store, workers=sizes[0], relay_fanout=fanout,
                       weights_mb=args.weights_mb) as fleet:
             result["link_mbit"], result["link_delay_ms"] = fleet.link
             for n in sizes:
@@ -412,7 +427,7 @@ def main(argv: list[str] | None = None) -> int:
                 settle_trainer(fleet, running=False)
                 push = pushes(fleet, args.pushes, args.weights_mb)
                 rows.append({"workers": n, "relay_fanout": fanout, "pipeline": pipeline, "push": push})
-                write("scale", result)
+                write("scale", result, args.results)
             if mode == "relay":
                 log("relay: churn")
                 result["churn"] = churn(fleet, args.weights_mb)
@@ -424,9 +439,9 @@ def main(argv: list[str] | None = None) -> int:
                     settle_trainer(fleet, running=False)
                 result["churn"]["accounting"] = drained_accounting(fleet)
                 log(f"  {result['churn']['accounting']}")
-            write("scale", result)
-    plot(result, RESULTS / "scale.png")
-    write("scale", result)
+            write("scale", result, args.results)
+    plot(result, args.results / "scale.png")
+    write("scale", result, args.results)
     return 0
 
 

@@ -70,9 +70,9 @@ def provenance() -> dict[str, Any]:
             "command": " ".join(["python", *sys.argv])}
 
 
-def write(name: str, result: dict[str, Any]) -> Path:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    path = RESULTS / f"{name}.json"
+def write(name: str, result: dict[str, Any], directory: Path = RESULTS) -> Path:
+    directory.mkdir(parents=True, exist_ok=True)
+    path = directory / f"{name}.json"
     result = {"benchmark": name, **provenance(), "cpus": os.cpu_count(), **result}
     path.write_text(json.dumps(result, indent=2))
     print(f"wrote {path}")

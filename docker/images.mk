@@ -26,8 +26,10 @@ torch_args = --build-arg TORCH_VERSION=$(TORCH_VERSION) --build-arg TORCH_VARIAN
 # The rehearsal's stand-ins for the chart's third-party images (tests/cluster/*.Dockerfile).
 REHEARSAL_OBJECT_STORE ?= localhost/overworld-rehearsal/object-store:moto-$(MOTO_VERSION)
 REHEARSAL_REDIS ?= localhost/overworld-rehearsal/redis:bookworm
+# The scale rehearsal's rollout-worker and trainer: the images with its stand-in env (tests/scale/).
+SCALE_IMAGES ?= localhost/overworld-scale
 
-.PHONY: images image-services image-rollout-worker image-trainer image-versions rehearsal-images
+.PHONY: images image-services image-rollout-worker image-trainer image-versions rehearsal-images scale-images
 
 images: image-services image-rollout-worker image-trainer
 
@@ -53,3 +55,11 @@ rehearsal-images: images
 	CONTEXT=tests/cluster $(build_image) tests/cluster/object-store.Dockerfile runtime \
 	  $(REHEARSAL_OBJECT_STORE) --build-arg MOTO_VERSION=$(MOTO_VERSION)
 	CONTEXT=tests/cluster $(build_image) tests/cluster/redis.Dockerfile runtime $(REHEARSAL_REDIS)
+
+# What `make scale` runs (bench/bench_scale.py): the rehearsal's images, and the rollout-worker and the
+# trainer with the scale rehearsal's stand-in environment added (tests/scale/standin.Dockerfile).
+scale-images: rehearsal-images
+	CONTEXT=tests/scale $(build_image) tests/scale/standin.Dockerfile runtime \
+	  $(SCALE_IMAGES)/overworld-rollout-worker:$(TAG) --build-arg BASE=$(REGISTRY)/overworld-rollout-worker:$(TAG)
+	CONTEXT=tests/scale $(build_image) tests/scale/standin.Dockerfile runtime \
+	  $(SCALE_IMAGES)/overworld-trainer:$(TAG) --build-arg BASE=$(REGISTRY)/overworld-trainer:$(TAG)

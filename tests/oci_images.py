@@ -49,7 +49,7 @@ def reference(role: str) -> str:
 
 
 class ImageBuildFailed(RuntimeError):
-    """`make rehearsal-images` failed; the message ends with its output's last lines."""
+    """`make rehearsal-images` (or another image target) failed; the message ends with its output's last lines."""
 
 
 def builder() -> str | None:
@@ -100,9 +100,10 @@ def _local_cpu_torch() -> bool:
     return torch is not None and wheel_found_locally(f"torch-{torch[1]}+cpu-*.whl")
 
 
-def build(log: Path) -> None:
-    """`make rehearsal-images` with the CPU-only torch; its output goes to `log`."""
-    command = ["make", "--no-print-directory", "rehearsal-images", f"REGISTRY={REGISTRY}", f"TAG={TAG}",
+def build(log: Path, target: str = "rehearsal-images") -> None:
+    """`make rehearsal-images` (or `target`: `scale-images` for the scale rehearsal) with the CPU-only
+    torch; its output goes to `log`."""
+    command = ["make", "--no-print-directory", target, f"REGISTRY={REGISTRY}", f"TAG={TAG}",
                "TORCH_VARIANT=cpu"]
     if _local_cpu_torch():
         command.append("TORCH_CPU_INDEX_URL=")  # PyTorch's index is not reachable from every machine

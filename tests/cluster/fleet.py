@@ -1,9 +1,11 @@
 """The scale rehearsal: the chart rendered and run as pods (tests/cluster/cluster.py) on rate-shaped
 links, with a fleet of up to 32 rollout pods at Minecraft's pace (tests/scale/standin.py), two
 replay-buffer fronts, gae, the model-registry, the rollout-manager, Redis and the object store, and the
-trainer; and what bench/bench_scale.py measures on them.
+trainer; and what bench/bench_scale.py measures on them. Every pod runs from the image its manifest
+names, built here (`make scale-images`): the rehearsal's, with the stand-in environment added to the
+rollout-worker's and the trainer's as a user adds their own (tests/scale/standin.Dockerfile).
 
-    with Fleet.up(workdir, workers=4, relay_fanout=2) as fleet:
+    with Fleet.up(workdir, ImageStore.here(), workers=4, relay_fanout=2) as fleet:
         fleet.scale(8)
         fleet.wait_fleet(8)
         print(fleet.push_status(0))
@@ -43,9 +45,14 @@ from overworld.v1 import (
 )
 from tests.cluster.cluster import NAMESPACE, RELEASE, REPO, Cluster, Pod, Workload
 from tests.cluster.netns import netem_available, remove_leftovers, wait_until
+from tests.cluster.rehearsal import pod_images
 from tests.deploy.deploy_support import CHART, by_kind, render, values_from_files
+from tests.oci_images import REGISTRY as IMAGES
+from tests.oci_images import TAG, ImageStore
 
-STANDIN = REPO / "tests" / "scale" / "standin.py"
+STANDIN = REPO / "tests" / "scale" / "standin.py"  # what the bench publishes from, on this machine
+STANDIN_IN_IMAGE = "/opt/overworld-standin/standin.py"  # the same file in the scale images
+SCALE_IMAGES = "localhost/overworld-scale"  # docker/images.mk's SCALE_IMAGES
 LINK_MBIT = 200.0
 LINK_DELAY_MS = 1.0  # applied where the kernel has netem (this machine's has not)
 STORES = (f"{RELEASE}-redis", f"{RELEASE}-seaweedfs")
@@ -65,7 +72,7 @@ def run_config(weights_mb: float, steps_per_iteration: int = 2048) -> dict[str, 
     fragments = steps_per_iteration // 32
     return {
         "task_name": "standin", "seed": 0,
-        "env_generator": f"{STANDIN}:make_env", "policy_generator": f"{STANDIN}:make_policy",
+        "env_generator": f"{STANDIN_IN_IMAGE}:make_env", "policy_generator": f"{STANDIN_IN_IMAGE}:make_policy",
         "policy_kwargs": {"weights_mb": weights_mb},
         "rollout_config": {
             "num_rollout_workers": 1, "fragment_length": 32, "to_send_queue_size": 8,
@@ -87,6 +94,11 @@ def run_config(weights_mb: float, steps_per_iteration: int = 2048) -> dict[str, 
 
 def fleet_values(workers: int, relay_fanout: int, weights_mb: float) -> dict[str, Any]:
     values = values_from_files([CHART / "ci" / "cpu-values.yaml"])
+    for component, repository in ((values, f"{IMAGES}/overworld-services"),
+                                  (values["rolloutWorker"], f"{SCALE_IMAGES}/overworld-rollout-worker"),
+                                  (values["trainer"], f"{SCALE_IMAGES}/overworld-trainer")):
+        registry, _, name = repository.partition("/")
+        component["image"] = {"registry": registry, "repository": name, "tag": TAG}
     values["run"] = {"config": run_config(weights_mb)}
     values["rolloutWorker"]["replicaCount"] = workers
     values["replayBuffer"]["replicaCount"] = 2
@@ -113,21 +125,22 @@ def trainer_workload(cluster: Cluster, objects: list[dict[str, Any]]) -> Workloa
 
 
 class Fleet:
-    def __init__(self, workdir: Path, workers: int, relay_fanout: int, weights_mb: float,
+    def __init__(self, workdir: Path, store: ImageStore, workers: int, relay_fanout: int, weights_mb: float,
                  link_mbit: float = LINK_MBIT) -> None:
         self.objects = render(fleet_values(workers, relay_fanout, weights_mb), release=RELEASE, namespace=NAMESPACE)
         delay = LINK_DELAY_MS if netem_available() else 0.0
         self.link = (link_mbit, delay)
-        self.cluster = Cluster(self.objects, workdir, link=self.link)
+        self.cluster = Cluster(self.objects, workdir, link=self.link, images=pod_images(self.objects, store))
         self.relay_fanout, self.weights_mb = relay_fanout, weights_mb
         self._channels: dict[str, Any] = {}
 
     @classmethod
     @contextlib.contextmanager
-    def up(cls, workdir: Path, workers: int, relay_fanout: int, weights_mb: float = 48.0) -> Iterator[Fleet]:
+    def up(cls, workdir: Path, store: ImageStore, workers: int, relay_fanout: int,
+           weights_mb: float = 48.0) -> Iterator[Fleet]:
         remove_leftovers()
         shutil.rmtree(workdir, ignore_errors=True)  # a killed earlier run's pods and certificates
-        fleet = cls(workdir, workers, relay_fanout, weights_mb)
+        fleet = cls(workdir, store, workers, relay_fanout, weights_mb)
         try:
             fleet.start()
             yield fleet
