@@ -9,7 +9,11 @@ chunks dropped as stale, and the push time (publish -> every worker acts with th
 registry counts a version delivered when each worker has swapped it in, not when the bytes arrived).
 Per configuration: the median, the worst and the spread of each.
 
-    python -m bench.bench_fleet_learning            -> bench/results/fleet_learning.json
+    python -m bench.bench_fleet_learning [--runs-file F]   -> bench/results/fleet_learning.json
+
+Each finished run is appended to the runs file (one JSON line, with the commit it ran at and the load
+average beside it) and a run already there is not run again: an interrupted bench (an hour of the
+machine) goes on where it stopped.
 
 Knobs (environment): BENCH_FLEET_WORKERS (1,4,12), BENCH_FLEET_MODES (relay,star), BENCH_FLEET_RUNS (5),
 BENCH_FLEET_STEPS (250000), BENCH_FLEET_BUSY (alternate: every other run loaded; none; all).
@@ -17,15 +21,18 @@ BENCH_FLEET_STEPS (250000), BENCH_FLEET_BUSY (alternate: every other run loaded;
 
 from __future__ import annotations
 
+import argparse
+import json
 import os
 import statistics
 import subprocess
 import sys
 import tempfile
+import time
 from pathlib import Path
 from typing import Any
 
-from bench.runs import first_reaching, overworld_run, write
+from bench.runs import STARTED, first_reaching, overworld_run, write
 
 TARGET = 450.0
 
@@ -34,11 +41,12 @@ def busy_processes(n: int) -> list[subprocess.Popen]:
     return [subprocess.Popen([sys.executable, "-c", "while True: pass"]) for _ in range(n)]
 
 
-def one_run(workers: int, mode: str, busy: int, budget: int, workdir: Path) -> dict[str, Any]:
+def one_run(workers: int, mode: str, index: int, busy: int, budget: int, workdir: Path) -> dict[str, Any]:
     if mode == "star":
         os.environ["OVERWORLD_REGISTRY_RELAY_FANOUT"] = "0"
     else:
         os.environ.pop("OVERWORLD_REGISTRY_RELAY_FANOUT", None)
+    started = time.strftime("%Y-%m-%dT%H:%M:%S")
     load = busy_processes(busy)
     try:
         run = overworld_run("examples/cartpole.yaml", workdir, "--set", f"rollout_config.num_rollout_workers={workers}",
@@ -52,7 +60,9 @@ def one_run(workers: int, mode: str, busy: int, budget: int, workdir: Path) -> d
     pushes = sorted(p["registry/push_seconds"] for p in curve if p.get("registry/push_seconds"))
     buffer = run.get("replay_buffer", {})
     return {
-        "workers": workers, "mode": mode, "busy_processes": busy, "status": run.get("status"),
+        "workers": workers, "mode": mode, "index": index, "busy_processes": busy, "budget_env_steps": budget,
+        "commit": STARTED["commit"], "started": started, "load_average_after": round(os.getloadavg()[0], 2),
+        "status": run.get("status"),
         "env_steps": run.get("env_steps"), "wall_seconds": run.get("wall_seconds"),
         "return_at_end": run.get("mean_return_last_100"),
         "env_steps_to_target": reached["env_steps"] if reached else None,
@@ -87,26 +97,43 @@ def summarise(runs: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def main() -> None:
+def done_runs(runs_file: Path | None) -> list[dict[str, Any]]:
+    if runs_file is None or not runs_file.exists():
+        return []
+    return [json.loads(line) for line in runs_file.read_text().splitlines() if line.strip()]
+
+
+def main(argv: list[str] | None = None) -> None:
+    p = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    p.add_argument("--runs-file", type=Path, help="finished runs, one JSON line each; runs found here are kept")
+    args = p.parse_args(argv)
     sizes = [int(x) for x in os.environ.get("BENCH_FLEET_WORKERS", "1,4,12").split(",")]
     modes = os.environ.get("BENCH_FLEET_MODES", "relay,star").split(",")
     repeats = int(os.environ.get("BENCH_FLEET_RUNS", 5))
     budget = int(os.environ.get("BENCH_FLEET_STEPS", 250_000))
     loading = os.environ.get("BENCH_FLEET_BUSY", "alternate")
     cores = os.cpu_count() or 1
+    done = {(r["workers"], r["mode"], r["index"], r["busy_processes"], r["budget_env_steps"]): r
+            for r in done_runs(args.runs_file)}
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory(prefix="fleet-learning-") as tmp:
         for workers in sizes:
             for i in range(repeats):
                 for mode in modes:  # relay and star interleaved: both see the same hour of the machine
                     busy = {"none": 0, "all": cores}.get(loading, cores if i % 2 else 0)
-                    run = one_run(workers, mode, busy, budget, Path(tmp) / f"w{workers}-{mode}-{i}")
+                    run = done.get((workers, mode, i, busy, budget))
+                    if run is None:
+                        run = one_run(workers, mode, i, busy, budget, Path(tmp) / f"w{workers}-{mode}-{i}")
+                        if args.runs_file:
+                            with args.runs_file.open("a") as f:
+                                f.write(json.dumps(run) + "\n")
                     print(run, flush=True)
                     runs.append(run)
     configs = {f"{w}-{m}": summarise([r for r in runs if r["workers"] == w and r["mode"] == m])
                for w in sizes for m in modes}
     write("fleet_learning", {"target_return": TARGET, "budget_env_steps": budget,
-                             "config": "examples/cartpole.yaml", "configs": configs, "runs": runs})
+                             "config": "examples/cartpole.yaml", "configs": configs,
+                             "commits": sorted({r["commit"] for r in runs}), "runs": runs})
 
 
 if __name__ == "__main__":
