@@ -233,6 +233,26 @@ def readme_rows(results: dict[str, dict[str, Any]]) -> list[str]:
             add(f"| Crafter benchmark score at 1M env steps (geometric mean of the 22 achievements' success rates), "
                 f"`examples/crafter.yaml` | {entry['crafter_score_mean']:.1f} ± {entry['crafter_score_std']:.1f} "
                 f"(seeds {seeds}; random 1.6, SB3 PPO 4.6, PPO with a ResNet {best} published) | {_at(d)} |")
+    if "fleet_learning" in results:
+        d = results["fleet_learning"]
+        parts = []
+        for key, c in d["configs"].items():
+            steps = c["env_steps_to_target"]
+            worst_return = c["return_at_end"]["worst"]
+            parts.append(f"{key} {c['reached_target']}/{c['runs']}, {steps['median']:,.0f} ({steps['worst']:,.0f}), "
+                         f"{worst_return:.0f}" if steps["median"] is not None else f"{key} 0/{c['runs']}, "
+                         f"{worst_return:.0f}")
+        add(f"| CartPole fleets (workers-weights): runs reaching {d['target_return']:.0f} within "
+            f"{d['budget_env_steps']:,} env steps, median (worst) env steps to it, worst return at the end; every "
+            f"other run with a busy process per core | {'; '.join(parts)} | {_at(d)} |")
+    if "relay" in results:
+        d = results["relay"]
+        w = d["worker_cpu_seconds_per_gb"]
+        add(f"| Weights relay, {d['size_bytes'] / 2**20:.0f} MB versions, mutual TLS, {d['workers']} relaying workers: "
+            f"CPU-s per GB of a relaying worker (receive, check, pass on, swap in) median (worst); the registry per GB "
+            f"it sends; the registry per GB published (the trainer's Publish over gRPC included) | {w['median']:.2f} "
+            f"({w['max']:.2f}); {d['registry_sending_cpu_seconds_per_gb_sent']:.2f}; "
+            f"{d['registry_cpu_seconds_per_gb_of_version']:.2f} (goal ≤ 2 each) | {_at(d)} |")
     if "scale" in results:
         d = results["scale"]
         curve = {mode: {r["workers"]: r for r in rows_} for mode, rows_ in d["curve"].items()}
@@ -241,11 +261,13 @@ def readme_rows(results: dict[str, dict[str, Any]]) -> list[str]:
             top = max(relay)
             r2, rt = relay[2]["push"]["push_seconds_median"], relay[top]["push"]["push_seconds_median"]
             s2, st = star[2]["push"]["push_seconds_median"], star[top]["push"]["push_seconds_median"]
+            training = relay[top]["pipeline"]
             add(f"| Weights push, {d['weights_mb']:.0f} MB on {d['link_mbit']:.0f} Mbit/s links (the scale "
-                f"rehearsal), publish → last worker swapped in, 2 → {top} rollout pods | relay {r2:.1f} → {rt:.1f} s "
-                f"({rt / r2:.2f}×; goal ≤ 1.5×), registry sends {relay[top]['push']['registry_egress_copies']:.1f} "
-                f"copies; star {s2:.1f} → {st:.1f} s ({st / s2:.1f}×), {star[top]['push']['registry_egress_copies']:.0f} "
-                f"copies | {_at(d)} |")
+                f"rehearsal), publish → last worker swapped in, 2 → {top} rollout pods, trainer idle | relay {r2:.1f} → "
+                f"{rt:.1f} s ({rt / r2:.2f}×; goal ≤ 1.5×), registry sends "
+                f"{relay[top]['push']['registry_egress_copies']:.1f} copies; star {s2:.1f} → {st:.1f} s ({st / s2:.1f}×), "
+                f"{star[top]['push']['registry_egress_copies']:.0f} copies; while training at {top} pods, relay median "
+                f"{training['push_seconds_median']:.1f} s, worst {training['push_seconds_max']:.1f} s | {_at(d)} |")
             w = relay[top]["pipeline"]
             add(f"| {top} Minecraft-paced rollout pods (20 steps/s each) while training, weights by relay: fleet env "
                 f"steps/s, fragments/s to the trainer, policy lag median / p95 (versions) | {w['env_steps_per_second']}, "
@@ -253,9 +275,12 @@ def readme_rows(results: dict[str, dict[str, Any]]) -> list[str]:
                 f"| {_at(d)} |")
         if d.get("soak"):
             soak = d["soak"]
-            worst = max((v["spread"] for v in soak["after_warmup"].values()), default=0.0)
-            add(f"| Soak, {soak['minutes']:g} min of the largest fleet: largest spread of a service's memory or open "
-                f"files after warm-up | {worst:.1%} (goal ≤ 10%) | {_at(d)} |")
+            worst = max((v["spread"] for v in soak["after_warmup"].values()), key=abs, default=0.0)
+            every_pod = any("rollout-worker" in key for key in soak["after_warmup"])
+            over = ("every pod (rollout pods and pods replaced meanwhile included)" if every_pod
+                    else "the service and store pods (this run did not sample the rollout pods)")
+            add(f"| Soak, {soak['minutes']:g} min of the largest fleet: largest drift of a pod's memory or open "
+                f"files after warm-up, over {over} | {worst:+.1%} (goal within ±10%) | {_at(d)} |")
     if "registry" in results:
         d = results["registry"]
         ratios = "; ".join(f"{size} {v['ratio']:.2f}×" for size, v in d["summary"].items())
