@@ -242,9 +242,11 @@ def readme_rows(results: dict[str, dict[str, Any]]) -> list[str]:
             parts.append(f"{key} {c['reached_target']}/{c['runs']}, {steps['median']:,.0f} ({steps['worst']:,.0f}), "
                          f"{worst_return:.0f}" if steps["median"] is not None else f"{key} 0/{c['runs']}, "
                          f"{worst_return:.0f}")
+        commits = d.get("commits", [])
+        ran_at = f" (runs at {', '.join(f'`{c[:7]}`' for c in commits)})" if len(commits) > 1 else ""
         add(f"| CartPole fleets (workers-weights): runs reaching {d['target_return']:.0f} within "
             f"{d['budget_env_steps']:,} env steps, median (worst) env steps to it, worst return at the end; every "
-            f"other run with a busy process per core | {'; '.join(parts)} | {_at(d)} |")
+            f"other run with a busy process per core | {'; '.join(parts)} | {_at(d)}{ran_at} |")
     if "relay" in results:
         d = results["relay"]
         w = d["worker_cpu_seconds_per_gb"]
