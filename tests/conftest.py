@@ -1,7 +1,7 @@
 """Shared fixtures: free ports, and real servers (redis-server, an S3-protocol server) on loopback,
 started per test session and stopped by PID; the images built here (`image_store`).
 
-`redis-server` and `promtool` are the system's or the project's pinned copies, fetched on first use
+`redis-server`, `promtool` and `prometheus` are the system's or the project's pinned copies, fetched on first use
 (tests/server_binaries.py). Before any test runs, the binaries the selected tests need are located;
 one that can be neither found nor fetched ends the session with one message, not an error per test.
 Likewise for the image tests and the cluster rehearsal: what they need of the machine (root, an image
@@ -32,6 +32,8 @@ def _needs(item: pytest.Item) -> set[str]:
         needs.add("redis-server")
     if hasattr(getattr(item, "module", None), "promtool"):
         needs.add("promtool")
+    if "rehearsal" in getattr(item, "fixturenames", ()):  # a real Prometheus watches the rehearsal
+        needs.add("prometheus")
     return needs
 
 

@@ -249,6 +249,7 @@ class PodTemplate:
     extended: dict[str, int] = field(default_factory=dict)  # extended resources it asks for (nvidia.com/gpu)
     image: Image | None = None  # what it runs from; None: this machine's root filesystem
     workdir: str = "/"
+    container: str = ""  # the container's name
 
 
 @dataclass
@@ -320,7 +321,7 @@ class Cluster:
         self.node_resources: dict[str, int] = {}
         self.policies = NetworkPolicies(objects, NAMESPACE)
         self._rulesets: dict[str, str] = {}  # pod netns -> the nftables rules applied there
-        self._outside_peers: dict[str, Peer] = {}  # run_outside's hosts that pose as pods
+        self._outside_peers: dict[str, Peer] = {}  # add_outside's hosts: pods no workload owns
         self._policy_lock = threading.Lock()
         self.network = Network()
         self.lock = threading.RLock()
@@ -480,13 +481,18 @@ class Cluster:
         return self.kubeconfig(self.control.address, user=f"system:serviceaccount:{NAMESPACE}:{name}",
                                path=self.workdir / "serviceaccounts" / name / "kubeconfig")
 
-    def kubectl(self, *args: str, check: bool = True) -> str:
+    def kubectl_as(self, user: str, *args: str) -> subprocess.CompletedProcess[str]:
+        """kubectl in the control namespace with a token of `user` (a ServiceAccount:
+        `system:serviceaccount:<namespace>:<name>`)."""
         from tests.deploy.deploy_support import kubectl
 
         assert self.control is not None
-        result = subprocess.run(["ip", "netns", "exec", self.control.netns, kubectl(), "--kubeconfig",
-                                 str(self.kubeconfig("127.0.0.1")), "--request-timeout=10s", *args],
-                                capture_output=True, text=True, timeout=60)
+        return subprocess.run(["ip", "netns", "exec", self.control.netns, kubectl(), "--kubeconfig",
+                               str(self.kubeconfig("127.0.0.1", user=user)), "--request-timeout=10s", *args],
+                              capture_output=True, text=True, timeout=60)
+
+    def kubectl(self, *args: str, check: bool = True) -> str:
+        result = self.kubectl_as(ADMIN, *args)
         if check and result.returncode != 0:
             raise AssertionError(f"kubectl {' '.join(args)}: {result.stderr}")
         return result.stdout
@@ -902,11 +908,32 @@ class Cluster:
         return ["nsenter", "-t", str(pid1), "-n", "-u", "-p", "--",
                 *enter_argv("join", str(pid1), security, pod.template.workdir)]
 
-    def scrape(self, pod: Pod, port: int = 9090, scraper: str = f"{RELEASE}-rollout-manager") -> dict[str, float]:
-        """A pod's Prometheus metrics, read from inside the cluster (from a pod of `scraper`, as
-        Prometheus scrapes them): name{labels} -> value."""
-        out = self.exec(self.pod(scraper), "python", "-c", "import sys, urllib.request; sys.stdout.write("
-                        f"urllib.request.urlopen('http://{pod.ip}:{port}/metrics', timeout=10).read().decode())")
+    def http_get(self, target: str, port: int, path: str, timeout: float = 10) -> tuple[int, bytes]:
+        """An HTTP GET to `target:port` in the cluster through a port-forward (from the node, which every
+        NetworkPolicy lets in): (status, body)."""
+        import http.client
+
+        socket_path = self.forward(target, port).removeprefix("unix:")
+
+        class UnixHTTP(http.client.HTTPConnection):
+            def connect(self) -> None:
+                self.sock = socket.socket(socket.AF_UNIX, socket.SOCK_STREAM)
+                self.sock.settimeout(timeout)
+                self.sock.connect(socket_path)
+
+        connection = UnixHTTP("localhost", timeout=timeout)
+        try:
+            connection.request("GET", path)
+            reply = connection.getresponse()
+            return reply.status, reply.read()
+        finally:
+            connection.close()
+
+    def scrape(self, pod: Pod, port: int = 9090) -> dict[str, float]:
+        """A pod's Prometheus metrics, read through a port-forward: name{labels} -> value."""
+        status, body = self.http_get(pod.ip, port, "/metrics")
+        assert status == 200, f"{pod.name}:{port}/metrics answered {status}"
+        out = body.decode()
         samples = {}
         for line in out.splitlines():
             if line and not line.startswith("#"):
@@ -915,29 +942,47 @@ class Cluster:
                     samples[name] = float(value)
         return samples
 
-    def run_outside(self, label: str, argv: list[str], timeout: float = 120,
-                    labels: dict[str, str] | None = None) -> str:
-        """Run a command on a host of its own on the pod network, with the cluster's DNS, that no
-        workload owns: someone else's pod, or, with `labels`, a pod of this namespace carrying them
-        (as the NetworkPolicies see it: e.g. a compromised pod of the release). Return its stdout. The
-        host is removed afterwards."""
+    def add_outside(self, label: str, namespace: str = NAMESPACE, labels: dict[str, str] | None = None) -> Host:
+        """A host of its own on the pod network, with the cluster's DNS, that no workload owns: a pod of
+        `namespace` carrying `labels`, as the NetworkPolicies see it (someone else's pod; a compromised
+        pod of the release; a monitoring pod). Remove it with :meth:`remove_outside`."""
         host = self.network.add_host(label)
         assert self.control is not None
-        if labels is not None:
-            with self.lock:
-                self._outside_peers[host.netns] = Peer(host.address, dict(labels), NAMESPACE, {})
-            self._enforce_policies()
+        with self.lock:
+            self._outside_peers[host.netns] = Peer(host.address, dict(labels or {}), namespace, {})
+        self._enforce_policies()
         (host.hosts_file.parent / "resolv.conf").write_text(
             f"nameserver {self.control.address}\nsearch {DOMAIN} svc.cluster.local cluster.local\noptions ndots:5\n")
-        env = {"PATH": f"{VENV_BIN}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
-               "PYTHONPATH": f"{REPO / 'services'}:{REPO}", "HOME": "/tmp", "LANG": "C.UTF-8"}
+        return host
+
+    def remove_outside(self, host: Host) -> None:
+        with self.lock:
+            self._outside_peers.pop(host.netns, None)
+        self.network.remove_host(host)  # kills what still runs in its namespace
+        self._enforce_policies()
+
+    OUTSIDE_ENV = {"PATH": f"{VENV_BIN}:/usr/local/sbin:/usr/local/bin:/usr/sbin:/usr/bin:/sbin:/bin",
+                   "PYTHONPATH": f"{REPO / 'services'}:{REPO}", "HOME": "/tmp", "LANG": "C.UTF-8"}
+
+    def popen_outside(self, host: Host, argv: list[str], log: Path) -> subprocess.Popen[bytes]:
+        """Start a long-lived process on an outside host (this machine's programs, not an image's), its
+        output appended to `log`; it dies with this harness (PR_SET_PDEATHSIG) or with its host."""
+        assert self._home is not None
+        with log.open("ab") as out:
+            return self._home.popen(["ip", "netns", "exec", host.netns, *argv], env=self.OUTSIDE_ENV, stdout=out,
+                                    stderr=subprocess.STDOUT, stdin=subprocess.DEVNULL, cwd=REPO,
+                                    start_new_session=True, preexec_fn=_die_with_parent)
+
+    def run_outside(self, label: str, argv: list[str], timeout: float = 120,
+                    labels: dict[str, str] | None = None, namespace: str = NAMESPACE) -> str:
+        """Run a command on an outside host (:meth:`add_outside`: a pod of `namespace` with `labels`);
+        return its stdout. The host is removed afterwards."""
+        host = self.add_outside(label, namespace, labels)
         try:
-            result = subprocess.run(["ip", "netns", "exec", host.netns, *argv], env=env, capture_output=True,
-                                    text=True, timeout=timeout, cwd=REPO)
+            result = subprocess.run(["ip", "netns", "exec", host.netns, *argv], env=self.OUTSIDE_ENV,
+                                    capture_output=True, text=True, timeout=timeout, cwd=REPO)
         finally:
-            with self.lock:
-                self._outside_peers.pop(host.netns, None)
-            self.network.remove_host(host)
+            self.remove_outside(host)
         assert result.returncode == 0, f"{shlex.join(argv)} on {label}: {result.stderr[-3000:]}"
         return result.stdout
 
@@ -1157,7 +1202,7 @@ class Cluster:
                            readiness_timing=Timing.of(container.get("readinessProbe") or {}), liveness=liveness,
                            liveness_timing=Timing.of(container.get("livenessProbe") or {}), extended=extended,
                            startup=startup, startup_timing=Timing.of(container.get("startupProbe") or {}),
-                           image=image, workdir=workdir)
+                           image=image, workdir=workdir, container=container.get("name", ""))
 
     def container_env(self, items: list[dict[str, Any]]) -> dict[str, str]:
         env: dict[str, str] = {}

@@ -33,6 +33,7 @@ from overworld.v1 import (
 from tests.cluster.cluster import NAMESPACE, RELEASE, REPO, Cluster, Pod, Volume, Workload
 from tests.cluster.kuberay import KubeRay
 from tests.cluster.netns import Network, remove_leftovers, wait_until
+from tests.cluster.prometheus import MONITORING, Prometheus
 from tests.deploy.deploy_support import CHART, by_kind, render, values_from_files
 from tests.oci_images import OBJECT_STORE, REDIS, REGISTRY, TAG, Image, ImageStore
 
@@ -44,10 +45,17 @@ CONTROLLER = f"{RELEASE}-run-controller"
 SERVICE_ACCOUNT_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
 
 
+SCRAPE_INTERVAL = 5.0  # seconds: the monitors' interval, and Prometheus' rule evaluation
+LEARNER_STALL_SECONDS = 60  # the schema's least
+
+
 def rehearsal_values() -> dict[str, Any]:
     """The CPU values of the chart, the images built for the tests (the CPU-only torch), a CartPole run
     that checkpoints and logs to the object store, two replay-buffer fronts, stores on volumes, a
-    one-worker Ray cluster whose worker declares a GPU, and the chart's NetworkPolicies."""
+    one-worker Ray cluster whose worker declares a GPU, the chart's NetworkPolicies, and its monitors and
+    alerts as ci/monitoring-values.yaml turns them on (metrics scraped from the `monitoring` namespace
+    only), scraped every 5 s, OverworldWorkersDown and OverworldLearnerStalled firing after 10 s instead
+    of minutes."""
     values = values_from_files([CHART / "ci" / "cpu-values.yaml"])
     registry, _, namespace = REGISTRY.partition("/")
     for component, role in ((values, "services"), (values["rolloutWorker"], "rollout-worker"),
@@ -66,7 +74,14 @@ def rehearsal_values() -> dict[str, Any]:
     values["trainer"]["workerGroup"].update(replicas=1, gpus=1)
     values["trainingRun"] = {"resumeFrom": ""}
     values["runController"] = {"progressIntervalSeconds": 2}
-    values["networkPolicy"] = {"enabled": True}  # enforced between the pods (tests/cluster/network_policy.py)
+    # enforced between the pods (tests/cluster/network_policy.py)
+    values["networkPolicy"] = {"enabled": True, "metricsNamespaceSelector": {
+        "matchLabels": {"kubernetes.io/metadata.name": MONITORING}}}
+    every = {"interval": f"{SCRAPE_INTERVAL:g}s", "scrapeTimeout": f"{SCRAPE_INTERVAL - 1:g}s"}
+    short = {"workersDown": "10s", "learnerStalled": "10s"}  # the alerts the rehearsal makes fire
+    values["metrics"] = {"serviceMonitor": {"enabled": True, **every}, "podMonitor": {"enabled": True, **every},
+                         "prometheusRule": {"enabled": True, "learnerStallSeconds": LEARNER_STALL_SECONDS,
+                                            "pendingFor": short}}
     return values
 
 
@@ -95,6 +110,7 @@ class Rehearsal:
         self.cluster.node_resources = {"nvidia.com/gpu": 1}
         self.kuberay = KubeRay(self.cluster)
         self.cluster.kuberay = self.kuberay
+        self.prometheus = Prometheus(self.cluster, self.objects, SCRAPE_INTERVAL)
         self._ray_cluster = ""  # the RayCluster the trainer was last found on
 
     @classmethod
@@ -106,14 +122,20 @@ class Rehearsal:
             rehearsal.start()
             yield rehearsal
         finally:
-            rehearsal.cluster.stop()
-            shutil.rmtree(workdir, ignore_errors=True)
+            try:
+                rehearsal.prometheus.stop()
+            finally:
+                rehearsal.cluster.stop()
+                shutil.rmtree(workdir, ignore_errors=True)
 
     # --- bring-up, in the order a cluster settles into anyway ----------------------------------
 
     def start(self) -> None:
+        from tests.support import server_binary
+
         cluster = self.cluster
         cluster.start()
+        self.prometheus.start(server_binary("prometheus"))  # watching from the first pod on
         workloads = cluster.start_release(STORES, SERVICES, 120)
         controller = cluster.workload_from_manifest(workloads[CONTROLLER])
         # the controller's ServiceAccount token, if the chart mounts one, with what the chart's Role grants

@@ -3,35 +3,38 @@ with their own disks, the trainer as the RayJob the run-controller makes, and wh
 them: pods deleted, fleets scaled, links cut, a run resumed with kubectl.
 
 One cluster serves every test of this module (bringing it up is most of the cost); the tests run in
-file order and each leaves the cluster training. `make rehearsal` runs just these.
+file order and each leaves the cluster training. A real Prometheus watches it all along as the chart's
+monitors tell a cluster's Prometheus to (tests/cluster/prometheus.py): its targets, its alerts and
+every dashboard query are tested here too. `make rehearsal` runs just these.
 
-Every Ray cluster (re)start costs minutes on two busy cores, so the default run has three: the first,
-the one after the Ray head and a Ray worker are deleted together, and the resumed run's.
-OVERWORLD_REHEARSAL_FULL=1 also deletes the Ray worker on its own first (the trainer loses a node
-while its head stays up), one more Ray recovery."""
+Every Ray cluster (re)start costs minutes on two busy cores, so there are three: the first, the one
+after the Ray head and a Ray worker are deleted together, and the resumed run's."""
 
 from __future__ import annotations
 
 import json
 import os
 import re
+import signal
+import subprocess
 import sys
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import pytest
 
 from overworld.run_controller.rayjob import JOB_STOP_WAIT_SECONDS
-from tests.cluster.cluster import RELEASE, REPO
+from tests.cluster.cluster import NAMESPACE, RELEASE, REPO
 from tests.cluster.netns import wait_until
+from tests.cluster.prometheus import MONITORING
 from tests.cluster.rehearsal import Rehearsal
 from tests.oci_images import OBJECT_STORE, REDIS, ImageStore, reference
 
 # Ray clusters come and go in some of these: minutes each on two busy cores.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
 
-FULL = os.environ.get("OVERWORLD_REHEARSAL_FULL", "") not in ("", "0")
 WORKERS = f"{RELEASE}-rollout-worker"
 BUFFER = f"{RELEASE}-replay-buffer"
 
@@ -72,6 +75,7 @@ def counter(samples: dict[str, float], name: str) -> float:
 
 SERVICE_PORTS = {"rollout-manager": 50051, "replay-buffer": 50052, "gae": 50053, "model-registry": 50054,
                  "rollout-worker": 50056}
+METRICS_PORT, HEALTH_PORT = 9090, 8081
 
 
 def test_only_the_runs_own_pods_get_in(rehearsal: Rehearsal, tmp_path: Path) -> None:
@@ -82,7 +86,14 @@ def test_only_the_runs_own_pods_get_in(rehearsal: Rehearsal, tmp_path: Path) -> 
     gets PERMISSION_DENIED, naming it and the method, on every method a stolen rollout-worker or gae
     certificate may not call, 401/403 from Ray's Jobs API without the cluster's token; Redis and the
     object store drop it. A pod with the replay-buffer's labels reaches Redis, which asks for its
-    password."""
+    password.
+
+    Namespaces and ports, probed: a pod of another namespace carrying the release's own labels is
+    dropped on every port (a podSelector alone selects pods of the policy's namespace); the metrics
+    port of the services admits the `monitoring` namespace (the values' metricsNamespaceSelector) and
+    nothing else: the compromised worker and a pod of a third namespace are dropped there (the Ray
+    head's ports, its metrics too, are open to the release's pods), and a monitoring pod reaches
+    /metrics of every service pod and the trainer but is dropped on their gRPC and health ports."""
     from overworld.core import tls
 
     cluster = rehearsal.cluster
@@ -94,22 +105,28 @@ def test_only_the_runs_own_pods_get_in(rehearsal: Rehearsal, tmp_path: Path) -> 
               "object-store": f"{cluster.pod(f'{RELEASE}-seaweedfs').ip}:8333"}
     intruder = [sys.executable, str(Path(__file__).parent / "intruder.py")]
 
-    def run(name: str, spec: dict[str, object], labels: dict[str, str] | None) -> dict[str, object]:
+    def run(name: str, spec: dict[str, object], labels: dict[str, str] | None,
+            namespace: str = NAMESPACE) -> dict[str, object]:
         (tmp_path / f"{name}.json").write_text(json.dumps(spec))
         found: dict[str, object] = json.loads(cluster.run_outside(name, [*intruder, str(tmp_path / f"{name}.json")],
-                                                                  labels=labels, timeout=300))
+                                                                  labels=labels, namespace=namespace, timeout=300))
         return found
+
+    def on_port(port: int) -> dict[str, str]:
+        return {f"{name} :{port}": f"{address.rpartition(':')[0]}:{port}" for name, (_, address) in targets.items()}
 
     outsider = run("outsider", {"reach": {**{k: a for k, (_, a) in targets.items()}, **stores}}, labels=None)
     assert set(outsider["reach"].values()) == {"dropped"}, outsider  # type: ignore[union-attr]
 
     worker_labels = cluster.pod(f"{RELEASE}-rollout-worker").template.labels
-    spec = {"targets": targets, "reach": stores,
+    # every Ray port, the trainer's metrics too, is open to the release's pods (the Ray token guards them)
+    services_metrics = {k: v for k, v in on_port(METRICS_PORT).items() if not k.startswith(head.name)}
+    spec = {"targets": targets, "reach": {**stores, **services_metrics},
             "other_ca": str(tls.write_run_credentials(tmp_path / "other", RELEASE)["trainer"]),
             "stolen": {i: str(rehearsal.identity(i)) for i in ("rollout-worker", "gae")},
             "ray_dashboard": f"{head.ip}:8265"}
     found = run("compromised-worker", spec, labels=worker_labels)
-    assert found["reach"] == {"redis": "dropped", "object-store": "dropped"}, found["reach"]
+    assert set(found["reach"].values()) == {"dropped"}, found["reach"]  # type: ignore[union-attr]
     plaintext, other_ca, denied = found["plaintext"], found["other_ca"], found["denied"]
     assert isinstance(plaintext, dict) and isinstance(other_ca, dict) and isinstance(denied, dict)
     assert set(plaintext) == set(targets) and len(targets) >= 7
@@ -129,6 +146,16 @@ def test_only_the_runs_own_pods_get_in(rehearsal: Rehearsal, tmp_path: Path) -> 
     buffer_like = run("buffer-like", {"redis": stores["redis"]},
                       labels=cluster.pod(f"{RELEASE}-replay-buffer").template.labels)
     assert buffer_like["redis"] == "-NOAUTH", buffer_like
+
+    grpc_ports = {name: address for name, (_, address) in targets.items()}
+    elsewhere = run("elsewhere", {"reach": {**grpc_ports, **on_port(METRICS_PORT), **stores}}, labels=worker_labels,
+                    namespace="elsewhere")
+    assert set(elsewhere["reach"].values()) == {"dropped"}, elsewhere  # type: ignore[union-attr]
+    monitoring = run("monitoring", {"reach": {**grpc_ports, **on_port(METRICS_PORT), **on_port(HEALTH_PORT)}},
+                     labels={"app.kubernetes.io/name": "prometheus"}, namespace=MONITORING)
+    reach: dict[str, str] = monitoring["reach"]  # type: ignore[assignment]
+    assert {reach[k] for k in on_port(METRICS_PORT)} == {"open"}, reach
+    assert {reach[k] for k in [*grpc_ports, *on_port(HEALTH_PORT)]} == {"dropped"}, reach
 
 
 def test_pods_run_as_their_security_context_says(rehearsal: Rehearsal) -> None:
@@ -189,6 +216,76 @@ def test_every_pod_runs_from_the_image_its_manifest_names(rehearsal: Rehearsal) 
     assert environ["NUMBA_CACHE_LOCATOR_CLASSES"] == image_env["NUMBA_CACHE_LOCATOR_CLASSES"]
     assert environ["PATH"] == image_env["PATH"] and "OVERWORLD_ROLLOUT_MANAGER" in environ, sorted(environ)
     assert os.readlink(f"/proc/{pid1}/cwd") == "/tmp"
+
+
+# --- watched as a cluster's Prometheus watches it --------------------------------------------------
+
+
+def scraped(rehearsal: Rehearsal) -> dict[str, list[dict[str, Any]]]:
+    """Pod name -> its active targets in Prometheus (the chart's jobs only)."""
+    out: dict[str, list[dict[str, Any]]] = {}
+    for target in rehearsal.prometheus.targets():
+        if target["labels"].get("overworld_release") == RELEASE:
+            out.setdefault(target["labels"]["pod"], []).append(target)
+    return out
+
+
+def test_prometheus_scrapes_every_pod_the_charts_monitors_select(rehearsal: Rehearsal) -> None:
+    """Prometheus, configured from the rendered ServiceMonitor and PodMonitor as the prometheus-operator
+    configures it and scraping from the `monitoring` namespace through the chart's NetworkPolicies,
+    scrapes every pod of every Overworld service, the rollout worker, the run-controller and the
+    trainer's Ray head, each once (not again through the headless Services), healthy, labelled with
+    the release, namespace, pod and component the dashboards select on; nothing else of the release
+    (Redis, the object store, the Ray worker, which serves no metrics)."""
+    cluster = rehearsal.cluster
+    head = cluster.pod(f"{rehearsal.rayjob()['status']['rayClusterName']}-head")
+    owners = [f"{RELEASE}-{name}" for name in ("rollout-manager", "replay-buffer", "gae", "model-registry",
+                                               "rollout-worker", "run-controller")]
+    expected = {p.name: p.template.labels["app.kubernetes.io/component"]
+                for p in [*(p for o in owners for p in cluster.pods_of(o)), head]}
+
+    def all_up() -> bool:
+        found = scraped(rehearsal)
+        return found.keys() >= expected.keys() and all(t["health"] == "up" for p in expected for t in found[p])
+
+    try:
+        wait_until(all_up, 60, "every expected pod scraped and up")
+    except TimeoutError as err:
+        raise AssertionError(f"{err}: {json.dumps(scraped(rehearsal), indent=1)[:6000]}") from err
+    found = scraped(rehearsal)
+    assert found.keys() == expected.keys(), sorted(found.keys() ^ expected.keys())
+    for pod, targets in found.items():
+        (target,) = targets
+        labels = target["labels"]
+        assert (labels["namespace"], labels["component"]) == (NAMESPACE, expected[pod]), labels
+    # what a dashboard variable reads: the release and namespace come from the scrape, not the pods
+    assert rehearsal.prometheus.query(f'overworld_rollout_workers{{namespace="{NAMESPACE}", '
+                                      f'overworld_release="{RELEASE}"}}'), "the rollout-manager's gauge"
+
+
+def test_the_run_controller_gets_only_what_its_role_grants(rehearsal: Rehearsal) -> None:
+    """The run-controller reached the API server as its ServiceAccount, through RBAC with the chart's
+    Role: every call it made is one the Role grants, it made the calls a TrainingRun needs, and with its
+    token anything else is refused as the API server refuses it (403 Forbidden, naming the user, the verb
+    and the resource): Secrets, deleting its TrainingRun, a RayJob of another namespace."""
+    cluster = rehearsal.cluster
+    account = next(o for o in rehearsal.objects if o["kind"] == "ServiceAccount"
+                   and o["metadata"]["name"] == f"{RELEASE}-run-controller")["metadata"]["name"]
+    user = f"system:serviceaccount:{NAMESPACE}:{account}"
+    made = [r for r in cluster.api_requests if r.user == user]
+    assert {("create", "ray.io", "rayjobs"), ("patch", "overworld.dev", "trainingruns/status")} <= {
+        (r.verb, r.group, r.resource) for r in made}, sorted({(r.verb, r.resource) for r in made})
+    assert all(cluster.authorizer.allowed(r) for r in made), [r for r in made if not cluster.authorizer.allowed(r)]
+    for args, verb, resource, where in (
+            (("get", "--raw", f"/api/v1/namespaces/{NAMESPACE}/secrets"), "list", "secrets",
+             f'in the namespace "{NAMESPACE}"'),
+            (("delete", "trainingrun", RELEASE), "delete", "trainingruns", f'in the namespace "{NAMESPACE}"'),
+            (("get", "rayjobs", "-n", "elsewhere"), "list", "rayjobs", 'in the namespace "elsewhere"')):
+        refused = cluster.kubectl_as(user, *args)
+        assert refused.returncode != 0, (args, refused.stdout)
+        assert "(Forbidden)" in refused.stderr and f'User "{user}" cannot {verb} resource "{resource}"' in refused.stderr \
+            and where in refused.stderr, (args, refused.stderr)
+    assert rehearsal.training_run()["metadata"]["name"] == RELEASE  # not deleted
 
 
 # --- two replay-buffer replicas behind one name ---------------------------------------------------
@@ -271,6 +368,30 @@ def test_a_pod_asking_for_a_gpu_the_node_lacks_stays_pending(rehearsal: Rehearsa
         assert "0/1 nodes are available: 1 Insufficient nvidia.com/gpu." in event, event
     finally:
         cluster.remove_workload(workload.name)
+
+
+# --- alerts fire for real ----------------------------------------------------------------------------
+
+
+def test_alerts_fire_when_the_fleet_is_gone_and_resolve_when_it_is_back(rehearsal: Rehearsal) -> None:
+    """The rollout workers scaled to 0: the rollout-manager's live leases drop to 0 and
+    OverworldWorkersDown fires; the learner, starved of fragments, makes no update for
+    learnerStallSeconds and OverworldLearnerStalled fires (both with the values' 10 s `for:`, evaluated by
+    Prometheus from the rendered PrometheusRule). One worker back: both resolve."""
+    prometheus = rehearsal.prometheus
+    alerts = {"OverworldWorkersDown", "OverworldLearnerStalled"}
+    wait_until(lambda: not alerts & prometheus.firing(), 180, "no alert firing before the fault")
+    rehearsal.cluster.scale(WORKERS, 0)
+    try:
+        wait_until(lambda: alerts <= prometheus.firing(), 300, f"{sorted(alerts)} firing")
+        firing = {a["labels"]["alertname"]: a for a in prometheus.alerts() if a["state"] == "firing"}
+        for name in alerts:
+            assert firing[name]["labels"]["severity"] == "critical", firing[name]
+            assert f"Overworld {RELEASE} " in firing[name]["annotations"]["summary"], firing[name]
+    finally:
+        rehearsal.cluster.scale(WORKERS, 1)
+    wait_until(lambda: not alerts & prometheus.firing(), 300, f"{sorted(alerts)} resolved")
+    assert prometheus.value(f'max(overworld_rollout_workers{{overworld_release="{RELEASE}"}})') == 1
 
 
 # --- a worker cut off for 30 s --------------------------------------------------------------------
@@ -404,17 +525,6 @@ def test_deleting_every_service_pod_and_the_stores_once(rehearsal: Rehearsal) ->
     assert rehearsal.exec(front, "python", "-c", script, *live[:50]).strip() == "0"
 
 
-@pytest.mark.skipif(not FULL, reason="OVERWORLD_REHEARSAL_FULL=1: one more Ray recovery (the default run "
-                                     "deletes the Ray worker together with the head)")
-def test_deleting_a_ray_worker_alone(rehearsal: Rehearsal) -> None:
-    """The trainer loses a Ray node while its head stays up, and trains on."""
-    cluster_name = rehearsal.rayjob()["status"]["rayClusterName"]
-    owner = next(name for name in rehearsal.cluster.workloads if name.startswith(f"{cluster_name}-worker"))
-    version, steps = progress(rehearsal)
-    rehearsal.cluster.delete_pod(rehearsal.cluster.pods_of(owner)[0])
-    wait_progress_beyond(rehearsal, version, steps, 600, "after deleting a Ray worker")
-
-
 def test_deleting_the_ray_head_and_a_ray_worker_once(rehearsal: Rehearsal) -> None:
     """The RayCluster gets a new head and worker (new addresses, empty disks), the job is submitted
     again, and the trainer resumes from its newest checkpoint in the object store."""
@@ -480,3 +590,89 @@ def test_kubectl_resume_replaces_the_trainer_and_continues_from_its_checkpoint(r
 
 CONTROLLER_LOGS = f"{RELEASE}-run-controller"
 
+
+
+# --- every dashboard panel shows data ---------------------------------------------------------------
+
+# The queries that return nothing while all is well (their counters are born at the first event), and
+# the fault the test causes to fill each.
+EMPTY_WHILE_WELL = {
+    "overworld-services / Send queue and env restarts / B": "an environment process of the rollout worker killed",
+    "overworld-training / Buffer drops and rejects / B": "a malformed fragment sent with a worker's certificate",
+}
+PICTURE_DATA = REPO / "output" / "rehearsal"  # what `make dashboard-picture` draws docs' picture from
+
+
+def kill_env_process(rehearsal: Rehearsal) -> None:
+    """SIGKILL the rollout worker's environment process (a spawned multiprocessing child)."""
+    worker = rehearsal.cluster.pod(WORKERS)
+
+    def spawned() -> list[int]:
+        pids = subprocess.run(["ip", "netns", "pids", worker.host.netns], capture_output=True, text=True,
+                              check=True).stdout.split()
+        return [int(pid) for pid in pids  # spawn_main: not the resource tracker
+                if b"spawn_main" in Path(f"/proc/{pid}/cmdline").read_bytes()]
+
+    (pid,) = wait_until(spawned, 60, f"{worker.name}'s environment process (started again after a kill)")
+    os.kill(pid, signal.SIGKILL)
+
+
+def insert_malformed_fragment(rehearsal: Rehearsal) -> None:
+    """A worker (its certificate) sends a fragment of the wrong length: the replay buffer rejects it."""
+    import grpc
+
+    from overworld.core import tls
+    from overworld.v1 import common_pb2, replay_buffer_pb2, replay_buffer_pb2_grpc
+
+    cert, key, ca = tls.CredentialFiles(rehearsal.identity("rollout-worker")).pems
+    front = rehearsal.cluster.pod(BUFFER)
+    with grpc.secure_channel(rehearsal.cluster.forward(front.ip, SERVICE_PORTS["replay-buffer"]),
+                             grpc.ssl_channel_credentials(ca, key, cert),
+                             options=[("grpc.ssl_target_name_override", tls.SERVER_NAME)]) as channel:
+        header = common_pb2.FragmentHeader(worker_id="rehearsal-faulty-worker", length=1)
+        request = replay_buffer_pb2.InsertRequest(fragment=common_pb2.Fragment(header=header))
+        with pytest.raises(grpc.RpcError) as refused:
+            list(replay_buffer_pb2_grpc.ReplayBufferStub(channel).Insert(iter([request]), timeout=30))
+    assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
+
+
+def test_every_dashboard_query_shows_data(rehearsal: Rehearsal) -> None:
+    """Every query of every panel of every dashboard the chart ships, as Grafana runs it (the dashboard's
+    namespace and release variables, $__rate_interval), returns series from the rehearsal's Prometheus
+    over the run. The ones empty while all is well (EMPTY_WHILE_WELL) show the faults this test causes,
+    each twice, as a rate above 0. The training dashboard's series are saved for docs' picture."""
+    from tests.cluster.dashboard_picture import draw
+    from tests.cluster.dashboards import capture, dashboard_files, queries, rate_interval, run_range
+    from tests.cluster.rehearsal import SCRAPE_INTERVAL
+
+    prometheus = rehearsal.prometheus
+    step = SCRAPE_INTERVAL
+    variables = {"namespace": NAMESPACE, "release": RELEASE, "__rate_interval": rate_interval(SCRAPE_INTERVAL, step)}
+    every = [q for path in dashboard_files() for q in queries(path)]
+    assert set(EMPTY_WHILE_WELL) <= {q.name for q in every}, sorted(q.name for q in every)
+    counters = {name: f'sum({name}{{namespace="{NAMESPACE}", overworld_release="{RELEASE}"}})'
+                for name in ("overworld_env_restarts_total", "overworld_replay_buffer_rejects_total")}
+    before = {name: prometheus.value(expr) or 0.0 for name, expr in counters.items()}
+    for round_ in (1, 2):
+        kill_env_process(rehearsal)
+        insert_malformed_fragment(rehearsal)
+        wait_until(lambda r=round_: all((prometheus.value(e) or 0.0) >= before[n] + r for n, e in counters.items()),
+                   120, f"fault round {round_} scraped")
+    wait_until(lambda: all(any(float(v) > 0 for s in run_range(prometheus, q, variables, time.time() - 120, time.time(), step)
+                               for _, v in s["values"]) for q in every if q.name in EMPTY_WHILE_WELL),
+               120, f"{sorted(EMPTY_WHILE_WELL)} above 0")
+
+    def empty() -> list[str]:
+        return [q.name for q in every if not run_range(prometheus, q, variables, prometheus.started, time.time(), step)]
+
+    # a counter born by the faults has a rate once two scrapes fall in one window of the range's grid
+    try:
+        wait_until(lambda: not empty(), 60, "every query returning series over the run")
+    except TimeoutError as err:
+        raise AssertionError(f"queries that returned no series: {empty()}") from err
+    end = time.time()
+    PICTURE_DATA.mkdir(parents=True, exist_ok=True)
+    for path in dashboard_files():
+        data = capture(prometheus, path, variables, prometheus.started, end, step)
+        (PICTURE_DATA / f"{path.stem}.json").write_text(json.dumps(data))
+        draw(data, PICTURE_DATA / f"{path.stem}.png")
