@@ -12,7 +12,7 @@ PYTEST_ARGS ?=
 
 SB3_STAMP := .venv-sb3/.installed-sb3-2.9.2
 
-.PHONY: run test test-fast test-minestudio minestudio-venv rehearsal bench scale sb3 lint protos install clean gpu-check gpu-wheels
+.PHONY: run test test-fast test-minestudio minestudio-venv rehearsal dashboard-picture bench scale sb3 lint protos install clean gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -45,6 +45,12 @@ test-fast: $(STAMP)
 # Needs root, nft and an image builder; docs/operations.md says what it covers.
 rehearsal: $(STAMP)
 	$(call pytest,$(PY),tests/cluster)
+
+# The training dashboard in docs/operations.md, drawn from what the rehearsal's Prometheus returned for
+# each of its panels (query_range, saved by tests/cluster/test_rehearsal.py in output/rehearsal/): run
+# `make rehearsal` (or `make test`) first.
+dashboard-picture: $(STAMP)
+	$(PY) tests/cluster/dashboard_picture.py output/rehearsal/overworld-training.json docs/images/overworld-training.png
 
 bench: $(STAMP) $(SB3_STAMP)
 	mkdir -p bench/results
