@@ -93,7 +93,7 @@ def gpu_rows(data: dict[str, Any]) -> list[str]:
     return rows
 
 
-def scale_rows(data: dict[str, Any]) -> list[str]:
+def scale_rows(data: dict[str, Any], name: str = "scale") -> list[str]:
     """The scaling curve (bench/bench_scale.py): one row per weights push mode and fleet size, the
     relay's flatness against the goal, churn and the soak."""
     rows = []
@@ -105,7 +105,7 @@ def scale_rows(data: dict[str, Any]) -> list[str]:
             quiet = p.get("before")
             pushed = (f" (pushed with the host {quiet['host_idle']:.0%} idle, fleet at "
                       f"{quiet['fleet_env_steps_per_second']:g} steps/s)") if quiet else ""
-            rows.append(f"| scale | {mode}, {r['workers']} pods ({link}): push s (last / median worker){pushed}, registry "
+            rows.append(f"| {name} | {mode}, {r['workers']} pods ({link}): push s (last / median worker){pushed}, registry "
                         f"egress in copies; env steps/s, fragments/s to the trainer, policy lag median / p95 | "
                         f"{p['push_seconds_median']} / {p['median_worker_seconds_median']}, {p['registry_egress_copies']}; "
                         f"{w['env_steps_per_second']}, {w['fragments_per_second_to_trainer']}, "
@@ -115,11 +115,11 @@ def scale_rows(data: dict[str, Any]) -> list[str]:
             top = max(by_n)
             ratio = by_n[top] / by_n[2]
             goal = f"≤ 1.5×: {'met' if ratio <= 1.5 else 'missed'}" if mode == "relay" else "(the star: ~N/2×)"
-            rows.append(f"| scale | {mode}: push time at {top} pods over 2 pods | {ratio:.2f}× | {goal} |")
+            rows.append(f"| {name} | {mode}: push time at {top} pods over 2 pods | {ratio:.2f}× | {goal} |")
     churn = data.get("churn")
     if churn:
         accounting = churn.get("accounting", {})
-        rows.append(f"| scale | churn: {churn['deleted']} of {churn['workers']} pods deleted during a push; survivors "
+        rows.append(f"| {name} | churn: {churn['deleted']} of {churn['workers']} pods deleted during a push; survivors "
                     f"acknowledged / every pod on the version after s / fragments acknowledged = inserted | "
                     f"{churn['survivors_acked']} / {churn['every_worker_on_version_after_seconds']} / "
                     f"{accounting.get('fragments_acknowledged_to_workers')} = {accounting.get('fragments_inserted')} "
@@ -128,15 +128,15 @@ def scale_rows(data: dict[str, Any]) -> list[str]:
     if soak:
         worst = max(soak["after_warmup"].items(), key=lambda kv: abs(kv[1]["spread"]), default=("", {"spread": 0}))
         stores = ", ".join(f"{k} {v['min']}–{v['max']}" for k, v in soak["stores"].items())
-        rows.append(f"| scale | soak {soak['minutes']:g} min: largest spread of a service's RSS or open files after "
+        rows.append(f"| {name} | soak {soak['minutes']:g} min: largest spread of a service's RSS or open files after "
                     f"{soak['warmup_minutes']:g} min warm-up ({worst[0]}); stores | {worst[1]['spread']:.1%}; {stores} "
                     f"| ≤ 10%: {'met' if soak['within_10_percent'] else 'missed'} |")
     return rows
 
 
 def headline_rows(name: str, data: dict[str, Any]) -> list[str]:
-    if name == "scale":
-        return scale_rows(data)
+    if name in ("scale", "scale_relay"):
+        return scale_rows(data, name)
     if name == "gpu":
         return gpu_rows(data)
     if "tasks" in data:
@@ -283,6 +283,16 @@ def readme_rows(results: dict[str, dict[str, Any]]) -> list[str]:
                     else "the service and store pods (this run did not sample the rollout pods)")
             add(f"| Soak, {soak['minutes']:g} min of the largest fleet: largest drift of a pod's memory or open "
                 f"files after warm-up, over {over} | {worst:+.1%} (goal within ±10%) | {_at(d)} |")
+    if "scale_relay" in results:
+        d = results["scale_relay"]
+        relay = {r["workers"]: r for r in d["curve"]["relay"]}
+        top = max(relay)
+        r2, rt = relay[2]["push"]["push_seconds_median"], relay[top]["push"]["push_seconds_median"]
+        load = d["load_average_beside"]
+        add(f"| Weights push by the stream relay, {d['weights_mb']:.0f} MB on {d['link_mbit']:.0f} Mbit/s links, "
+            f"publish → last worker swapped in, 2 → {top} rollout pods, trainer idle (`{d['command'].split(' --work')[0]}`"
+            f", load average {load['min']:.0f}–{load['max']:.0f} beside it) | {r2:.1f} → {rt:.1f} s ({rt / r2:.2f}×; "
+            f"goal ≤ 1.5×), registry sends {relay[top]['push']['registry_egress_copies']:.1f} copies | {_at(d)} |")
     if "registry" in results:
         d = results["registry"]
         ratios = "; ".join(f"{size} {v['ratio']:.2f}×" for size, v in d["summary"].items())
