@@ -78,3 +78,13 @@ def test_the_services_run_in_a_venv_of_their_role_alone(tmp_path: Path) -> None:
     assert received.keys() == expected.keys()
     for key, tensor in expected.items():
         assert received[key].dtype == tensor.dtype and received[key].equal(tensor), key
+
+
+def test_the_minestudio_venv_installs_every_runtime_dependency_of_overworld() -> None:
+    """.venv-minestudio installs Overworld with --no-deps, so its requirements file must name each of
+    `dependencies` itself (versions may differ where MineStudio caps them); a missing one fails only
+    at the end of CI, after the whole main suite."""
+    listed = names([line.strip() for line in (ROOT / ".ci" / "minestudio-requirements.txt").read_text().splitlines()
+                    if line.strip() and not line.startswith("#")])
+    project = tomllib.loads((ROOT / "pyproject.toml").read_text())["project"]
+    assert names(project["dependencies"]) - listed == set()
