@@ -101,7 +101,7 @@ minestudio-venv:
 	  .venv-minestudio/bin/pip install -q --no-deps minestudio==1.1.6; \
 	  .venv-minestudio/bin/pip install -q -r .ci/minestudio-requirements.txt; \
 	  .venv-minestudio/bin/pip install -q --no-deps -e .; \
-	  .venv-minestudio/bin/python -c "import numpy, omegaconf, torchvision; from minestudio.models import VPTPolicy; import overworld.policies.minestudio, overworld.model_registry.server, overworld.rollout_worker.service; print('minestudio venv: numpy', numpy.__version__, 'omegaconf', omegaconf.__version__)"; \
+	  .venv-minestudio/bin/python -c "import numpy, omegaconf, torchvision; from minestudio.models import VPTPolicy; import overworld.policies.minestudio, overworld.model_registry.server, overworld.rollout_worker.process; print('minestudio venv: numpy', numpy.__version__, 'omegaconf', omegaconf.__version__)"; \
 	  rm -f .venv-minestudio/.installed-*; touch $$stamp; \
 	fi
 

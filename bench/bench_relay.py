@@ -62,7 +62,7 @@ def worker_main(registry: str, worker_id: str) -> None:
         relay = serve_relay(shelf)
     except ImportError:  # a tree from before the weights stream: the relay was the gRPC FetchWeights
         from overworld.core.grpc_util import serve
-        from overworld.rollout_worker.service import WorkerService, add_to_server  # type: ignore[attr-defined]
+        from overworld.rollout_worker.process import WorkerService, add_to_server  # type: ignore[attr-defined]
 
         relay = serve([(add_to_server, WorkerService(shelf, threading.Event()),  # type: ignore[call-arg]
                         "overworld.v1.RolloutWorker")])

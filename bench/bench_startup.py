@@ -3,7 +3,7 @@
 Each knob set runs in a fresh process (Ray reads most of them at import): import Ray, `ray.init`,
 then a `TorchTrainer` with one worker whose training function only notes the time, as the trainer's
 driver does before PPO's first step. The sets are cumulative, from Ray's defaults to what
-`overworld.trainer.service.start_ray` uses, so each row shows one knob's effect. Timings are the
+`overworld.trainer.driver.start_ray` uses, so each row shows one knob's effect. Timings are the
 median of BENCH_STARTUP_REPEATS (default 3) runs.
 
     python -m bench.bench_startup            -> bench/results/startup.json

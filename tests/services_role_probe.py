@@ -24,14 +24,14 @@ def main() -> int:
     import numpy as np
     from safetensors.numpy import save
 
-    from overworld import services
+    from overworld import serve
     from overworld.core.grpc_util import wait_healthy
     from overworld.model_registry.client import ModelRegistryClient
     from overworld.rollout_manager.client import RolloutManagerClient
 
     workdir = Path(sys.argv[1])
     report: dict[str, object] = {"importable": [m for m in ABSENT if importlib.util.find_spec(m) is not None]}
-    report["help"] = {name: services.parser(name).format_help().count("--") for name in IMAGE_SERVICES}
+    report["help"] = {name: serve.parser(name).format_help().count("--") for name in IMAGE_SERVICES}
     import overworld.run_controller.handlers  # noqa: F401 - the operator's code, kopf included
     import overworld.run_controller.operator  # noqa: F401
 
@@ -44,9 +44,9 @@ def main() -> int:
     try:
         for name in ("rollout-manager", "model-registry", "gae", "replay-buffer"):
             own = flags.get(name, ["--rollout-manager", addresses.get("rollout-manager", ""), "--index", "memory"])
-            args = services.parse(name, [*common, *own])
-            services.use_tls_flags(args, log=False)
-            handle = services.BUILDERS[name](args, done)
+            args = serve.parse(name, [*common, *own])
+            serve.use_tls_flags(args, log=False)
+            handle = serve.BUILDERS[name](args, done)
             handles.append(handle)
             addresses[name] = handle.server.address
             wait_healthy(addresses[name], timeout=30)

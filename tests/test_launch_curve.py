@@ -11,7 +11,7 @@ from types import SimpleNamespace
 from overworld.core.imports import import_object
 from overworld.envs.task_metrics import NO_TASK_METRICS, declared_task_metrics
 from overworld.launch.curve import curve_point, task_figures
-from overworld.status import format_run_status, read_run_status, write_run_status
+from overworld.launch.status import format_run_status, read_run_status, write_run_status
 
 
 def fleet(extras: dict[str, float], totals: dict[str, float]) -> SimpleNamespace:

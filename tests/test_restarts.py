@@ -16,9 +16,9 @@ from overworld.core import tls
 from overworld.core.config import load_config, to_yaml
 from overworld.core.grpc_util import wait_healthy
 from overworld.launch.credentials import RunSecurity
+from overworld.launch.restarts import RestartPolicy, read_services
+from overworld.launch.status import print_status
 from overworld.launch.supervisor import Supervisor
-from overworld.restarts import RestartPolicy, read_services
-from overworld.status import print_status
 
 
 def test_backoff_grows_in_a_crash_loop_and_a_stable_run_starts_the_count_again() -> None:

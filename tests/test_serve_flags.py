@@ -1,5 +1,5 @@
 """`overworld serve SERVICE` and `python -m overworld.SERVICE` are one parser per service
-(overworld/services/<service>.py): the same flags, each listed by --help, defaults from the
+(overworld/serve/<service>.py): the same flags, each listed by --help, defaults from the
 environment; only the local defaults of `python -m` (loopback, no metrics port) differ."""
 
 from __future__ import annotations
@@ -13,7 +13,7 @@ from unittest import mock
 
 import pytest
 
-from overworld import cli, services
+from overworld import cli, serve
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -30,10 +30,10 @@ def serve_help(service: str, capsys: pytest.CaptureFixture[str]) -> str:
     return capsys.readouterr().out
 
 
-@pytest.mark.parametrize("service", list(services.MODULES))
+@pytest.mark.parametrize("service", list(serve.MODULES))
 def test_serve_and_python_m_list_the_same_flags(service: str, capsys: pytest.CaptureFixture[str]) -> None:
     served = serve_help(service, capsys)
-    package = services.MODULES[service].rsplit(".", 1)[1]
+    package = serve.MODULES[service].rsplit(".", 1)[1]
     env = {k: v for k, v in os.environ.items() if not k.startswith("OVERWORLD_")}
     env["PYTHONPATH"] = os.pathsep.join([str(ROOT / "services"), env.get("PYTHONPATH", "")])
     python_m = subprocess.run([sys.executable, "-m", f"overworld.{package}", "--help"], capture_output=True,
@@ -50,7 +50,7 @@ def test_each_service_lists_only_its_own_flags(capsys: pytest.CaptureFixture[str
     gae = options(serve_help("gae", capsys))
     assert gae == {"--host", "--port", "--metrics-port", "--tls-dir", "--insecure"}
     with pytest.raises(SystemExit) as exited:
-        services.parse("model-registry", ["--index", "redis://r:6379/0"])
+        serve.parse("model-registry", ["--index", "redis://r:6379/0"])
     assert exited.value.code == 2
 
 
@@ -66,14 +66,14 @@ def test_python_m_defaults_to_loopback_without_metrics_unless_told() -> None:
     with mock.patch.dict(os.environ, {}, clear=False):
         for name in ("OVERWORLD_HOST", "OVERWORLD_METRICS_PORT"):
             os.environ.pop(name, None)
-        served, local = services.parse("gae", []), services.parse("gae", [], local=True)
+        served, local = serve.parse("gae", []), serve.parse("gae", [], local=True)
         assert (served.host, served.metrics_port, served.port) == ("0.0.0.0", 9090, 50053)
         assert (local.host, local.metrics_port, local.port) == ("127.0.0.1", 0, 50053)
         os.environ["OVERWORLD_METRICS_PORT"] = "9100"
-        assert services.parse("gae", [], local=True).metrics_port == 9100
+        assert serve.parse("gae", [], local=True).metrics_port == 9100
 
 
 def test_overworld_run_may_give_every_service_a_workdir() -> None:
-    """launcher.py passes --workdir to all: the services that keep nothing on disk accept it unlisted."""
-    for service in services.BUILDERS:
-        assert services.parse(service, ["--workdir", "/tmp/x"]).workdir == "/tmp/x"
+    """`overworld run` (launch/supervisor.py) passes --workdir to all: the services that keep nothing on disk accept it unlisted."""
+    for service in serve.BUILDERS:
+        assert serve.parse(service, ["--workdir", "/tmp/x"]).workdir == "/tmp/x"

@@ -10,33 +10,33 @@ from overworld.core.service import env_default
 
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
-    from overworld.services import MODULES
+    from overworld.serve import MODULES
 
     p = sub.add_parser("serve", help="run one service (the container entry point)",
                        description="Run one service. `overworld serve SERVICE --help` lists the flags and "
                                    "environment variables SERVICE reads.")
     p.add_argument("service", choices=list(MODULES))
-    # Each service parses its own flags (overworld/services/<service>.py): what is left goes to it.
+    # Each service parses its own flags (overworld/serve/<service>.py): what is left goes to it.
     p.add_argument("flags", nargs=argparse.REMAINDER, help="SERVICE's flags")
 
 
 def serve_args(argv: list[str]) -> argparse.Namespace:
     """`overworld serve SERVICE ...`'s flags as parsed (defaults from the environment), for code that
     builds a service in its own process (services.BUILDERS)."""
-    from overworld.services import parse
+    from overworld.serve import parse
 
     service, *flags = argv
     return parse(service, flags)
 
 
 def use_tls_flags(args: argparse.Namespace, log: bool = True) -> None:
-    from overworld.services import use_tls_flags as use
+    from overworld.serve import use_tls_flags as use
 
     use(args, log)
 
 
 def serve_main(args: argparse.Namespace) -> int:
-    from overworld.services import parse, serve
+    from overworld.serve import parse, serve
 
     return serve(args.service, parse(args.service, args.flags))
 
@@ -65,7 +65,7 @@ def main(argv: list[str] | None = None) -> int:
     s.add_argument("--workdir", default=None,
                    help="the workdir of an `overworld run`: its services, their restarts, and its rollout-manager "
                         "(as the run's operator, <workdir>/tls/operator, unless --tls-dir or --insecure)")
-    from overworld.services import add_tls_flags
+    from overworld.serve import add_tls_flags
 
     add_tls_flags(s)
     c = sub.add_parser("certs", help="make a CA and a certificate for every identity of a run (kustomize, "
@@ -77,7 +77,7 @@ def main(argv: list[str] | None = None) -> int:
 
     if args.command == "run":
         from overworld.core.config import ConfigError
-        from overworld.launcher import run
+        from overworld.launch.run import run
 
         try:
             summary = run(args.config, args.set, args.max_env_steps, args.summary, args.workdir, args.target_return,
@@ -98,7 +98,7 @@ def main(argv: list[str] | None = None) -> int:
             return 2
         return 0
     if args.command == "status":
-        from overworld.status import print_status
+        from overworld.launch.status import print_status
 
         if args.workdir and not args.tls_dir and not args.insecure:
             operator = Path(args.workdir, "tls", "operator")

@@ -34,7 +34,7 @@ import numpy as np
 
 from overworld.core import tensors, tls
 from overworld.core.grpc_util import CHANNEL_OPTIONS
-from overworld.restarts import read_services
+from overworld.launch.restarts import read_services
 from overworld.v1 import (
     gae_pb2,
     gae_pb2_grpc,

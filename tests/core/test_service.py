@@ -18,8 +18,8 @@ LAUNCHER = """
 import sys, time
 from pathlib import Path
 from overworld.core.config import load_config
-from overworld.launcher import Launcher
-launcher = Launcher(load_config(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[1]))
+from overworld.launch.supervisor import Supervisor
+launcher = Supervisor(load_config(sys.argv[1]), Path(sys.argv[2]), Path(sys.argv[1]))
 child = launcher.start("gae", port=int(sys.argv[3]))
 print("SERVICE", child.proc.pid, flush=True)
 time.sleep(600)

@@ -178,7 +178,7 @@ def test_ray_pods_outlast_the_trainers_checkpoint_on_stop() -> None:
     trainer checkpoints within STOP_TIMEOUT_SECONDS, so Ray's stop wait and the pods' grace period
     must be longer (Ray: 3 s, Kubernetes: 30 s by default)."""
     from overworld.run_controller import rayjob
-    from overworld.trainer.service import STOP_TIMEOUT_SECONDS
+    from overworld.trainer.driver import STOP_TIMEOUT_SECONDS
 
     assert rayjob.TRAINER_STOP_SECONDS == STOP_TIMEOUT_SECONDS
     job = build_rayjob(training_run(), attempt=1)

@@ -1,5 +1,5 @@
 """Each service's flags and environment, three ways that must agree: what the service reads (its parser
-in overworld/services/<service>.py, probed: a variable counts when setting it changes a flag's
+in overworld/serve/<service>.py, probed: a variable counts when setting it changes a flag's
 default; plus the variables its module declares it reads), what docs/architecture.md's table says
 it reads, and what the Helm chart gives it (every OVERWORLD_* variable of its Deployment, of the
 TrainingRun and of the RayJob made from it for the trainer)."""
@@ -15,7 +15,7 @@ from unittest import mock
 
 import pytest
 
-from overworld import services
+from overworld import serve
 from overworld.run_controller.rayjob import build_rayjob
 from tests.deploy.deploy_support import (
     ARCHITECTURE,
@@ -33,7 +33,7 @@ PROBES = {int: "7", float: "7.5", None: "probe"}
 
 def flags(service: str) -> dict[str, argparse.Action]:
     """--flag -> its action, for the flags the service's --help shows."""
-    return {option: action for action in services.parser(service)._actions  # noqa: SLF001
+    return {option: action for action in serve.parser(service)._actions  # noqa: SLF001
             for option in action.option_strings
             if option.startswith("--") and option != "--help" and action.help != argparse.SUPPRESS}
 
@@ -45,14 +45,14 @@ def flag_variables(service: str) -> set[str]:
         variable = "OVERWORLD_" + option[2:].upper().replace("-", "_")
         probe = "1" if isinstance(action, argparse._StoreTrueAction) else PROBES.get(action.type, "probe")  # noqa: SLF001
         with mock.patch.dict(os.environ, {variable: probe}):
-            changed = services.parser(service).get_default(action.dest)
-        if changed != services.parser(service).get_default(action.dest):
+            changed = serve.parser(service).get_default(action.dest)
+        if changed != serve.parser(service).get_default(action.dest):
             found.add(variable)
     return found
 
 
 def reads(service: str) -> set[str]:
-    return flag_variables(service) | set(services.environment(service))
+    return flag_variables(service) | set(serve.environment(service))
 
 
 def documented() -> dict[str, tuple[set[str], set[str]]]:
@@ -135,11 +135,11 @@ def test_the_chart_gives_each_service_flags_it_has(values_file: Any) -> None:
         for container in containers(deployment):
             if component in GRPC_SERVICES:
                 assert container["args"][:2] == ["serve", component]
-                services.parse(component, container["args"][2:])
+                serve.parse(component, container["args"][2:])
             elif component == "run-controller":
                 assert container["command"] == ["python", "-m", "overworld.run_controller"]
-                services.parse(component, container["args"])
+                serve.parse(component, container["args"])
     for training_run in by_kind(objects, "TrainingRun").values():
         entrypoint = shlex.split(build_rayjob(training_run, attempt=1)["spec"]["entrypoint"])
         assert entrypoint[:4] == ["exec", "overworld", "serve", "trainer"], entrypoint
-        services.parse("trainer", entrypoint[4:])
+        serve.parse("trainer", entrypoint[4:])

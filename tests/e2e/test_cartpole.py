@@ -71,7 +71,7 @@ def test_sigterm_stops_the_run_and_leaves_no_process(tmp_path: Path) -> None:
     import signal
     import time
 
-    from overworld.launcher import _stat, descendants
+    from overworld.launch.processes import descendants, proc_stat
 
     workdir, summary_path = tmp_path / "run", tmp_path / "summary.json"
     proc = subprocess.Popen(
@@ -97,7 +97,7 @@ def test_sigterm_stops_the_run_and_leaves_no_process(tmp_path: Path) -> None:
     assert summary["status"] == "interrupted" and summary["env_steps"] > 0
     assert summary["replay_buffer"]["inserted_fragments"] > 0  # read before the services stopped, as at an end
     time.sleep(1)
-    alive = [pid for pid, started in family if (fields := _stat(pid)) is not None and fields[19] == started
+    alive = [pid for pid, started in family if (fields := proc_stat(pid)) is not None and fields[19] == started
              and fields[0] != "Z"]
     assert alive == []
 

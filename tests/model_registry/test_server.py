@@ -16,7 +16,7 @@ from overworld.v1 import model_registry_pb2_grpc
 
 def start(root: Path, retain: int = 20, fast: bool = True) -> tuple[Server, ModelRegistryService]:
     """fast: registration() (hand-encoded Publish / Fetch); else the generated add function, which
-    overworld.services uses today: both must behave the same."""
+    overworld.serve uses today: both must behave the same."""
     service = ModelRegistryService(LocalBlobStore(root), retain=retain)
     server = serve([registration(service) if fast else (model_registry_pb2_grpc.add_ModelRegistryServicer_to_server,
                                                         service, "overworld.v1.ModelRegistry")])

@@ -13,10 +13,10 @@ from overworld.core.blobs import LocalBlobStore
 from overworld.core.config import load_config
 from overworld.core.grpc_util import Server, serve
 from overworld.core.specs import Spaces, TensorSpec
+from overworld.launch.status import print_status
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.rollout_manager.server import RolloutManagerService
 from overworld.rollout_manager.videos import video_store_url
-from overworld.status import print_status
 from overworld.v1 import rollout_manager_pb2 as pb
 from overworld.v1 import rollout_manager_pb2_grpc
 

@@ -43,8 +43,8 @@ def _args(service: str, workdir: Path, addresses: dict[str, str]) -> argparse.Na
 def serve_fleet(tls_root: Path | None, workdir: Path) -> tuple[dict[str, str], list]:
     from overworld.core import tls
     from overworld.core.grpc_util import serve
-    from overworld.services import BUILDERS
-    from overworld.trainer.service import TrainerStatusService
+    from overworld.serve import BUILDERS
+    from overworld.trainer.driver import TrainerStatusService
     from overworld.v1 import trainer_pb2_grpc
 
     os.environ["OVERWORLD_ENV_BACKEND"] = "inprocess"

@@ -12,7 +12,7 @@ from pathlib import Path
 
 import pytest
 
-from overworld.launcher import descendants, kill_if_same
+from overworld.launch.processes import descendants, kill_if_same
 from tests.support import free_port
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -114,7 +114,7 @@ import threading
 import time
 
 from overworld.core.service import run_until_signalled
-from overworld.trainer.service import keep_ray_until_released, start_ray
+from overworld.trainer.driver import keep_ray_until_released, start_ray
 
 
 class WaitsForTheCheckpoint:

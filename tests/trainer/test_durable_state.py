@@ -13,7 +13,7 @@ from overworld.core.blobs import open_blob_store
 from overworld.core.config import load_config
 from overworld.trainer.builtin_hooks import LogMetrics
 from overworld.trainer.checkpoint import checkpoint_store, is_durable
-from overworld.trainer.service import apply_flags
+from overworld.trainer.driver import apply_flags
 from tests.trainer.helpers import ROOT, flat_params, make_batch, make_trainer
 
 BASE = ["train_config.epochs_per_iteration=1", "train_config.batches_per_iteration=2",

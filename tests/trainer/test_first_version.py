@@ -107,7 +107,7 @@ def test_a_stop_asked_while_ray_train_started_ends_training_before_its_first_ite
     learner's first report gets the stop, and it finishes without waiting for the fleet or a batch."""
     from overworld.trainer.checkpoint import checkpoint_store
     from overworld.trainer.client import TrainerClient
-    from overworld.trainer.service import TrainerStatusService
+    from overworld.trainer.driver import TrainerStatusService
     from overworld.v1 import trainer_pb2_grpc
 
     status = TrainerStatusService()

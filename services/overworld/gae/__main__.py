@@ -1,6 +1,6 @@
 """`python -m overworld.gae`: the same flags and code as `overworld serve gae`
-(overworld/services/gae.py), on loopback and without a metrics port unless told otherwise."""
+(overworld/serve/gae.py), on loopback and without a metrics port unless told otherwise."""
 
-from overworld.services import main
+from overworld.serve import main
 
 raise SystemExit(main("gae"))

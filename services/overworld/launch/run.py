@@ -24,12 +24,12 @@ from overworld.launch.credentials import RunSecurity
 from overworld.launch.curve import append_point, curve_point, task_figures
 from overworld.launch.milestones import STARTUP_POLL_SECONDS, StartupMilestones
 from overworld.launch.progress import Budget, ProgressDisplay, Rate, Snapshot, format_progress, time_left
+from overworld.launch.status import write_run_status
 from overworld.launch.supervisor import Supervisor
 from overworld.model_registry.client import ModelRegistryClient
 from overworld.replay_buffer.client import ReplayBufferClient
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.rollout_worker.client import RolloutWorkerClient
-from overworld.status import write_run_status
 from overworld.trainer.client import TrainerClient
 from overworld.v1 import replay_buffer_pb2
 
@@ -206,7 +206,7 @@ class RunFollower:
             return None
 
     def status_record(self, state: str, snapshot: Snapshot | None = None) -> dict[str, Any]:
-        """What `<workdir>/status.json` holds (overworld/status.py): by default the last progress shown."""
+        """What `<workdir>/status.json` holds (overworld/launch/status.py): by default the last progress shown."""
         snapshot = snapshot or self.snapshot
         record: dict[str, Any] = {"run_id": self.config.run_id, "state": state,
                                   "budget": asdict(self.budget), "milestones": dict(self.milestones.reached)}

@@ -24,8 +24,8 @@ from overworld.core.net import free_port, reserve_port
 from overworld.core.service import EXIT_CONFIG, PARENT_PID_ENV
 from overworld.launch.credentials import RunSecurity
 from overworld.launch.processes import descendants, kill_if_same
+from overworld.launch.restarts import SERVICES_FILE, RestartPolicy, write_services
 from overworld.launch.service_logs import refusal, tail
-from overworld.restarts import SERVICES_FILE, RestartPolicy, write_services
 
 ROLLOUT_SIDE = ("rollout-manager", "model-registry", "replay-buffer", "gae")
 # A local run stops its workers after the trainer: the replay buffer's rate limiter then admits only

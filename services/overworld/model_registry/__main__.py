@@ -1,6 +1,6 @@
 """`python -m overworld.model_registry`: the same flags and code as `overworld serve model-registry`
-(overworld/services/model_registry.py), on loopback and without a metrics port unless told otherwise."""
+(overworld/serve/model_registry.py), on loopback and without a metrics port unless told otherwise."""
 
-from overworld.services import main
+from overworld.serve import main
 
 raise SystemExit(main("model-registry"))

@@ -41,9 +41,9 @@ def rollout_key(config: RunConfig) -> dict[str, Any]:
 def process_start_time(pid: int) -> str | None:
     """When the process `pid` started (clock ticks since boot); None if there is none, or only its
     exit status is left (a zombie: a process that exited and its parent has not reaped yet)."""
-    from overworld.launcher import _stat  # the launcher's /proc reader: one place parses /proc/<pid>/stat
+    from overworld.launch.processes import proc_stat  # one place parses /proc/<pid>/stat
 
-    fields = _stat(pid)
+    fields = proc_stat(pid)
     return None if fields is None or len(fields) < 20 or fields[0] in ("Z", "X") else fields[19]
 
 
@@ -69,7 +69,8 @@ def write_state(workdir: Path, record: dict[str, Any], name: str = STATE_FILE) -
 
 def main(argv: list[str]) -> int:
     from overworld.core import tls
-    from overworld.launcher import Launcher, RunSecurity
+    from overworld.launch.credentials import RunSecurity
+    from overworld.launch.supervisor import Supervisor
 
     workdir = Path(argv[0]).resolve()
     stop_with_parent()
@@ -78,7 +79,7 @@ def main(argv: list[str]) -> int:
     # Mutual TLS as `overworld run`: the run's certificates in <workdir>/tls, which start_trainer reuses.
     security = RunSecurity.create(workdir, config.run_id)
     tls.use(security.identities["operator"])
-    launcher = Launcher(config, workdir, workdir / "config.yaml", security)
+    launcher = Supervisor(config, workdir, workdir / "config.yaml", security)
     stopping = [False]
 
     def on_signal(signum: int, _frame: object) -> None:

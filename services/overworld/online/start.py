@@ -96,7 +96,7 @@ def online_config(policy_generator: Any, env_generator: Any, online_cfg: Mapping
 def _trainer_ref(name: str, policy_generator: Any) -> str:
     """A trainer class named as MineStudio names it: Overworld's own, or a class of that name next to
     the generators (a subclass in the user's quick start file)."""
-    from overworld.trainer.service import TRAINERS
+    from overworld.trainer.driver import TRAINERS
 
     if ":" in name or name in TRAINERS or not callable(policy_generator):
         return name
@@ -210,7 +210,8 @@ def start_trainer(policy_generator: Any, env_generator: Any, online_cfg: Mapping
     if _in_service():
         return None
     from overworld.core import tls
-    from overworld.launcher import Launcher, RunSecurity
+    from overworld.launch.credentials import RunSecurity
+    from overworld.launch.supervisor import Supervisor
     from overworld.trainer.client import TrainerClient
 
     work = _workdir(workdir)
@@ -230,7 +231,7 @@ def start_trainer(policy_generator: Any, env_generator: Any, online_cfg: Mapping
         (work / "whole_config.py").write_text(whole_config)
     security = RunSecurity.load(work)  # the rollout side's certificates: the trainer joins its run
     tls.use(security.identities["operator"] if security else None)
-    launcher = Launcher(config, work, work / "config.yaml", security)
+    launcher = Supervisor(config, work, work / "config.yaml", security)
     launcher.addresses.update(side["addresses"])
     launcher.extra_env = {k: v for k, v in _service_env().items() if k in ("PYTHONPATH", IN_SERVICE_ENV)}
     launcher.services_file = "services-trainer.json"  # the rollout side's launcher writes services.json

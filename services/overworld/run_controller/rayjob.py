@@ -31,7 +31,7 @@ RAY_UID = 1000
 RAY_GID = 100
 
 # On SIGTERM the trainer asks rank 0 to checkpoint after the current iteration and waits for it
-# up to overworld.trainer.service.STOP_TIMEOUT_SECONDS (120 s). Ray's job supervisor gives a
+# up to overworld.trainer.driver.STOP_TIMEOUT_SECONDS (120 s). Ray's job supervisor gives a
 # stopped job RAY_JOB_STOP_WAIT_TIME_S (3 s by default) before SIGKILL, and Kubernetes gives a pod
 # terminationGracePeriodSeconds (30 s by default): both must be longer.
 TRAINER_STOP_SECONDS = 120

@@ -8,7 +8,7 @@ import os
 import threading
 from typing import Any
 
-from overworld.services import (
+from overworld.serve import (
     DEFAULT_PORTS,
     REDIS_ENVIRONMENT,
     S3_ENVIRONMENT,

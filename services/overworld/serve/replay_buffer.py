@@ -9,7 +9,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from overworld.services import (
+from overworld.serve import (
     DEFAULT_PORTS,
     REDIS_ENVIRONMENT,
     S3_ENVIRONMENT,

@@ -27,13 +27,13 @@ from typing import Any
 from overworld.core.service import env_default
 
 MODULES = {
-    "rollout-manager": "overworld.services.rollout_manager",
-    "replay-buffer": "overworld.services.replay_buffer",
-    "gae": "overworld.services.gae",
-    "model-registry": "overworld.services.model_registry",
-    "trainer": "overworld.services.trainer",
-    "rollout-worker": "overworld.services.rollout_worker",
-    "run-controller": "overworld.services.run_controller",
+    "rollout-manager": "overworld.serve.rollout_manager",
+    "replay-buffer": "overworld.serve.replay_buffer",
+    "gae": "overworld.serve.gae",
+    "model-registry": "overworld.serve.model_registry",
+    "trainer": "overworld.serve.trainer",
+    "rollout-worker": "overworld.serve.rollout_worker",
+    "run-controller": "overworld.serve.run_controller",
 }
 
 # What every gRPC service reads from the environment besides its flags (core/service.py, core/grpc_util.py).
@@ -99,7 +99,7 @@ def add_tls_flags(p: argparse.ArgumentParser) -> None:
 
 def accept_workdir(p: argparse.ArgumentParser) -> None:
     """--workdir for a service that keeps nothing on disk: `overworld run` gives it to every service
-    (launcher.py), so it is accepted, and left out of --help."""
+    (launch/supervisor.py), so it is accepted, and left out of --help."""
     p.add_argument("--workdir", default=".", help=argparse.SUPPRESS)
 
 

@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from overworld.services import (
+from overworld.serve import (
     DEFAULT_PORTS,
     S3_ENVIRONMENT,
     SERVER_ENVIRONMENT,
@@ -40,7 +40,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build(args: argparse.Namespace, done: threading.Event) -> Any:
-    from overworld.trainer.service import TrainerDriver
+    from overworld.trainer.driver import TrainerDriver
 
     return TrainerDriver(args.rollout_manager, args.replay_buffer, args.gae, args.model_registry, args.host,
                          args.port, args.ray_address, str(Path(args.workdir).resolve()), args.resume, done,

@@ -7,7 +7,7 @@ import argparse
 import threading
 from typing import Any
 
-from overworld.services import (
+from overworld.serve import (
     DEFAULT_PORTS,
     SERVER_ENVIRONMENT,
     accept_workdir,
@@ -45,7 +45,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build(args: argparse.Namespace, done: threading.Event) -> Any:
-    from overworld.rollout_worker.service import RolloutWorkerProcess
+    from overworld.rollout_worker.process import RolloutWorkerProcess
 
     return RolloutWorkerProcess(args.rollout_manager, args.replay_buffer, args.model_registry, args.host,
                                 args.port, done, flush_timeout=args.flush_timeout, weights_port=args.weights_port)

@@ -8,7 +8,7 @@ import threading
 from pathlib import Path
 from typing import Any
 
-from overworld.services import (
+from overworld.serve import (
     DEFAULT_PORTS,
     S3_ENVIRONMENT,
     SERVER_ENVIRONMENT,

@@ -6,7 +6,7 @@ import argparse
 import threading
 from typing import Any
 
-from overworld.services import DEFAULT_PORTS, SERVER_ENVIRONMENT, Served, accept_workdir, add_server_flags
+from overworld.serve import DEFAULT_PORTS, SERVER_ENVIRONMENT, Served, accept_workdir, add_server_flags
 
 SUMMARY = "The gae service: GAE and V-trace over batches of chains (stateless)."
 DEFAULT_PORT = DEFAULT_PORTS["gae"]
