@@ -150,7 +150,7 @@ def serve_fronts(args: argparse.Namespace) -> int:
     """`front` sub-command: one process serving one or more fronts over one index + blob store."""
     import logging
 
-    from overworld.core.blobs import open_blob_store
+    from overworld.core.blob_stores import open_blob_store
     from overworld.core.grpc_util import serve
     from overworld.replay_buffer.index import MemoryIndex
     from overworld.replay_buffer.server import ReplayBufferService, add_to_server
@@ -396,7 +396,7 @@ def measure(name: str, index_url: str, blobs_url: str, fronts: int, count: int, 
     round is the better of two concurrencies: one thread per client stream (or reader), and the most
     requests the service itself keeps in flight (4 per stream: ingest_window; 4 per reader: prefetch
     in-band, CHUNKS_PER_SAMPLE by reference)."""
-    from overworld.core.blobs import open_blob_store
+    from overworld.core.blob_stores import open_blob_store
     from overworld.core.grpc_util import channel
     from overworld.replay_buffer.client import ReplayBufferClient
     from overworld.v1 import replay_buffer_pb2, replay_buffer_pb2_grpc

@@ -1,7 +1,8 @@
-"""The shape of services/overworld/ as docs/architecture.md draws it: packages that import downwards
-only (no circle between two packages, counting imports inside functions too), MineStudio's facade
-(`overworld.online`) and the launcher at the top where nothing else imports them, and modules small
-enough to hold in one's head."""
+"""The shape of services/overworld/ as docs/architecture.md draws it: packages on floors, each importing
+only from floors below it (so no circle between packages), no circle between the modules of a package
+either (imports inside functions and under TYPE_CHECKING count too: a helper that needs its owner
+declares what it uses as a Protocol), MineStudio's facade (`overworld.online`) and `overworld run` at
+the top where nothing else imports them, and modules small enough to hold in one's head."""
 
 from __future__ import annotations
 
@@ -12,6 +13,17 @@ PACKAGE = Path(__file__).resolve().parents[1] / "services" / "overworld"
 MAX_LINES = 450
 TOP = {"online", "launch", "cli"}  # entry points: they may import anything, nothing imports them
 ENTRY = {"cli", "launch", "__main__"}  # modules that start things (may import the facade)
+# Each package's floor (docs/architecture.md, "Packages"): an import goes to a lower floor only.
+FLOORS = {
+    "core": 0,
+    "envs": 1,
+    "policies": 2,
+    "gae": 3, "model_registry": 3, "replay_buffer": 3, "rollout_manager": 3,  # services that use no other
+    "rollout_worker": 4, "trainer": 4,  # services that use the others' clients
+    "run_controller": 5,
+    "serve": 6, "launch": 6,  # each service assembled from its flags; `overworld run`
+    "cli": 7, "online": 7,  # the command line; MineStudio's facade
+}
 
 
 def modules() -> list[Path]:
@@ -62,6 +74,55 @@ def cycles(edges: dict[str, set[str]]) -> list[list[str]]:
     for start in sorted(edges):
         visit(start, [start])
     return found
+
+
+def upward_arrows(edges: dict[str, set[str]], floors: dict[str, int]) -> list[str]:
+    """Each import that does not go down a floor; a package without a floor is one too. A package's
+    `__main__` stands above every floor."""
+    def floor(unit: str) -> int:
+        return max(floors.values()) + 1 if unit.endswith("__main__") else floors.get(unit, -1)
+
+    return sorted(f"{src} (floor {floor(src)}) imports {dst} (floor {floor(dst)})" for src, targets in edges.items()
+                  for dst in targets if src != "__init__" and not floor(dst) < floor(src))
+
+
+def module_name(path: Path) -> str:
+    parts = path.relative_to(PACKAGE).with_suffix("").parts
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def module_graph() -> dict[str, set[str]]:
+    """Module to module imports inside each package. `from overworld.X import Y` names the module X.Y
+    when there is one (it does not use X's __init__)."""
+    names = {module_name(p) for p in modules()}
+    edges: dict[str, set[str]] = {}
+    for path in modules():
+        src = module_name(path)
+        out: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}"[10:] in names else node.module
+                           for a in node.names]
+            out.update(t[10:] for t in targets if t.startswith("overworld.") and t[10:] in names)
+        edges[src] = {t for t in out if t != src and t.split(".")[0] == src.split(".")[0]}
+    return edges
+
+
+def test_every_import_goes_down_a_floor() -> None:
+    assert upward_arrows(graph(), FLOORS) == []
+
+
+def test_the_floor_check_finds_an_upward_import_and_a_package_without_a_floor() -> None:
+    assert upward_arrows({"core": {"envs"}, "envs": {"core"}, "new": {"core"}, "x.__main__": {"new"}},
+                         {"core": 0, "envs": 1}) == ["core (floor 0) imports envs (floor 1)",
+                                                     "new (floor -1) imports core (floor 0)"]
+
+
+def test_no_import_circle_between_the_modules_of_a_package() -> None:
+    assert cycles(module_graph()) == []
 
 
 def test_no_module_outside_the_entry_points_imports_the_minestudio_facade_or_the_launcher() -> None:

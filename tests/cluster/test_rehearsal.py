@@ -513,7 +513,7 @@ def test_deleting_every_service_pod_and_the_stores_once(rehearsal: Rehearsal) ->
     # The trainer samples each fragment once and may just have drained the index: wait for the next.
     live = wait_until(live_keys, 120, "a live fragment in the index after the stores came back")
     script = (
-        "import os, sys; from overworld.core.blobs import open_blob_store\n"
+        "import os, sys; from overworld.core.blob_stores import open_blob_store\n"
         "store = open_blob_store(os.environ['OVERWORLD_BLOBS'])\n"
         "missing = 0\n"
         "for key in sys.argv[1:]:\n"

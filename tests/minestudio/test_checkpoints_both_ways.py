@@ -16,7 +16,7 @@ pytest.importorskip("minestudio", reason="`make test-minestudio` installs minest
 import torch  # noqa: E402
 
 from overworld.cli import main  # noqa: E402
-from overworld.core.blobs import open_blob_store  # noqa: E402
+from overworld.core.blob_stores import open_blob_store  # noqa: E402
 from overworld.core.config import as_dict, load_config  # noqa: E402
 from overworld.core.weights import to_bytes  # noqa: E402
 from overworld.policies.factory import run_spaces  # noqa: E402

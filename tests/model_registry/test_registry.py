@@ -19,7 +19,8 @@ import torch
 from prometheus_client import REGISTRY
 
 from overworld.core import safetensors_format, weights
-from overworld.core.blobs import BlobStore, LocalBlobStore, open_blob_store
+from overworld.core.blob_stores import open_blob_store
+from overworld.core.blobs import BlobStore, LocalBlobStore
 from overworld.core.grpc_util import Server, serve, wait_healthy
 from overworld.model_registry import wire
 from overworld.model_registry.client import FetchBroken, ModelRegistryClient

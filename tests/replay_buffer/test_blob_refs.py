@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import REGISTRY
 from rb_support import insert, sample, stats, wait_until
 
-from overworld.core.blobs import open_blob_store
+from overworld.core.blob_stores import open_blob_store
 from overworld.replay_buffer.client import ReplayBufferClient
 from overworld.replay_buffer.sweeper import OrphanSweeper
 from overworld.v1 import common_pb2, replay_buffer_pb2

@@ -4,7 +4,7 @@
 so callers catch both); `get_into(key, buf)` reads a blob into a reusable bytearray and returns a
 view of it (same errors); `delete` of a missing key is not an error. `list_blobs` gives each key with
 its last-modified time (seconds since the epoch), for the replay buffer's orphan sweeper.
-`url` is what `open_blob_store` opens to reach the same blobs from another process (a local store's
+`url` is what `open_blob_store` (blob_stores.py) opens to reach the same blobs from another process (a local store's
 absolute path, or `s3://BUCKET/PREFIX`; never credentials).
 """
 
@@ -117,11 +117,3 @@ def read_exactly(readinto: Callable[[memoryview], int | None], buf: bytearray, s
                 raise OSError(f"{what} ended after {got} of {size} bytes")
             got += n
     return memoryview(buf)[:size]
-
-
-def open_blob_store(url: str) -> BlobStore:
-    if url.startswith("s3://"):
-        from overworld.core.s3_blobs import S3BlobStore
-
-        return S3BlobStore.from_url(url)
-    return LocalBlobStore(url)

@@ -15,10 +15,10 @@ import threading
 import time
 import uuid
 from collections import deque
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from concurrent.futures import Future
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, NoReturn
+from typing import TYPE_CHECKING, NoReturn, Protocol
 
 import grpc
 from google.protobuf.message import DecodeError
@@ -42,7 +42,12 @@ from overworld.replay_buffer.metrics import DROPS, DUPLICATES, INGEST_LATENCY, I
 from overworld.v1 import common_pb2, replay_buffer_pb2
 
 if TYPE_CHECKING:
-    from overworld.replay_buffer.server import ReplayBufferService
+    from concurrent.futures import ThreadPoolExecutor
+
+    from overworld.core.blobs import BlobStore
+    from overworld.core.specs import Spaces
+    from overworld.replay_buffer.index import ReplayIndex
+    from overworld.replay_buffer.sweeper import DeferredDeletes
 
 log = logging.getLogger("overworld.replay_buffer")
 
@@ -123,12 +128,33 @@ def split_insert_request(raw: bytes) -> _Received:
         return _Received(msg.header, msg.SerializeToString(), msg.tensors)
 
 
+class IngestFront(Protocol):
+    """What an Insert call needs of its ReplayBufferService (declared here: the service imports this module)."""
+
+    fragment_length: int
+    ingest_window: int
+    max_fragment_bytes: int
+    prefix: str
+    report: InsertReport
+    run_id: str
+    spaces: Callable[[], Spaces | None]
+    blobs: BlobStore
+    deletes: DeferredDeletes
+    generation: int
+    index: ReplayIndex
+    io: ThreadPoolExecutor
+    stopping: threading.Event
+
+    def notify(self, *_: object) -> None: ...
+    def wait_change(self, seen: int, timeout: float) -> None: ...
+
+
 class InsertStream:
     """One Insert call. A thread of its own reads the requests into an inbox (and stops reading while
     `ingest_window` wait there); the handler checks each, starts its blob write (up to `ingest_window`
     in flight), and indexes and acknowledges the writes in arrival order as they finish."""
 
-    def __init__(self, front: ReplayBufferService, requests: Iterator[bytes], context: grpc.ServicerContext) -> None:
+    def __init__(self, front: IngestFront, requests: Iterator[bytes], context: grpc.ServicerContext) -> None:
         self.front = front
         self.requests = requests
         self.context = context

@@ -21,7 +21,7 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
@@ -29,9 +29,18 @@ from overworld.core.grpc_util import Retry
 from overworld.v1 import replay_buffer_pb2, replay_buffer_pb2_grpc
 
 if TYPE_CHECKING:
-    from overworld.replay_buffer.client import ReplayBufferClient
+    from overworld.replay_buffer.refs import BlobRefReader
 
 log = logging.getLogger("overworld.replay_buffer.reader")
+
+
+class SampleSource(Protocol):
+    """What sampling needs of its ReplayBufferClient (declared here: the client imports this module)."""
+
+    stub: replay_buffer_pb2_grpc.ReplayBufferStub
+    blob_refs: BlobRefReader
+
+    def stats(self, timeout: float = 10.0, *, retried: bool = False) -> replay_buffer_pb2.BufferStats: ...
 
 
 class NoDataError(TimeoutError):
@@ -58,7 +67,7 @@ def sample_stream(stub: replay_buffer_pb2_grpc.ReplayBufferStub, request: replay
     return got
 
 
-def _buffer_state(client: ReplayBufferClient) -> str:
+def _buffer_state(client: SampleSource) -> str:
     try:
         stats = client.stats(10.0)
     except Exception as err:  # the message must be written even when the buffer is gone
@@ -67,7 +76,7 @@ def _buffer_state(client: ReplayBufferClient) -> str:
             f"{stats.inserted_fragments} fragments in all, model version {stats.model_version}")
 
 
-def sample_chunks(client: ReplayBufferClient, n: int, timeout: float, reader_id: str,
+def sample_chunks(client: SampleSource, n: int, timeout: float, reader_id: str,
                   stop: threading.Event | None = None, blob_refs: bool | None = None,
                   data_timeout: float | None = None) -> list[replay_buffer_pb2.SampledChunk]:
     """n chunks (fewer only when stopped), with their fragments. blob_refs (None: when the buffer's
@@ -103,7 +112,7 @@ class ChunkReader:
     """Batches of `chunks_per_batch` sampled chunks, `next()` one at a time (made by
     `ReplayBufferClient.reader`)."""
 
-    def __init__(self, client: ReplayBufferClient, chunks_per_batch: int, num_readers: int, prefetch_batches: int,
+    def __init__(self, client: SampleSource, chunks_per_batch: int, num_readers: int, prefetch_batches: int,
                  timeout: float, name: str, data_timeout: float | None = None) -> None:
         self.client = client
         self.n = chunks_per_batch

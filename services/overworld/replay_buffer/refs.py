@@ -20,7 +20,8 @@ from dataclasses import dataclass
 import grpc
 from prometheus_client import Counter
 
-from overworld.core.blobs import BlobStore, open_blob_store
+from overworld.core.blob_stores import open_blob_store
+from overworld.core.blobs import BlobStore
 from overworld.v1 import replay_buffer_pb2, replay_buffer_pb2_grpc
 
 log = logging.getLogger("overworld.replay_buffer.refs")

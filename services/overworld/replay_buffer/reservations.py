@@ -13,24 +13,29 @@ from __future__ import annotations
 import logging
 import threading
 from collections.abc import Callable
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 
 from overworld.core.grpc_util import Backoff
-
-if TYPE_CHECKING:
-    from overworld.replay_buffer.client import ReplayBufferClient
+from overworld.v1 import replay_buffer_pb2
 
 log = logging.getLogger("overworld.replay_buffer.reservations")
 WAIT_SECONDS = 0.5  # how long one Reserve call waits for room: a stop or a new holder is seen this often
 CALL_TIMEOUT = 5.0  # beyond the wait: a buffer that does not answer is asked again (or given up at close)
 
 
+class ReserveCalls(Protocol):
+    """What reservations need of their ReplayBufferClient (declared here: the client imports this module)."""
+
+    def reserve(self, worker_id: str, fragments: int, wait: float = 0.0, give_back: int = 0,
+                timeout: float = 10.0) -> replay_buffer_pb2.ReserveResponse: ...
+
+
 class Reservations:
     """Room held for the fragments of one holder (the worker id its fragments carry)."""
 
-    def __init__(self, client: ReplayBufferClient, holder: str, on_room: Callable[[], None] | None = None) -> None:
+    def __init__(self, client: ReserveCalls, holder: str, on_room: Callable[[], None] | None = None) -> None:
         """`on_room` is called (from the thread) whenever room arrives: the worker's loop wakes to take it."""
         self._client = client
         self._holder = holder

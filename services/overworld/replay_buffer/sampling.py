@@ -14,7 +14,7 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
-from typing import TYPE_CHECKING
+from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
@@ -25,7 +25,12 @@ from overworld.replay_buffer.metrics import DROPS, REF_SAMPLES, SAMPLE_LAG, SAMP
 from overworld.v1 import replay_buffer_pb2
 
 if TYPE_CHECKING:
-    from overworld.replay_buffer.server import ReplayBufferService
+    import threading
+    from concurrent.futures import ThreadPoolExecutor
+
+    from overworld.core.blobs import BlobStore
+    from overworld.replay_buffer.index import ReplayIndex
+    from overworld.replay_buffer.sweeper import DeferredDeletes
 
 log = logging.getLogger("overworld.replay_buffer")
 
@@ -43,11 +48,27 @@ def check_sample_request(request: replay_buffer_pb2.SampleRequest, context: grpc
               f"seconds (0: the server's default of {default_timeout:g}), got {request.timeout_seconds}")
 
 
+class SampleFront(Protocol):
+    """What a Sample call needs of its ReplayBufferService (declared here: the service imports this module)."""
+
+    default_sample_timeout: float
+    prefetch: int
+    blobs: BlobStore
+    deletes: DeferredDeletes
+    generation: int
+    index: ReplayIndex
+    io: ThreadPoolExecutor
+    stopping: threading.Event
+
+    def notify(self, *_: object) -> None: ...
+    def wait_change(self, seen: int, timeout: float) -> None: ...
+
+
 class SampleStream:
     """One Sample call: claim ahead, send the oldest claim's chunk when its blobs are read, and wait for data
     (until the deadline) when there is nothing to send."""
 
-    def __init__(self, front: ReplayBufferService, request: replay_buffer_pb2.SampleRequest,
+    def __init__(self, front: SampleFront, request: replay_buffer_pb2.SampleRequest,
                  context: grpc.ServicerContext) -> None:
         self.front = front
         self.request = request

@@ -22,26 +22,32 @@ import threading
 import time
 from collections import deque
 from collections.abc import Callable, Iterator
-from typing import TYPE_CHECKING
+from typing import Protocol
 
 import grpc
 
 from overworld.core.grpc_util import Backoff
 from overworld.v1 import common_pb2, replay_buffer_pb2
 
-if TYPE_CHECKING:
-    from overworld.replay_buffer.client import ReplayBufferClient
-
 log = logging.getLogger("overworld.replay_buffer.writer")
 STOP_CHECK_SECONDS = 1.0
 WAITING_CALL_SECONDS = 0.25
+
+
+class InsertStreams(Protocol):
+    """What the writer needs of its ReplayBufferClient (declared here: the client imports this module)."""
+
+    address: str | None
+
+    def insert(self, requests: Iterator[replay_buffer_pb2.InsertRequest]
+               ) -> Iterator[replay_buffer_pb2.InsertResponse]: ...
 
 
 class FragmentWriter:
     """Fragments queued by `put`, sent in order on one Insert stream at a time (made by
     `ReplayBufferClient.writer`)."""
 
-    def __init__(self, client: ReplayBufferClient, queue_size: int, ack_log: str | None = None) -> None:
+    def __init__(self, client: InsertStreams, queue_size: int, ack_log: str | None = None) -> None:
         self.client = client
         self.address = client.address
         # O_APPEND: the workers of a machine may share one log (each line is one write)

@@ -6,7 +6,7 @@ import logging
 from pathlib import Path
 from typing import Any
 
-from overworld.core.blobs import open_blob_store
+from overworld.core.blob_stores import open_blob_store
 from overworld.core.config import as_dict
 from overworld.trainer.checkpoint import is_durable, save_location
 from overworld.trainer.evaluation import evaluate

@@ -14,19 +14,15 @@ import io
 import json
 import logging
 import re
-import time
 from dataclasses import dataclass
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
-from overworld.core.blobs import BlobStore, open_blob_store
-from overworld.core.config import RunConfig, as_dict, config_hash
-from overworld.core.weights import from_bytes, to_bytes
-
-if TYPE_CHECKING:  # the runtime imports this module
-    from overworld.trainer.runtime import TrainerRuntime
+from overworld.core.blob_stores import open_blob_store
+from overworld.core.blobs import BlobStore
+from overworld.core.config import RunConfig
 
 COMMITTED = "COMMITTED"
 log = logging.getLogger("overworld.trainer.checkpoint")
@@ -148,118 +144,3 @@ def is_durable(config: RunConfig) -> bool:
 def checkpoint_store(config: RunConfig, workdir: str) -> CheckpointStore:
     return CheckpointStore(open_blob_store(save_location(config, workdir)),
                            prefix=f"{config.run_id or 'run'}/checkpoints")
-
-
-# -- a learner's training state in and out of the store ----------------------------------------------
-def rng_states(trainer: TrainerRuntime) -> dict[str, list[torch.Tensor]]:
-    """Every rank's RNG state (a collective: every rank calls it), for rank 0 to save."""
-    states = {"torch": trainer.all_gather(torch.get_rng_state().to(trainer.device))}
-    if trainer.device.type == "cuda":
-        states["cuda"] = trainer.all_gather(torch.cuda.get_rng_state(trainer.device).to(trainer.device))
-    return {k: [x.cpu() for x in v] for k, v in states.items()}
-
-
-def save(trainer: TrainerRuntime) -> str:
-    """Every rank calls it (the RNG states are gathered); rank 0 writes the full training state,
-    atomically (listed only once COMMITTED is written)."""
-    rng = rng_states(trainer)
-    ckpt_id = checkpoint_id(trainer.iteration)
-    trainer.latest_checkpoint = ckpt_id
-    if trainer.rank != 0:
-        return ckpt_id
-    files = {"model.safetensors": to_bytes(trainer.unwrapped_model.state_dict()),
-             "optimizer.pt": tensors_to_bytes(trainer.optimizer.state_dict()),
-             "rng.pt": tensors_to_bytes(rng)}
-    if trainer.scaler is not None:  # MineStudio's scaler.ckpt (overworld export-minestudio writes it from this)
-        files["scaler.pt"] = tensors_to_bytes(trainer.scaler.state_dict())
-    if trainer.reference is not None:
-        files["reference.safetensors"] = to_bytes(trainer.reference.state_dict())
-    state = {"iteration": trainer.iteration, "updates": trainer.updates, "samples_trained": trainer.samples_trained,
-             "env_steps": trainer.env_steps, "fleet": trainer.fleet, "model_version": trainer.model_version,
-             "rho": trainer.rho,
-             "world_size": trainer.world_size, "run_id": trainer.config.run_id,
-             "config_hash": config_hash(trainer.config), "saved_unix": time.time(), "config": as_dict(trainer.config)}
-    trainer.checkpoints.save(trainer.iteration, state, files)
-    trainer.checkpoints.prune(trainer.config.train_config.keep_interval, ckpt_id)
-    return ckpt_id
-
-
-def restore_rng(trainer: TrainerRuntime, rng: dict[str, Any]) -> None:
-    """This rank's own RNG state. A checkpoint from a smaller world has none for the new ranks:
-    they draw a fresh, rank-specific seed (and say so)."""
-    states = rng.get("torch")
-    if states is None:  # every rng.pt holds it (rng_states)
-        raise ValueError("the checkpoint's rng.pt holds no torch RNG state")
-    if isinstance(states, torch.Tensor):  # checkpoints written before RNG states were per rank
-        states = [states]
-    if trainer.rank < len(states):
-        torch.set_rng_state(states[trainer.rank])
-        if "cuda" in rng and trainer.device.type == "cuda" and trainer.rank < len(rng["cuda"]):
-            torch.cuda.set_rng_state(rng["cuda"][trainer.rank], trainer.device)
-    else:
-        log.warning("rank %d: the checkpoint holds the RNG states of %d ranks; seeding this rank afresh",
-                    trainer.rank, len(states))
-        torch.manual_seed(trainer.config.seed * 7919 + trainer.rank + 104729 * trainer.iteration)
-
-
-def _which(trainer: TrainerRuntime, store: CheckpointStore) -> str:
-    """What to resume from: `resume` (see TrainConfig.resume), or this run's latest checkpoint for a
-    restarted trainer (`continue_run`) that has one."""
-    if trainer.continue_run and store.resolve("latest") is not None:
-        return "latest"
-    return (trainer.config.train_config.resume or "never").strip()
-
-
-def will_resume(trainer: TrainerRuntime, store: CheckpointStore) -> bool:
-    """Whether `restore()` will load a checkpoint (the same rules)."""
-    from overworld.trainer.minestudio_checkpoint import is_minestudio_checkpoint
-
-    which = _which(trainer, store)
-    if which == "never":
-        return False
-    return is_minestudio_checkpoint(which) or store.resolve("latest" if which == "auto" else which) is not None
-
-
-def restore(trainer: TrainerRuntime) -> None:
-    """Resume on every rank: model, optimizer, scaler, counters, KL coefficient, RNG, model version."""
-    from overworld.trainer.minestudio_checkpoint import import_checkpoint, is_minestudio_checkpoint
-
-    t = trainer.config.train_config
-    which = _which(trainer, trainer.checkpoints)
-    if which == "never":
-        return
-    if is_minestudio_checkpoint(which):
-        import_checkpoint(which, trainer.unwrapped_model, trainer.optimizer if t.resume_optimizer else None,
-                          trainer.scaler if t.resume_optimizer else None)
-        trainer.resumed_from = which
-        return
-    ckpt_id = trainer.checkpoints.resolve("latest" if which == "auto" else which)
-    if ckpt_id is None:
-        if which == "latest":
-            log.warning("resume=latest, but this run has no committed checkpoint yet: starting fresh")
-        return
-    ckpt = trainer.checkpoints.load(ckpt_id, ["model.safetensors", "optimizer.pt", "rng.pt", "scaler.pt",
-                                              "reference.safetensors"])
-    model = trainer.unwrapped_model
-    model.load_state_dict(from_bytes(ckpt.files["model.safetensors"], model.state_dict()))
-    if t.resume_optimizer and "optimizer.pt" in ckpt.files:
-        trainer.optimizer.load_state_dict(tensors_from_bytes(ckpt.files["optimizer.pt"]))
-    if t.resume_optimizer and "scaler.pt" in ckpt.files and trainer.scaler is not None:
-        trainer.scaler.load_state_dict(tensors_from_bytes(ckpt.files["scaler.pt"]))
-    if trainer.reference is not None and "reference.safetensors" in ckpt.files:
-        trainer.reference.load_state_dict(from_bytes(ckpt.files["reference.safetensors"]))
-    s = ckpt.state
-    trainer.iteration, trainer.updates = int(s["iteration"]), int(s["updates"])
-    if "rng.pt" in ckpt.files:
-        restore_rng(trainer, tensors_from_bytes(ckpt.files["rng.pt"]))
-    trainer.samples_trained, trainer.env_steps = int(s["samples_trained"]), int(s["env_steps"])
-    # the fleet those env steps end in: a trainer restarted in the same run counts the steps its fleet
-    # stepped since, those of a new run's fleet all count (a checkpoint without it: a new fleet)
-    fleet = s.get("fleet") or {}
-    trainer.fleet = {"id": str(fleet.get("id", "")), "env_steps": int(fleet.get("env_steps", 0))}
-    trainer.model_version, trainer.rho = int(s["model_version"]), float(s["rho"])
-    trainer.resumed_from = ckpt_id
-    trainer.latest_checkpoint = ckpt_id
-    trainer.start = {"model_version": trainer.model_version, "env_steps": trainer.env_steps, "rho": trainer.rho}
-    log.info("rank %d resumed from %s: iteration %d, model version %d, env steps %d, rho %.4g",
-             trainer.rank, ckpt_id, trainer.iteration, trainer.model_version, trainer.env_steps, trainer.rho)

@@ -28,6 +28,8 @@ from typing import Any
 import torch
 from torch import nn
 
+from overworld.trainer.checkpoint import tensors_from_bytes
+
 log = logging.getLogger("overworld.trainer.minestudio_checkpoint")
 
 MODEL, OPTIMIZER, SCALER, WHOLE_CONFIG = "model.ckpt", "optimizer.ckpt", "scaler.ckpt", "whole_config.pkl"
@@ -129,7 +131,6 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str) -> Path:
     from overworld.core.config import load_config, to_yaml
     from overworld.core.weights import from_bytes
     from overworld.policies.factory import run_spaces
-    from overworld.trainer.checkpoint import tensors_from_bytes
 
     src = Path(checkpoint_dir)
     if not (src / "COMMITTED").exists():

@@ -17,7 +17,7 @@ import logging
 import math
 import time
 from pathlib import Path
-from typing import Any, TypedDict
+from typing import Any
 
 import grpc
 import torch
@@ -32,7 +32,7 @@ from overworld.policies.base import Policy
 from overworld.policies.factory import run_spaces
 from overworld.replay_buffer.client import ReplayBufferClient
 from overworld.rollout_manager.client import RolloutManagerClient
-from overworld.trainer import checkpoint
+from overworld.trainer import checkpoint, training_state
 from overworld.trainer.builtin_hooks import register_builtin_hooks
 from overworld.trainer.client import TrainerClient
 from overworld.trainer.hooks import Hooks
@@ -43,24 +43,12 @@ from overworld.trainer.placement import (
     torch_trainer_class,
     worker_resources,
 )
+from overworld.trainer.training_state import FleetMark, StartPoint
 from overworld.v1 import (
     trainer_pb2,
 )
 
 log = logging.getLogger("overworld.trainer")
-
-
-class StartPoint(TypedDict):
-    """Where this trainer's run (re)started: a checkpoint's model version, env steps and rho (or zeros)."""
-    model_version: int
-    env_steps: int
-    rho: float
-
-
-class FleetMark(TypedDict):
-    """Which fleet's steps `env_steps` includes, and how many of them (FleetStatus.fleet_id, .env_steps)."""
-    id: str
-    env_steps: int
 
 
 class TrainerRuntime:
@@ -343,7 +331,7 @@ class TrainerRuntime:
         registry = ModelRegistryClient(self.model_registry)
         try:
             store = checkpoint.checkpoint_store(self.config, self.workdir)
-            if registry.list_versions(timeout=60) or checkpoint.will_resume(self, store):
+            if registry.list_versions(timeout=60) or training_state.will_resume(self, store):
                 return
             self.model, self.optimizer = self.build_starting_model()
             registry.publish(1, to_bytes(self.unwrapped_model.state_dict()), config_hash=config_hash(self.config))
@@ -377,11 +365,11 @@ class TrainerRuntime:
     # -- checkpoints (trainer/checkpoint.py) -------------------------------------------------------
     def save_checkpoint(self) -> str:
         """Every rank calls it (the RNG states are gathered); rank 0 writes the full training state."""
-        return checkpoint.save(self)
+        return training_state.save(self)
 
     def restore(self) -> None:
         """Resume on every rank from what `resume` (or a restart: `continue_run`) names."""
-        checkpoint.restore(self)
+        training_state.restore(self)
 
     # -- status ----------------------------------------------------------------------------------
     def report(self, state: str, metrics: dict[str, float]) -> bool:
