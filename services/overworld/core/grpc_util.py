@@ -7,7 +7,7 @@ import logging
 import os
 import threading
 import time
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Iterator
 from concurrent import futures
 from dataclasses import dataclass
 from typing import Any, NoReturn, TypeVar
@@ -78,15 +78,51 @@ class _Malformed:
         self.error = error
 
 
+class Refused(Exception):
+    """Raised anywhere below an RPC handler: the call ends with this status code and message instead of
+    a result (`answered`, which every server built by `serve` puts around every handler). A service
+    refuses bad input or a call it cannot serve now by raising it, never by aborting inline."""
+
+    def __init__(self, code: grpc.StatusCode, message: str) -> None:
+        super().__init__(message)
+        self.code = code
+
+
+def _answered_stream(responses: Iterator[Any], context: grpc.ServicerContext) -> Iterator[Any]:
+    try:
+        yield from responses
+    except Refused as err:
+        context.abort(err.code, str(err))
+
+
+def answered(behaviour: Callable[[Any, grpc.ServicerContext], Any], response_streaming: bool
+             ) -> Callable[[Any, grpc.ServicerContext], Any]:
+    """`behaviour` (a handler) with each Refused it raises, before its reply or while streaming its
+    responses, turned into its status (context.abort)."""
+    def handler(request: Any, context: grpc.ServicerContext, /) -> Any:
+        try:
+            result = behaviour(request, context)
+        except Refused as err:
+            context.abort(err.code, str(err))
+        return _answered_stream(result, context) if response_streaming else result
+    return handler
+
+
 class RequestValidation(grpc.ServerInterceptor):
-    """Bytes that do not parse as the method's request are answered INVALID_ARGUMENT naming the method
-    and the parser's complaint. Left to gRPC they get INTERNAL "Exception deserializing request!", and
-    that path leaks about 19 KB of the server's memory per call (grpcio 1.85; tests/fuzz found it)."""
+    """Every handler `answered` (a Refused becomes its status); bytes that do not parse as the method's
+    request are answered INVALID_ARGUMENT naming the method and the parser's complaint. Left to gRPC they
+    get INTERNAL "Exception deserializing request!", and that path leaks about 19 KB of the server's
+    memory per call (grpcio 1.85; tests/fuzz found it)."""
 
     def intercept_service(self, continuation: Callable[[Any], Any], details: Any) -> Any:
         handler = continuation(details)
-        if handler is None or handler.request_deserializer is None:
+        if handler is None:
             return handler
+        kind = ("unary_unary" if handler.unary_unary else "unary_stream" if handler.unary_stream
+                else "stream_unary" if handler.stream_unary else "stream_stream")
+        behaviour = getattr(handler, kind)
+        if handler.request_deserializer is None:  # a handler that takes the raw bytes parses them itself
+            return handler._replace(**{kind: answered(behaviour, handler.response_streaming)})
         parse, method = handler.request_deserializer, details.method
 
         def tolerant(data: bytes) -> Any:
@@ -96,12 +132,11 @@ class RequestValidation(grpc.ServerInterceptor):
                 return _Malformed(err)
 
         def reject(context: grpc.ServicerContext, request: _Malformed) -> NoReturn:
-            abort(context, grpc.StatusCode.INVALID_ARGUMENT,
-                  f"{method}: the request is not a valid message ({str(request.error)[:200] or type(request.error).__name__})")
+            # context.abort, not Refused: a streamed request may be read on a thread of the handler's own
+            context.abort(grpc.StatusCode.INVALID_ARGUMENT, f"{method}: the request is not a valid message "
+                          f"({str(request.error)[:200] or type(request.error).__name__})")
+            raise AssertionError("unreachable")  # context.abort raises
 
-        kind = ("unary_unary" if handler.unary_unary else "unary_stream" if handler.unary_stream
-                else "stream_unary" if handler.stream_unary else "stream_stream")
-        behaviour = getattr(handler, kind)
         if handler.request_streaming:
             # positional-only (grpc passes both so): the two variants differ only in a parameter's name
             def checked(requests: Any, context: grpc.ServicerContext, /) -> Any:
@@ -116,7 +151,8 @@ class RequestValidation(grpc.ServerInterceptor):
                 if isinstance(request, _Malformed):
                     reject(context, request)
                 return behaviour(request, context)
-        return handler._replace(request_deserializer=tolerant, **{kind: checked})
+        return handler._replace(request_deserializer=tolerant,
+                                **{kind: answered(checked, handler.response_streaming)})
 
 
 def _address(host: str, port: int) -> str:
@@ -229,11 +265,6 @@ def wait_healthy(address: str, timeout: float = 30.0, service: str = "") -> None
                 return
             time.sleep(0.1)
     raise TimeoutError(f"{address} not healthy after {timeout}s")
-
-
-def abort(context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
-    context.abort(code, message)
-    raise AssertionError("unreachable")  # context.abort raises
 
 
 log = logging.getLogger("overworld.grpc")

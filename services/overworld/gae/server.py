@@ -9,7 +9,7 @@ import numpy as np
 from prometheus_client import Counter, Histogram
 
 from overworld.core import tensors
-from overworld.core.grpc_util import abort
+from overworld.core.grpc_util import Refused
 from overworld.gae.advantage import gae, vtrace
 from overworld.v1 import gae_pb2, gae_pb2_grpc
 
@@ -45,17 +45,17 @@ class GaeService(gae_pb2_grpc.GaeServicer):
         started = time.monotonic()
         REQUESTS.inc()
         if not 0.0 < request.discount <= 1.0:
-            abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"discount must be in (0, 1], got {request.discount}")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"discount must be in (0, 1], got {request.discount}")
         if not 0.0 <= request.gae_lambda <= 1.0:
-            abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"gae_lambda must be in [0, 1], got {request.gae_lambda}")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"gae_lambda must be in [0, 1], got {request.gae_lambda}")
         if request.vtrace_rho_clip < 0 or request.vtrace_c_clip < 0:
-            abort(context, grpc.StatusCode.INVALID_ARGUMENT, "vtrace_rho_clip and vtrace_c_clip must be > 0 (0: the "
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "vtrace_rho_clip and vtrace_c_clip must be > 0 (0: the "
                   f"default 1.0), got {request.vtrace_rho_clip} and {request.vtrace_c_clip}")
         try:
             data = tensors.decode(request.tensors)
             _check(data, request.vtrace)
         except ValueError as err:
-            abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
         common = {k: data[k] for k in (*FLOATS, *BOOLS, "next_value")}
         if request.vtrace:
             adv, target = vtrace(**common, behaviour_logp=data["behaviour_logp"], target_logp=data["target_logp"],

@@ -13,7 +13,7 @@ from typing import NoReturn
 import grpc
 from prometheus_client import Counter, Histogram
 
-from overworld.core.grpc_util import abort
+from overworld.core.grpc_util import Refused
 from overworld.model_registry import wire
 from overworld.model_registry.payload import FAILED, VERIFIED, Payload, PayloadFailed
 from overworld.model_registry.store import (
@@ -65,7 +65,7 @@ class Publishing(RegistryStore):
 
     def _refuse(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
         PUBLISH_FAILURES.labels(code.name.lower()).inc()
-        abort(context, code, message)
+        raise Refused(code, message)
 
     def _check_manifest(self, manifest: pb.VersionInfo, context: grpc.ServicerContext) -> None:
         if manifest.version == 0:
@@ -187,7 +187,7 @@ class Publishing(RegistryStore):
             PUBLISH_FAILURES.labels(failure.code.name.lower()).inc()
             log.warning("publish of version %d failed: %s", info.version, failure)
             if isinstance(err, Exception):
-                abort(context, failure.code, str(failure))
+                raise Refused(failure.code, str(failure)) from None
             raise
         PUBLISH_SECONDS.observe(time.monotonic() - started)
         log.info("published version %d (%d bytes) in %.2fs", info.version, info.size_bytes, time.monotonic() - started)

@@ -30,7 +30,7 @@ from prometheus_client import Counter
 
 from overworld.core import authz, safetensors_format
 from overworld.core.blobs import BlobStore
-from overworld.core.grpc_util import abort, add_overriding
+from overworld.core.grpc_util import Refused, add_overriding
 from overworld.model_registry import wire
 from overworld.model_registry.payload import (
     ALIGN,
@@ -126,20 +126,20 @@ class ModelRegistryService(Publishing, Watching, model_registry_pb2_grpc.ModelRe
             if half:
                 payload = payload.variant(half, context.is_active)
         except ValueError as err:
-            abort(context, grpc.StatusCode.INVALID_ARGUMENT, str(err))
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
         except PayloadFailed as err:
-            abort(context, err.code, str(err))
+            raise Refused(err.code, str(err)) from None
         FETCHES.labels(precision or "stored").inc()
         offset, size, step = request.offset, payload.size, payload.chunk_size
         end = offset + request.limit if request.limit else size
         if offset > size or end > size:
-            abort(context, grpc.StatusCode.OUT_OF_RANGE,
+            raise Refused(grpc.StatusCode.OUT_OF_RANGE,
                   f"bytes {offset}..{end} are past the end of version {version} ({size} bytes)")
         chunk = request.chunk_size or step
         if chunk != step:
             least = -(-(end - offset) // MAX_FETCH_MESSAGES)
             if chunk < least:
-                abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                       f"chunk_size {chunk} would cut the {end - offset} bytes into more than "
                       f"{MAX_FETCH_MESSAGES} messages: use 0 (the registry's, {step}) or at least {least}")
         with self._lock:
@@ -169,7 +169,7 @@ class ModelRegistryService(Publishing, Watching, model_registry_pb2_grpc.ModelRe
             if sent_without_sha256:  # the info went out before the publish ended (cut-through): all of it now
                 yield wire.encode_info_chunk(payload.info, size)
         except PayloadFailed as err:
-            abort(context, err.code, str(err))
+            raise Refused(err.code, str(err)) from None
 
     def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[pb.WeightsChunk]:
         # Registered through the generated add_ModelRegistryServicer_to_server: the same stream, parsed
@@ -184,13 +184,13 @@ class ModelRegistryService(Publishing, Watching, model_registry_pb2_grpc.ModelRe
 
     def SetTag(self, request: pb.SetTagRequest, context: grpc.ServicerContext) -> pb.VersionInfo:
         if request.tag in RESERVED_TAGS or not TAG_RE.match(request.tag):
-            abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
                   f"tag must match {TAG_RE.pattern} and not be one of {sorted(RESERVED_TAGS)}")
         if request.remove:
             with self._lock:
                 old = self._tags.pop(request.tag, None)
                 if old is None:
-                    abort(context, grpc.StatusCode.NOT_FOUND, f"no version tagged {request.tag!r}")
+                    raise Refused(grpc.StatusCode.NOT_FOUND, f"no version tagged {request.tag!r}")
                 self._save_tags()
                 if old in self._versions:
                     self.blobs.put(manifest_key(old), self._manifest_bytes(old))
@@ -199,7 +199,7 @@ class ModelRegistryService(Publishing, Watching, model_registry_pb2_grpc.ModelRe
         version = self._resolve(request.version, "", context)
         with self._lock:
             if version not in self._versions:
-                abort(context, grpc.StatusCode.FAILED_PRECONDITION, f"version {version} is still being published")
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, f"version {version} is still being published")
             old = self._tags.get(request.tag)
             self._tags[request.tag] = version
             self._save_tags()

@@ -15,7 +15,7 @@ from google.protobuf.json_format import MessageToDict, ParseDict
 from prometheus_client import Gauge
 
 from overworld.core.blobs import BlobStore
-from overworld.core.grpc_util import abort
+from overworld.core.grpc_util import Refused
 from overworld.model_registry.payload import VERIFIED, Payload, PayloadFailed
 from overworld.model_registry.pushes import PushTracker
 from overworld.model_registry.relay_plan import RelayExclusions, RelayPlan
@@ -152,9 +152,9 @@ class RegistryStore:
             if version == 0:
                 version = self.latest() if tag in ("", "latest") else self._tags.get(tag, 0)
                 if version == 0:
-                    abort(context, grpc.StatusCode.NOT_FOUND, f"no version tagged {tag!r}" if tag else "no version published yet")
+                    raise Refused(grpc.StatusCode.NOT_FOUND, f"no version tagged {tag!r}" if tag else "no version published yet")
             if version not in self._versions and version not in self._cache:
-                abort(context, grpc.StatusCode.NOT_FOUND, f"version {version} does not exist (or was not retained)")
+                raise Refused(grpc.StatusCode.NOT_FOUND, f"version {version} does not exist (or was not retained)")
             return version
 
     def _payload(self, version: int) -> Payload:

@@ -13,7 +13,7 @@ from collections.abc import Iterator
 import grpc
 
 from overworld.core import safetensors_format
-from overworld.core.grpc_util import abort
+from overworld.core.grpc_util import Refused
 from overworld.model_registry import chunks
 from overworld.model_registry.payload import Payload, PayloadFailed
 from overworld.model_registry.relay_plan import REGISTRY, Member, RelayPlan, relay_chunk_bytes
@@ -64,13 +64,13 @@ class Watching(RegistryStore):
             # one name per precision ('bf16' and 'bfloat16' share a variant and a relay plan)
             precision = safetensors_format.half_precision(request.precision) or ""
         except ValueError as err:
-            abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"WatchRequest.precision: {err}")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"WatchRequest.precision: {err}") from None
         if request.relay_port > 65535:
-            abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"relay_port {request.relay_port} is not a TCP port")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"relay_port {request.relay_port} is not a TCP port")
         try:
             own = relay_host(request.relay_host) if request.relay_host else ""
         except ValueError as err:
-            abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"WatchRequest.{err}")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"WatchRequest.{err}") from None
         host = (own or peer_host(context.peer())) if request.relay_port and relayed else ""
         member = Member(watcher, f"{host}:{request.relay_port}" if host else "", precision, relayed)
         with self._lock:
@@ -162,7 +162,7 @@ class Watching(RegistryStore):
                     # a fault is of a version announced: none later (a report cannot exclude a relay for good)
                     self._exclusions.report(fault.relay[:300], fault.reason, min(fault.version, newest))
                 except ValueError as err:
-                    abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"AckVersionRequest.relay_faults: {err}")
+                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"AckVersionRequest.relay_faults: {err}") from None
         return pb.AckVersionResponse()
 
     def GetPushStatus(self, request: pb.PushStatusRequest, context: grpc.ServicerContext) -> pb.PushStatus:

@@ -25,7 +25,7 @@ from google.protobuf.message import DecodeError
 
 from overworld.core import tensors
 from overworld.core.fragment import Fragment, FragmentError, validate
-from overworld.core.grpc_util import abort
+from overworld.core.grpc_util import Refused
 from overworld.core.tensors import TensorDecodeError
 from overworld.replay_buffer import wire
 from overworld.replay_buffer.index import (
@@ -210,7 +210,7 @@ class InsertStream:
             elif not (self._inflight and self._inflight[0].put.done()):
                 self._wake.wait(IDLE_CHECK_SECONDS)  # the reader and finished writes notify; this bounds stop()
                 if self.front.stopping.is_set():
-                    abort(self.context, grpc.StatusCode.UNAVAILABLE, "replay buffer is shutting down; retry elsewhere")
+                    raise Refused(grpc.StatusCode.UNAVAILABLE, "replay buffer is shutting down; retry elsewhere")
                 if not self.context.is_active():
                     self._over = True
             return None
@@ -235,7 +235,7 @@ class InsertStream:
             self._refuse(received, err)
         if self.front.stopping.is_set():
             yield from self._acknowledge_all()  # what was written is indexed and acknowledged; the rest is resent
-            abort(self.context, grpc.StatusCode.UNAVAILABLE, "replay buffer is shutting down; retry elsewhere")
+            raise Refused(grpc.StatusCode.UNAVAILABLE, "replay buffer is shutting down; retry elsewhere")
         pending = self._start_write(received, fragment, started)
         pending.put.add_done_callback(self._wake_up)
         self._inflight.append(pending)
@@ -247,11 +247,11 @@ class InsertStream:
     def _refuse(self, received: _Received | None, err: _Rejected) -> NoReturn:
         h = received.header if received else common_pb2.FragmentHeader()
         if not err.reason:
-            abort(self.context, grpc.StatusCode.UNAVAILABLE, str(err))
+            raise Refused(grpc.StatusCode.UNAVAILABLE, str(err))
         REJECTS.labels(err.reason).inc()
         log.warning("rejected fragment from %s/%s#%s (%s): %s", h.worker_id, h.env_slot, h.sequence,
                     err.reason, err)
-        abort(self.context, grpc.StatusCode.INVALID_ARGUMENT, f"fragment rejected ({err.reason}): {err}")
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"fragment rejected ({err.reason}): {err}")
 
     def _check(self, r: _Received) -> Fragment:
         """The fragment (numpy views on the received bytes where possible), or _Rejected(reason, message)."""
@@ -296,20 +296,20 @@ class InsertStream:
         try:
             p.put.result()
         except Exception as err:
-            abort(context, grpc.StatusCode.UNAVAILABLE, f"blob store write failed: {err}; retry")
+            raise Refused(grpc.StatusCode.UNAVAILABLE, f"blob store write failed: {err}; retry") from None
         meta = p.meta
         while True:
             seen = front.generation
             try:
                 result: AddResult = front.index.add(meta)
             except IndexUnavailable as err:
-                abort(context, grpc.StatusCode.UNAVAILABLE, f"{err}; retry")
+                raise Refused(grpc.StatusCode.UNAVAILABLE, f"{err}; retry") from None
             if result.status == BLOCKED:
                 # The rate limiter waits for samples (a sample notifies; so do the call's end and stop()).
                 if not context.is_active():
-                    abort(context, grpc.StatusCode.CANCELLED, "client went away")
+                    raise Refused(grpc.StatusCode.CANCELLED, "client went away")
                 if front.stopping.is_set():
-                    abort(context, grpc.StatusCode.UNAVAILABLE, "replay buffer is shutting down; retry elsewhere")
+                    raise Refused(grpc.StatusCode.UNAVAILABLE, "replay buffer is shutting down; retry elsewhere")
                 front.wait_change(seen, IDLE_CHECK_SECONDS)
                 continue
             if result.status == SWEPT:  # stalled past the sweeper's grace period: write it again

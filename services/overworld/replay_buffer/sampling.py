@@ -18,7 +18,7 @@ from typing import TYPE_CHECKING, Protocol
 
 import grpc
 
-from overworld.core.grpc_util import abort
+from overworld.core.grpc_util import Refused
 from overworld.replay_buffer import wire
 from overworld.replay_buffer.index import Claim, IndexUnavailable
 from overworld.replay_buffer.metrics import DROPS, REF_SAMPLES, SAMPLE_LAG, SAMPLE_WAIT, SAMPLES
@@ -41,10 +41,10 @@ def check_sample_request(request: replay_buffer_pb2.SampleRequest, context: grpc
                          default_timeout: float) -> None:
     """Abort the call with INVALID_ARGUMENT unless num_chunks and timeout_seconds are in range."""
     if request.num_chunks == 0 or request.num_chunks > max_chunks:
-        abort(context, grpc.StatusCode.INVALID_ARGUMENT,
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
               f"num_chunks must be in [1, max_chunks={max_chunks}], got {request.num_chunks}")
     if not 0 <= request.timeout_seconds <= MAX_SAMPLE_TIMEOUT:  # also NaN
-        abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"timeout_seconds must be in [0, {MAX_SAMPLE_TIMEOUT:g}] "
+        raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"timeout_seconds must be in [0, {MAX_SAMPLE_TIMEOUT:g}] "
               f"seconds (0: the server's default of {default_timeout:g}), got {request.timeout_seconds}")
 
 
@@ -117,7 +117,7 @@ class SampleStream:
         try:
             claims = self.front.index.claim(want, by_ref=self.refs)
         except IndexUnavailable as err:
-            abort(self.context, grpc.StatusCode.UNAVAILABLE, f"{err}; retry")
+            raise Refused(grpc.StatusCode.UNAVAILABLE, f"{err}; retry") from None
         if claims:
             if self.refs:
                 self.front.deletes.note_ref_claim()  # before any of their blobs is queued for deletion
@@ -166,7 +166,7 @@ class SampleStream:
                 self.front.deletes.later(keys)
             return None
         except Exception as err:
-            abort(self.context, grpc.StatusCode.UNAVAILABLE, f"blob store read failed: {err}; retry")
+            raise Refused(grpc.StatusCode.UNAVAILABLE, f"blob store read failed: {err}; retry") from None
         return wire.sampled_chunk(claim.chunk.chunk_id, blobs, claim.chunk.times_sampled)
 
     def _end_short(self) -> None:
@@ -175,10 +175,10 @@ class SampleStream:
         if self.request.allow_partial or not self.context.is_active():
             return
         if self.front.stopping.is_set():
-            abort(self.context, grpc.StatusCode.UNAVAILABLE, "replay buffer is shutting down; retry elsewhere")
+            raise Refused(grpc.StatusCode.UNAVAILABLE, "replay buffer is shutting down; retry elsewhere")
         try:
             why = self.front.index.describe_wait()
         except IndexUnavailable as err:
             why = str(err)
-        abort(self.context, grpc.StatusCode.DEADLINE_EXCEEDED,
+        raise Refused(grpc.StatusCode.DEADLINE_EXCEEDED,
               f"only {self.sent} of {self.request.num_chunks} chunks after {self.timeout:.1f}s ({why})")

@@ -39,7 +39,7 @@ from typing import Any
 import grpc
 
 from overworld.core.blobs import BlobStore
-from overworld.core.grpc_util import abort
+from overworld.core.grpc_util import Refused
 from overworld.core.specs import Spaces
 from overworld.replay_buffer.index import IndexStats, IndexUnavailable, MemoryIndex, ReplayIndex
 from overworld.replay_buffer.ingest import InsertReport, InsertStream, fragments_prefix
@@ -239,7 +239,7 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
         `give_back` returns room first."""
         problem = check_reserve_request(request)
         if problem:
-            abort(context, grpc.StatusCode.INVALID_ARGUMENT, problem)
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, problem)
         limited = self.index.limiter is not None
         deadline = time.monotonic() + request.wait_seconds
         try:
@@ -254,7 +254,7 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
                     break
                 self.wait_change(seen, left)
         except IndexUnavailable as err:
-            abort(context, grpc.StatusCode.UNAVAILABLE, f"{err}; retry")
+            raise Refused(grpc.StatusCode.UNAVAILABLE, f"{err}; retry") from None
         RESERVED.inc(granted if limited else 0)
         return replay_buffer_pb2.ReserveResponse(granted=granted, limited=limited, ttl_seconds=self.reservation_ttl)
 
@@ -265,9 +265,9 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
         try:
             move = self.index.set_model_version(request.model_version)
         except ValueError as err:
-            abort(context, grpc.StatusCode.FAILED_PRECONDITION, str(err))
+            raise Refused(grpc.StatusCode.FAILED_PRECONDITION, str(err)) from None
         except IndexUnavailable as err:
-            abort(context, grpc.StatusCode.UNAVAILABLE, f"{err}; retry")
+            raise Refused(grpc.StatusCode.UNAVAILABLE, f"{err}; retry") from None
         if move.dropped_chunks:
             DROPS.labels("stale").inc(move.dropped_chunks)
         self.deletes.later(move.delete_blobs)
@@ -284,7 +284,7 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
         try:
             s = self.refresh_metrics()
         except IndexUnavailable as err:
-            abort(context, grpc.StatusCode.UNAVAILABLE, f"{err}; retry")
+            raise Refused(grpc.StatusCode.UNAVAILABLE, f"{err}; retry") from None
         return replay_buffer_pb2.BufferStats(
             fragments=s.fragments, chunks=s.chunks, bytes=s.bytes, inserted_fragments=s.inserted_fragments,
             sampled_chunks=s.sampled_chunks, dropped_chunks=s.dropped, rejected_fragments=rejects_by_reason(),

@@ -30,7 +30,7 @@ from prometheus_client import Counter, Gauge
 
 from overworld.core.blobs import BlobStore
 from overworld.core.config import RunConfig, config_hash, to_yaml
-from overworld.core.grpc_util import Backoff, abort
+from overworld.core.grpc_util import Backoff, Refused
 from overworld.core.specs import Spaces
 from overworld.rollout_manager.state import StateStore, StateUnavailable
 from overworld.rollout_manager.videos import VideoBook, video_store_url
@@ -217,19 +217,19 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
 
     def Register(self, request, context):
         if request.num_envs == 0:
-            abort(context, grpc.StatusCode.INVALID_ARGUMENT, "num_envs must be > 0")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "num_envs must be > 0")
         try:
             spaces = Spaces.from_proto(request.spaces)
         except TypeError as err:
-            abort(context, grpc.StatusCode.INVALID_ARGUMENT, f"spaces: {err}")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"spaces: {err}") from None
         if not spaces.obs or not spaces.action:
-            abort(context, grpc.StatusCode.INVALID_ARGUMENT, "spaces must declare at least one obs and one action")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "spaces must declare at least one obs and one action")
         with self._lock:
             if self._spaces is None:
                 self._spaces, self._spaces_proto = spaces, request.spaces
                 log.info("run spaces declared: %s", spaces)
             elif spaces != self._spaces:
-                abort(context, grpc.StatusCode.FAILED_PRECONDITION,
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
                       f"this worker's spaces {spaces} differ from the run's {self._spaces}: "
                       "is it running a different env or policy?")
             worker_id = f"w-{uuid.uuid4().hex[:8]}"
@@ -278,7 +278,7 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         for ep in request.episodes:
             values = [ep.sum_reward, ep.discounted_reward, *ep.extras.values()]
             if not np.all(np.isfinite(values)):
-                abort(context, grpc.StatusCode.INVALID_ARGUMENT, "episode statistics contain NaN or infinity")
+                raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "episode statistics contain NaN or infinity")
         with self._lock:
             sequence = request.report_sequence
             if sequence and sequence <= self._reports.get(request.worker_id, 0):
@@ -316,12 +316,12 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         try:
             self._save(run=True, episodes=True, strict=True)
         except StateUnavailable as err:
-            abort(context, grpc.StatusCode.UNAVAILABLE, f"rollout-manager state store unavailable ({err}); retry")
+            raise Refused(grpc.StatusCode.UNAVAILABLE, f"rollout-manager state store unavailable ({err}); retry") from None
 
     def GetSpaces(self, request, context):
         with self._lock:
             if self._spaces_proto is None:
-                abort(context, grpc.StatusCode.FAILED_PRECONDITION, "no rollout worker has declared the run's spaces yet")
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION, "no rollout worker has declared the run's spaces yet")
             return self._spaces_proto
 
     def GetFleetStatus(self, request, context):
@@ -367,18 +367,18 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         for chunk in request_iterator:
             if info is None:
                 if not chunk.HasField("info"):
-                    abort(context, grpc.StatusCode.INVALID_ARGUMENT, "the first chunk must carry the video's info")
+                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "the first chunk must carry the video's info")
                 info = chunk.info
             parts.append(chunk.data)
         if info is None:
-            abort(context, grpc.StatusCode.INVALID_ARGUMENT, "empty upload")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "empty upload")
         data = b"".join(parts)
         if not data.startswith(b"\x00\x00\x00") or b"ftyp" not in data[:16]:
-            abort(context, grpc.StatusCode.INVALID_ARGUMENT, "not an MP4 file")
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT, "not an MP4 file")
         try:
             return self.videos.store_video(info, data)
         except OSError as err:
-            abort(context, grpc.StatusCode.UNAVAILABLE, f"video store {self.videos.store_url}: {err}")
+            raise Refused(grpc.StatusCode.UNAVAILABLE, f"video store {self.videos.store_url}: {err}") from None
 
     def ListVideos(self, request, context):
         return rollout_manager_pb2.ListVideosResponse(videos=self.videos.list())

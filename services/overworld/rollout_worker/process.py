@@ -10,7 +10,7 @@ from typing import Any
 
 import grpc
 
-from overworld.core.grpc_util import Server, abort, serve
+from overworld.core.grpc_util import Refused, Server, serve
 from overworld.model_registry.relay import RelayShelf, serve_relay
 from overworld.rollout_worker.worker import RolloutWorker
 from overworld.v1 import rollout_worker_pb2 as pb
@@ -29,7 +29,7 @@ class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
     def GetStatus(self, request: pb.GetWorkerStatusRequest, context: grpc.ServicerContext) -> pb.WorkerStatus:
         w = self.worker
         if w is None:
-            abort(context, grpc.StatusCode.UNAVAILABLE, "the worker is still starting")
+            raise Refused(grpc.StatusCode.UNAVAILABLE, "the worker is still starting")
         return pb.WorkerStatus(worker_id=w.worker_id, num_envs=w.N, env_steps=w.env_steps,
                                fragments_sent=w.sender.sent, fragments_dropped=w.fragments_dropped,
                                model_version=w.model_version, send_queue_depth=w.sender.depth(),
