@@ -1,5 +1,9 @@
-"""The safetensors format without torch: a payload's header, its floating dtype, and the cast of its
-floating tensors to bfloat16 or float16 that the model-registry does for half-precision transfer.
+"""The safetensors format without torch: the one parser of a payload's header and tensor entries
+(`read_header`, `tensor_entries`, `parse`: as strict as the safetensors loader, never trusting a size
+it has not checked against the bytes), a payload's floating dtype, and the cast of its floating
+tensors to bfloat16 or float16 that the model-registry does for half-precision transfer. The parser's
+callers: the cast here, the replay buffer's zero-copy views (replay_buffer/wire.py), and for the
+header alone core/weights.py and the registry's message bounds (model_registry/payload.py).
 
 The registry runs in the services image, which has no torch: the cast is numpy's, rounded as torch
 rounds (to nearest, ties to even; float64 through float32, as torch's scalar casts go), so that the
@@ -10,9 +14,8 @@ them). The worker casts them back with torch (core/weights.py).
 from __future__ import annotations
 
 import json
-import math
 import struct
-from typing import Any
+from typing import Any, NamedTuple
 
 import numpy as np
 import safetensors
@@ -45,22 +48,106 @@ def half_precision(precision: str | bool) -> str | None:
         raise ValueError(f"unknown precision {precision!r}: use one of {sorted(HALF_PRECISIONS)}") from None
 
 
+class SafetensorsError(ValueError):
+    """Bytes that are not a valid safetensors payload."""
+
+
+class Entry(NamedTuple):
+    """One tensor of a payload: its safetensors dtype ('F32'), shape, and where its bytes lie in the
+    payload (begin..end, offsets from the payload's first byte, not from the data section's)."""
+
+    name: str
+    dtype: str
+    shape: tuple[int, ...]
+    begin: int
+    end: int
+
+
+def _no_duplicates(pairs: list[tuple[str, Any]]) -> dict[str, Any]:
+    """A JSON object that names nothing twice (which JSON parsers resolve each their own way)."""
+    out: dict[str, Any] = {}
+    for key, value in pairs:
+        if key in out:
+            raise SafetensorsError(f"not a safetensors payload: {key!r} given twice in the header")
+        out[key] = value
+    return out
+
+
 def read_header(buf: bytes | bytearray | memoryview) -> tuple[dict[str, Any], int]:
     """The safetensors header (name -> {dtype, shape, data_offsets}, plus `__metadata__`) and the
-    offset where the tensor data starts."""
+    offset where the tensor data starts. `buf` may end after the header: the entries are not checked
+    here (`tensor_entries` does); the header's length, JSON (UTF-8, an object, no name twice) and
+    metadata (strings) are. SafetensorsError (a ValueError) otherwise."""
     view = memoryview(buf)
     if len(view) < 8:
-        raise ValueError("not a safetensors payload: shorter than its header length")
+        raise SafetensorsError("not a safetensors payload: shorter than its header length")
     (n,) = struct.unpack("<Q", view[:8])
     if n > MAX_HEADER_BYTES or 8 + n > len(view):
-        raise ValueError(f"not a safetensors payload: header length {n} for {len(view)} bytes")
+        raise SafetensorsError(f"not a safetensors payload: header length {n} for {len(view)} bytes")
     try:
-        header = json.loads(bytes(view[8:8 + n]))
+        header = json.loads(bytes(view[8:8 + n]).decode("utf-8"), object_pairs_hook=_no_duplicates)
     except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise ValueError(f"not a safetensors payload: {err}") from None
+        raise SafetensorsError(f"not a safetensors payload: {err}") from None
     if not isinstance(header, dict):
-        raise ValueError("not a safetensors payload: the header is not an object")
+        raise SafetensorsError("not a safetensors payload: the header is not an object")
+    metadata = header.get("__metadata__")
+    if metadata is not None and not (isinstance(metadata, dict)
+                                     and all(isinstance(v, str) for v in metadata.values())):
+        raise SafetensorsError("not a safetensors payload: __metadata__ is not an object of strings")
     return header, 8 + n
+
+
+def _sizes(value: Any, count: int | None) -> list[int] | None:
+    """`value` as a list of sizes (ints in 0..2**64-1, as the loader's usize; `count` of them if given),
+    or None."""
+    if not isinstance(value, list) or count is not None and len(value) != count:
+        return None
+    if not all(type(v) is int and 0 <= v < 1 << 64 for v in value):  # not bool, not float
+        return None
+    return value
+
+
+def tensor_entries(header: dict[str, Any], start: int, total: int) -> list[Entry]:
+    """The tensors of a header (`read_header`) whose data starts at `start` in a payload of `total`
+    bytes, by where their bytes lie, checked as strictly as the safetensors loader checks them: a
+    known dtype, a shape and two data offsets of non-negative ints, as many bytes as the shape needs,
+    and data that covers the data section exactly (no overlap, no gap, nothing after). The sizes are
+    checked against `total`, never trusted. SafetensorsError (a ValueError) otherwise."""
+    entries = []
+    for name, meta in header.items():
+        if name == "__metadata__":
+            continue
+        if not isinstance(meta, dict) or not isinstance(meta.get("dtype"), str) or meta["dtype"] not in DTYPES:
+            raise SafetensorsError(f"tensor {name!r}: not an entry of a known dtype: {str(meta)[:200]}")
+        shape, offsets = _sizes(meta.get("shape"), None), _sizes(meta.get("data_offsets"), 2)
+        if shape is None or offsets is None:
+            raise SafetensorsError(f"tensor {name!r}: bad shape or data_offsets: {str(meta)[:200]}")
+        count = 1
+        for d in shape:  # the loader refuses a product past 2**64 even where a later 0 would end it
+            count *= d
+            if count >= 1 << 64:
+                raise SafetensorsError(f"tensor {name!r}: shape {shape} overflows")
+        begin, end = offsets
+        if not begin <= end <= total - start or end - begin != count * DTYPES[meta["dtype"]][1]:
+            raise SafetensorsError(f"tensor {name!r}: data_offsets {offsets} do not fit shape {shape} "
+                                   f"{meta['dtype']} in {total - start} bytes of data")
+        entries.append(Entry(name, meta["dtype"], tuple(shape), start + begin, start + end))
+    entries.sort(key=lambda e: (e.begin, e.end))
+    position = start
+    for entry in entries:
+        if entry.begin != position:
+            raise SafetensorsError(f"tensor {entry.name!r}: its data "
+                                   f"{'overlaps another' if entry.begin < position else 'leaves a gap'}")
+        position = entry.end
+    if position != total:
+        raise SafetensorsError(f"not a safetensors payload: {total - position} bytes after the data")
+    return entries
+
+
+def parse(buf: bytes | bytearray | memoryview) -> tuple[dict[str, Any], list[Entry]]:
+    """The header of a whole payload and its checked tensors (`read_header`, `tensor_entries`)."""
+    header, start = read_header(buf)
+    return header, tensor_entries(header, start, len(memoryview(buf)))
 
 
 def payload_dtype(buf: bytes | bytearray | memoryview) -> str:
@@ -84,30 +171,19 @@ def convert(data: bytes | bytearray | memoryview, precision: str) -> bytes:
     if target is None:
         return bytes(data)
     view = memoryview(data)
-    header, start = read_header(view)
-    metadata = header.get("__metadata__")
+    header, entries = parse(view)
     specs: dict[str, Any] = {}
     keep_alive: list[Any] = []
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype, itemsize = DTYPES[meta["dtype"]]
-            shape = [int(d) for d in meta["shape"]]
-            begin, end = (int(x) + start for x in meta["data_offsets"])
-        except (KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"bad safetensors entry for {name!r}: {err}") from None
-        if end - begin != math.prod(shape) * itemsize or begin < start or end > len(view):
-            raise ValueError(f"bad safetensors offsets for {name!r}: {begin - start}..{end - start} "
-                             f"for {math.prod(shape)} x {dtype}")
+    for name, code, shape, begin, end in entries:
+        dtype = DTYPES[code][0]
         raw = view[begin:end]  # safetensors reads it through a pointer: `data` outlives the serialize
-        if meta["dtype"] in FLOATING and dtype != target:
-            array = _cast(raw, meta["dtype"], target)
+        if code in FLOATING and dtype != target:
+            array = _cast(raw, code, target)
             keep_alive.append(array)
             dtype, raw = target, array.data.cast("B")  # array.data is memoryview(array)
         address = np.frombuffer(raw, dtype=np.uint8).ctypes.data
-        specs[name] = safetensors.TensorSpec(dtype=dtype, shape=shape, data_ptr=address, data_len=len(raw))
-    serialized = bytes(safetensors.serialize(specs, metadata=metadata))
+        specs[name] = safetensors.TensorSpec(dtype=dtype, shape=list(shape), data_ptr=address, data_len=len(raw))
+    serialized = bytes(safetensors.serialize(specs, metadata=header.get("__metadata__")))
     del keep_alive
     return serialized
 

@@ -9,9 +9,7 @@ wire bytes around the stored blobs.
 
 from __future__ import annotations
 
-import json
 import math
-import struct
 
 import numpy as np
 
@@ -44,46 +42,21 @@ def length_delimited_fields(buf: memoryview) -> dict[int, memoryview]:
 
 
 def decode_views(data: memoryview) -> dict[str, np.ndarray]:
-    """Uncompressed safetensors bytes -> read-only numpy views on them, checked as strictly as the
-    safetensors loader (header bounds, known dtypes, sizes, contiguous non-overlapping data)."""
-    if len(data) < 8:
-        raise WireError("tensors are not valid safetensors: shorter than the 8-byte header size")
-    (n,) = struct.unpack_from("<Q", data, 0)
-    if n > len(data) - 8:
-        raise WireError(f"tensors are not valid safetensors: header of {n} bytes past the end")
+    """Uncompressed safetensors bytes -> read-only numpy views on them, checked by the one parser
+    (core/safetensors_format.py) as strictly as the safetensors loader. WireError for a payload it
+    refuses, or one with a dtype numpy lacks (bfloat16, float8): the caller leaves both to the loader."""
     try:
-        header = json.loads(bytes(data[8:8 + n]))
-    except (UnicodeDecodeError, json.JSONDecodeError) as err:
-        raise WireError(f"tensors are not valid safetensors: header is not JSON ({err})") from None
-    if not isinstance(header, dict):
-        raise WireError("tensors are not valid safetensors: header is not an object")
-    body = data[8 + n:]
-    entries = []
-    for name, info in header.items():
-        if name == "__metadata__":
-            continue
-        if not isinstance(info, dict) or info.get("dtype") not in DTYPES:
-            raise WireError(f"tensor {name!r}: unsupported entry {info!r}")
-        shape, offsets = info.get("shape"), info.get("data_offsets")
-        if (not isinstance(shape, list) or not all(isinstance(d, int) and d >= 0 for d in shape)
-                or not isinstance(offsets, list) or len(offsets) != 2
-                or not all(isinstance(o, int) for o in offsets)):
-            raise WireError(f"tensor {name!r}: bad shape or data_offsets")
-        dtype = np.dtype(DTYPES[info["dtype"]])
-        begin, end = offsets
-        if not 0 <= begin <= end <= len(body) or end - begin != math.prod(shape) * dtype.itemsize:
-            raise WireError(f"tensor {name!r}: data_offsets {offsets} do not fit shape {shape} {info['dtype']}")
-        entries.append((begin, end, name, dtype, shape))
-    entries.sort()
-    position = 0
-    for begin, end, name, _, _ in entries:
-        if begin != position:
-            raise WireError(f"tensor {name!r}: data is not contiguous")
-        position = end
-    if position != len(body):
-        raise WireError("tensors are not valid safetensors: trailing bytes after the data")
-    return {name: np.frombuffer(body, dtype, math.prod(shape), begin).reshape(shape) if end > begin
-            else np.empty(shape, dtype) for begin, end, name, dtype, shape in entries}
+        _, entries = safetensors_format.parse(data)
+    except safetensors_format.SafetensorsError as err:
+        raise WireError(f"tensors are not valid safetensors: {err}") from None
+    out = {}
+    for name, code, shape, begin, end in entries:
+        dtype = DTYPES.get(code)
+        if dtype is None:
+            raise WireError(f"tensor {name!r}: {code} has no numpy dtype")
+        out[name] = (np.frombuffer(data, dtype, math.prod(shape), begin).reshape(shape) if end > begin
+                     else np.empty(shape, dtype))
+    return out
 
 
 def sampled_chunk(chunk_id: int, blobs: list[bytes], times_sampled: int) -> bytes:
