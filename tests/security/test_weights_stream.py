@@ -18,6 +18,7 @@ import pytest
 from overworld.core import authz, tls, weights
 from overworld.core.blobs import LocalBlobStore
 from overworld.core.grpc_util import serve
+from overworld.model_registry import stream as stream_module
 from overworld.model_registry.relay import RelayShelf, serve_relay
 from overworld.model_registry.relay_plan import relay_chunk_bytes
 from overworld.model_registry.server import ModelRegistryService, registration
@@ -168,3 +169,37 @@ def test_a_request_that_is_not_one_is_answered(identities: dict[str, Path], endp
             assert reply[0] == grpc.StatusCode.INVALID_ARGUMENT.value[0], reply
     # and the endpoint still serves
     assert answer(endpoints[authz.WEIGHTS_FROM_REGISTRY]) == grpc.StatusCode.OK
+
+
+@pytest.mark.parametrize("in_place", [True, False], ids=["cryptography-46+", "cryptography-45"])
+def test_the_whole_version_arrives_sealed_with_either_aead_api(identities: dict[str, Path], endpoints: dict[str, str],
+                                                                monkeypatch: pytest.MonkeyPatch, in_place: bool) -> None:
+    """MineStudio's environment holds cryptography 45 (no encrypt_into/decrypt_into): frames are sealed
+    and opened with a copy there, the same bytes; a flipped byte is still DATA_LOSS."""
+    import torch
+
+    monkeypatch.setattr(stream_module, "IN_PLACE", in_place)
+    tls.use(identities["rollout-worker"])
+    chunk, out, end = relay_chunk_bytes(1), bytearray(8 << 20), 0
+
+    def into(index: int, n: int) -> memoryview:
+        nonlocal end
+        end = max(end, index * chunk + n)
+        return memoryview(out)[index * chunk:index * chunk + n]
+
+    stream = open_stream(endpoints[authz.WEIGHTS_FROM_REGISTRY], request(), 5.0, 15.0, lambda: False)
+    try:
+        while stream.next(into).kind != END:
+            pass
+    finally:
+        stream.close()
+    assert weights.from_bytes(bytes(out[:end]))["w"].equal(torch.arange(300_000, dtype=torch.float32))
+    received = WeightsStream._fill
+
+    def flip(self: WeightsStream, view: memoryview) -> None:
+        received(self, view)
+        if len(view) > 1000:  # a sealed chunk
+            view[100] ^= 0x01
+
+    monkeypatch.setattr(WeightsStream, "_fill", flip)
+    assert answer(endpoints[authz.WEIGHTS_FROM_REGISTRY]) == grpc.StatusCode.DATA_LOSS

@@ -203,6 +203,12 @@ def send_parts(sock: socket.socket, parts: list[memoryview]) -> None:
                 sent = 0
 
 
+# In place (no copy of a frame) where cryptography has it (46+). MineStudio's environment holds
+# cryptography below 46 (gym3 needs cffi<2): there a frame is sealed and opened through one more copy,
+# the same bytes on the wire.
+IN_PLACE = hasattr(AESGCM, "encrypt_into") and hasattr(AESGCM, "decrypt_into")
+
+
 class FrameWriter:
     """The server's side of a stream once it started: sealed frames, one reused output buffer."""
 
@@ -236,7 +242,10 @@ class FrameWriter:
         if len(self._out) < need:
             self._out = bytearray(need)
         sealed = memoryview(self._out)[:need]
-        self._aead.encrypt_into(_nonce(self._counter), payload, header, sealed)
+        if IN_PLACE:
+            self._aead.encrypt_into(_nonce(self._counter), payload, header, sealed)
+        else:
+            sealed[:] = self._aead.encrypt(_nonce(self._counter), payload, header)
         self._counter += 1
         send_parts(self.sock, [memoryview(header), sealed])
 
@@ -315,7 +324,10 @@ class WeightsStream:
         sealed = memoryview(self._sealed)[:need]
         self._fill(sealed)
         try:
-            self._aead.decrypt_into(_nonce(self._counter), sealed, header, dest)
+            if IN_PLACE:
+                self._aead.decrypt_into(_nonce(self._counter), sealed, header, dest)
+            else:
+                dest[:] = self._aead.decrypt(_nonce(self._counter), sealed, header)
         except InvalidTag:
             raise StreamError(grpc.StatusCode.DATA_LOSS, "a frame was altered on the way") from None
         self._counter += 1
