@@ -8,6 +8,8 @@ VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed-$(shell cat pyproject.toml | sha1sum | cut -c1-12)
 CONFIG ?= examples/crafter_cow.yaml
+SUMMARY ?= runs/last-summary.json
+RUN_FLAGS ?=
 PYTEST_ARGS ?=
 
 SB3_STAMP := .venv-sb3/.installed-sb3-2.9.2
@@ -26,8 +28,15 @@ $(STAMP): pyproject.toml
 
 install: $(STAMP)
 
+# Ctrl-C stops the run: `overworld run` stops its services, writes the summary ("status": "interrupted")
+# and exits 130 (cli.EXIT_INTERRUPTED), which this recipe takes for success, so make prints no
+# "*** [run] Error" line. The terminal interrupts make and this shell too: the trap keeps the shell
+# waiting for the run (dash would die at once, and make print "Interrupt"); make, once the recipe has
+# ended, ends by SIGINT as GNU make always does when interrupted (the shell's $? is 130).
+# RUN_FLAGS: more `overworld run` flags (--workdir DIR, --max-env-steps N, --insecure, ...).
 run: $(STAMP)
-	$(VENV)/bin/overworld run $(CONFIG) --summary runs/last-summary.json
+	@trap : INT; $(VENV)/bin/overworld run $(CONFIG) --summary $(SUMMARY) $(RUN_FLAGS); rc=$$?; \
+	if [ $$rc -eq 130 ]; then rc=0; fi; exit $$rc
 
 # $(call pytest,PYTHON,ARGS): pytest exits 5 when it collected no test: that must fail, not pass quietly.
 pytest = $(1) -m pytest -q $(2) $(PYTEST_ARGS); rc=$$?; \

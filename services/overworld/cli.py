@@ -1,4 +1,10 @@
-"""overworld run | serve | status."""
+"""overworld run | serve | status.
+
+`overworld run` exits 0 when the run completed (its budget, its target or all its iterations), 1 when
+it failed, 2 for a config it cannot use, and EXIT_INTERRUPTED (130, as a shell reports a command that
+SIGINT ended) when Ctrl-C, SIGTERM or SIGHUP stopped it: the services stopped and the summary written,
+its status "interrupted" (the Makefile's `run` takes that for success).
+"""
 
 from __future__ import annotations
 
@@ -8,6 +14,7 @@ from pathlib import Path
 
 from overworld.core.service import env_default
 
+EXIT_INTERRUPTED = 130  # 128 + SIGINT
 
 def _serve_parser(sub: argparse._SubParsersAction) -> None:
     from overworld.serve import MODULES
@@ -85,6 +92,11 @@ def main(argv: list[str] | None = None) -> int:
         except ConfigError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2
+        except KeyboardInterrupt:  # before the services started (run() handles it from then on)
+            print("overworld run: interrupted", file=sys.stderr)
+            return EXIT_INTERRUPTED
+        if summary["status"] == "interrupted":
+            return EXIT_INTERRUPTED
         return 0 if summary["status"] in ("completed", "target_reached", "max_env_steps") else 1
     if args.command == "serve":
         return serve_main(args)

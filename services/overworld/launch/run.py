@@ -291,7 +291,7 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
         error = str(err)
         follower.display.message(f"error: {err}", sys.stderr)
     finally:
-        follower.display.message("stopping services...")
+        follower.display.message("interrupted: stopping services..." if status == "interrupted" else "stopping services...")
         supervisor.stop()
         tls.reset()
     summary = follower.summary(status, error)
