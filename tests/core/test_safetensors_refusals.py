@@ -72,3 +72,17 @@ def test_a_corrupted_payload_is_refused_or_read_as_the_loader_reads_it(seed: int
             except ValueError:
                 continue
             assert full is not None, f"accepted what the loader refuses: {bytes(bad[:200])!r}"
+
+
+@pytest.mark.parametrize("case", CASES)
+def test_a_malformed_payload_is_refused_where_a_worker_reads_a_version(case: str) -> None:
+    """core/weights.py: a version read in place (from_buffer) or from its chunks (from_pieces), as the
+    rollout worker's watcher does, goes through the same parser: ValueError, never a tensor."""
+    from overworld.core import weights
+
+    bad = CASES[case](GOOD)
+    with pytest.raises(ValueError):
+        weights.from_buffer(bytearray(bad))
+    half = len(bad) // 2
+    with pytest.raises(ValueError):
+        weights.from_pieces([(0, memoryview(bad)[:half]), (half, memoryview(bad)[half:])])

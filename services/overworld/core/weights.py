@@ -62,23 +62,12 @@ def from_bytes(data: bytes, like: dict[str, torch.Tensor] | None = None) -> dict
 def tensor_entries(header: dict[str, Any], start: int, total: int
                    ) -> Iterator[tuple[str, torch.dtype, list[int], int, int, int, int]]:
     """(name, dtype, shape, count, itemsize, begin, end) of each tensor of a safetensors header whose
-    data starts at `start` in a payload of `total` bytes; begin/end are offsets in the payload.
-    A malformed entry, or one whose bytes do not fit its shape or the payload, is a ValueError."""
-    for name, meta in header.items():
-        if name == "__metadata__":
-            continue
-        try:
-            dtype = DTYPES[meta["dtype"]]
-            shape = [int(d) for d in meta["shape"]]
-            begin, end = (int(x) + start for x in meta["data_offsets"])
-        except (KeyError, TypeError, ValueError) as err:
-            raise ValueError(f"bad safetensors entry for {name!r}: {err}") from None
-        count = math.prod(shape)
-        itemsize = torch.empty((), dtype=dtype).element_size()
-        if end - begin != count * itemsize or begin < start or end > total:
-            raise ValueError(f"bad safetensors offsets for {name!r}: {begin - start}..{end - start} "
-                             f"for {count} x {dtype}")
-        yield name, dtype, shape, count, itemsize, begin, end
+    data starts at `start` in a payload of `total` bytes; begin/end are offsets in the payload. Checked
+    by the one parser (safetensors_format.tensor_entries): a malformed payload is a ValueError."""
+    for entry in safetensors_format.tensor_entries(header, start, total):
+        itemsize = safetensors_format.DTYPES[entry.dtype][1]
+        yield (entry.name, DTYPES[entry.dtype], list(entry.shape), math.prod(entry.shape), itemsize,
+               entry.begin, entry.end)
 
 
 def from_buffer(buf: bytearray | memoryview, like: dict[str, torch.Tensor] | None = None,
