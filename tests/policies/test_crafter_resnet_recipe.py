@@ -104,7 +104,7 @@ def test_value_loss_weight_is_the_recipes(config) -> None:
     logp = torch.full((4, 8), -math.log(17))
     terms = ppo_loss(PolicyOutput(logits, vpred), action, logp, torch.zeros(4, 8), target, vpred, None, 0.0, cfg)
     mse = ((vpred - target) ** 2).mean()
-    assert float(terms.total) == pytest.approx(AD_PPO_YAML["algorithm_kwargs"]["vf_loss_coef"] * float(mse), rel=1e-6)
+    assert float(terms.total_loss) == pytest.approx(AD_PPO_YAML["algorithm_kwargs"]["vf_loss_coef"] * float(mse), rel=1e-6)
 
 
 def test_value_normaliser_moves_per_iteration_as_ads_per_minibatch(config, policy) -> None:

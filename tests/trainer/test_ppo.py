@@ -85,7 +85,7 @@ def test_reference_policy_sees_the_same_context() -> None:
     trainer = make_trainer(*BASE, "policy_kwargs.recurrent=true", "train_config.kl_divergence_coef_rho=0.5",
                            "train_config.learning_rate=0.0")
     kls: list[float] = []
-    trainer.hooks.register("post_loss", lambda t, terms: kls.append(float(terms.kl.detach())))
+    trainer.hooks.register("post_loss", lambda t, terms: kls.append(float(terms.kl_divergence_loss.detach())))
     batch = make_batch(trainer, B=8, L=16)
     batch.first[:] = False
     batch.state = {"h": torch.randn(8, trainer.unwrapped_model.core.size)}
@@ -127,11 +127,11 @@ def test_vf_warmup_counts_iterations_and_weights_the_kl_term_by_one() -> None:
         trainer.train_iteration(make_batch(trainer, B=8, L=16, seed=iteration))
         for t in seen:
             if warm:  # MineStudio: value loss + 1.0 * KL
-                expected = cfg.ppo_vf_coef * t.value + 1.0 * t.kl
+                expected = cfg.ppo_vf_coef * t.value_loss + 1.0 * t.kl_divergence_loss
             else:
-                expected = cfg.ppo_policy_coef * t.policy + cfg.ppo_vf_coef * t.value + trainer.rho * t.kl
-            torch.testing.assert_close(t.total.detach(), expected.detach(), rtol=1e-5, atol=1e-6)
-        assert any(float(t.kl.detach()) > 0 for t in seen[1:])
+                expected = cfg.ppo_policy_coef * t.policy_loss + cfg.ppo_vf_coef * t.value_loss + trainer.rho * t.kl_divergence_loss
+            torch.testing.assert_close(t.total_loss.detach(), expected.detach(), rtol=1e-5, atol=1e-6)
+        assert any(float(t.kl_divergence_loss.detach()) > 0 for t in seen[1:])
 
 
 def test_no_weights_are_published_during_the_value_warmup() -> None:
@@ -158,7 +158,7 @@ def test_the_reference_carries_its_own_state_from_window_to_window() -> None:
         for p in reference.parameters():
             p.add_(0.3 * torch.randn_like(p))
     kls: list[float] = []
-    trainer.hooks.register("post_loss", lambda t, terms: kls.append(float(terms.kl.detach())))
+    trainer.hooks.register("post_loss", lambda t, terms: kls.append(float(terms.kl_divergence_loss.detach())))
     batch = make_batch(trainer, B=8, L=16)
     batch.first[:] = False
     batch.state = {"h": torch.randn(8, trainer.unwrapped_model.core.size)}

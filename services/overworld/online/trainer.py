@@ -10,7 +10,6 @@ MinePolicy, wrapped by the runtime), `train_iteration`, `fetch_fragments_and_est
 from __future__ import annotations
 
 import dataclasses
-import time
 from typing import Any
 
 import torch
@@ -135,14 +134,13 @@ class PPOTrainer(BaseTrainer, PPOLearner):
         does is fine). Given a `batch` (tests, tools), only the update from that batch."""
         if batch is not None:
             return self.update(batch)
-        started = time.monotonic()
-        r = self.fetch_fragments_and_estimate_advantages(num_fragments=self.fragments_per_iteration)
+        with self.timed("fetch"):
+            r = self.fetch_fragments_and_estimate_advantages(num_fragments=self.fragments_per_iteration)
         self.hooks.run("post_collect", self, batch=r["records"])
-        fetched = time.monotonic()
         metrics = self.ppo_update(records=r["records"], td_targets=r["td_targets"], advantages=r["advantages"],
                                   old_logps=r["old_logps"], old_vpreds=r["old_vpreds"], rewards=r["rewards"])
         self.kl_divergence_coef_rho *= self.config.train_config.coef_rho_decay
-        return {**(metrics or {}), "trainer/fetch_seconds": fetched - started}
+        return metrics
 
     def fetch_fragments_and_estimate_advantages(self, *, num_fragments: int | None = None) -> dict[str, Any]:
         """This rank's share of `num_fragments` (default: fragments_per_iteration) with advantages, as

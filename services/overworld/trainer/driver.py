@@ -44,7 +44,8 @@ FINAL_STATE_SECONDS = 5.0
 # MineStudio names its PPO PPOTrainer; here it is the learner itself (overworld.online.PPOTrainer adds
 # only MineStudio's constructor and attribute names).
 TRAINERS = {"PPOTrainer": "overworld.trainer.learner:PPOLearner", "PPOLearner": "overworld.trainer.learner:PPOLearner"}
-LOSS_TERMS = {"policy": "trainer/policy_loss", "value": "trainer/value_loss", "kl": "trainer/kl_divergence_loss",
+# overworld_trainer_loss{term=...}: the dashboards' labels for the logged loss terms
+LOSS_GAUGE_LABELS = {"policy": "trainer/policy_loss", "value": "trainer/value_loss", "kl": "trainer/kl_divergence_loss",
               "entropy": "trainer/entropy_bonus", "total": "trainer/total_loss"}
 
 
@@ -84,7 +85,7 @@ class TrainerStatusService(trainer_pb2_grpc.TrainerServicer):
             self.status.CopyFrom(request)
         ITERATION.set(request.iteration)
         VERSION.set(request.model_version)
-        for term, key in LOSS_TERMS.items():
+        for term, key in LOSS_GAUGE_LABELS.items():
             if key in request.metrics:
                 LOSS.labels(term).set(request.metrics[key])
         if "trainer/approx_kl" in request.metrics:

@@ -7,14 +7,11 @@
 
 Everything around it (connections, publishing, checkpoints, status, Ray Train, the loop that counts
 the fleet's steps) is trainer/runtime.py; MineStudio's names for these steps, and its subclassing API,
-are overworld/online/trainer.py. docs/trainer.md walks through this file.
+are overworld/online/trainer.py. docs/trainer.md walks through this file and lists what it does
+differently from MineStudio's PPO, each with its test.
 
-Fixes over MineStudio: ratios against the behaviour log-probs recorded at rollout; advantages
-normalised over the global batch; the recurrent state is reset at episode starts inside a window
-(the policy sees `first`); the reference policy sees the same windows and carries its own state
-from window to window; a non-finite gradient on any rank skips the step on every rank; any
-batch_size_per_gpu. DDP: gradients are all-reduced once per optimizer step (every other backward runs
-under `no_sync`); parameters that get no gradient never hang or crash a step (see `wrap_ddp`).
+DDP: gradients are all-reduced once per optimizer step (every other backward runs under `no_sync`);
+parameters that get no gradient never hang or crash a step (see `wrap_ddp`).
 
 Memory: an iteration's batch stays in host memory; only `inference_batch_size_per_gpu` chains x
 `context_length` steps (values) or one minibatch (update) are on the device at a time.
@@ -26,23 +23,45 @@ import contextlib
 import copy
 import logging
 import math
-import time
 from collections.abc import Iterator
 from typing import Any
 
 import torch
 
-from overworld.policies.base import log_prob
+from overworld.core.config import RunConfig
+from overworld.gae.client import GaeClient
+from overworld.policies.base import Policy, log_prob
+from overworld.replay_buffer.reader import ChunkReader
 from overworld.trainer.data import Batch, chains_from_chunks, to_device
-from overworld.trainer.loss import LossConfig, LossTerms, ppo_loss
+from overworld.trainer.hooks import Hooks
+from overworld.trainer.loss import LOSS_TERMS, LossConfig, LossTerms, ppo_loss
 from overworld.trainer.runtime import TrainerRuntime
 
 log = logging.getLogger("overworld.trainer.learner")
 
-TERMS = ("total", "policy", "value", "entropy", "kl", "approx_kl", "clip_fraction")
-
 
 class PPOLearner(TrainerRuntime):
+    # What the learner uses of its runtime (trainer/runtime.py sets each up), so that this file reads alone.
+    config: RunConfig  # train_config holds every knob below
+    device: torch.device  # this rank's
+    world_size: int  # learner ranks: DDP when more than one
+    model: torch.nn.Module  # the policy, wrapped by DDP when world_size > 1
+    optimizer: torch.optim.Optimizer
+    hooks: Hooks
+    reader: ChunkReader  # this rank's share of each iteration's chunks, from the replay buffer
+    gae_client: GaeClient
+    iteration: int  # 1 during the first
+    model_version: int  # the newest version published: the policy lag of a batch
+    # ... and its methods: all_reduce_sum(x): over the ranks, a no-op on one; build_policy(): the run's
+    # policy, fresh; timed(part): seconds of a part, trainer/<part>_seconds; unwrapped_model: without DDP.
+    # What the learner keeps up to date (saved in every checkpoint: trainer/training_state.py):
+    rho: float  # the KL coefficient, decayed every iteration
+    updates: int  # optimizer steps
+    samples_trained: int  # env steps trained on (chains x length, every epoch once)
+    reference: Policy | None  # the frozen KL reference, when kl_divergence_coef_rho > 0
+    scaler: torch.amp.GradScaler | None  # fp16 only
+    amp_dtype: torch.dtype | None  # autocast type with use_amp
+
     # -- setup -----------------------------------------------------------------------------------
     def setup_model_and_optimizer(self, policy_generator: Any = None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         """The run's policy and AdamW over what it trains; a frozen copy as the KL reference when
@@ -76,8 +95,8 @@ class PPOLearner(TrainerRuntime):
                           t.log_ratio_range)
 
     def in_vf_warmup(self) -> bool:
-        """MineStudio counts `vf_warmup` in iterations: the first `vf_warmup` ones train the value
-        function (and the KL term) only, and publish no weights. (`iteration` is 1 during the first.)"""
+        """The first `vf_warmup` iterations (not optimizer steps) train the value function and the KL
+        term only, and publish no weights."""
         return max(self.iteration - 1, 0) < self.config.train_config.vf_warmup
 
     # -- one iteration -----------------------------------------------------------------------------
@@ -86,28 +105,25 @@ class PPOLearner(TrainerRuntime):
         tools) whose advantages are set: only the update."""
         if batch is not None:
             return self.update(batch)
-        started = time.monotonic()
-        batch = self.estimate_advantages(self.sample())
+        with self.timed("fetch"):
+            batch = self.estimate_advantages(self.sample())
         self.hooks.run("post_collect", self, batch=batch)
-        fetched = time.monotonic()
         metrics = self.update(batch)
         self.rho *= self.config.train_config.coef_rho_decay
-        return {**metrics, "trainer/fetch_seconds": fetched - started}
+        return metrics
 
     def sample(self) -> Batch:
         """This rank's share of the iteration's fragments, as chains (B, L) in host memory."""
-        started = time.monotonic()
-        batch = chains_from_chunks(self.reader.next())
-        self.timings["sample"] = time.monotonic() - started
-        return batch
+        with self.timed("sample"):
+            return chains_from_chunks(self.reader.next())
 
     # -- values and advantages -------------------------------------------------------------------------
     def estimate_advantages(self, batch: Batch) -> Batch:
         """Fills in the batch's advantages and value targets (the gae service; V-trace if configured)
         and the learner's value predictions before the update (`old_vpred`)."""
         t = self.config.train_config
-        started = time.monotonic()
-        vpred, next_vpred, target_logp = self.compute_values(batch)
+        with self.timed("values"):
+            vpred, next_vpred, target_logp = self.compute_values(batch)
         normalizer = self.unwrapped_model.value_normalizer
         # Denormalised with the statistics the predictions were made with, before this batch moves them.
         value, next_value = normalizer.denormalize(vpred.to(self.device)), normalizer.denormalize(next_vpred.to(self.device))
@@ -118,10 +134,9 @@ class PPOLearner(TrainerRuntime):
         if t.vtrace:
             request["behaviour_logp"] = batch.behaviour_logp.numpy()
             request["target_logp"] = target_logp.numpy()
-        valued = time.monotonic()
-        adv, target = self.gae_client.estimate(request, t.discount, t.gae_lambda, vtrace=t.vtrace,
-                                               rho_clip=t.vtrace_rho_clip, c_clip=t.vtrace_c_clip)
-        self.timings.update(values=valued - started, gae=time.monotonic() - valued)
+        with self.timed("gae"):
+            adv, target = self.gae_client.estimate(request, t.discount, t.gae_lambda, vtrace=t.vtrace,
+                                                   rho_clip=t.vtrace_rho_clip, c_clip=t.vtrace_c_clip)
         batch.advantage = torch.as_tensor(adv)
         batch.value_target = torch.as_tensor(target)
         batch.old_vpred = vpred
@@ -177,7 +192,7 @@ class PPOLearner(TrainerRuntime):
         # with those, normalised again with the new ones, so clip_vloss compares like with like.
         old_value = normalizer.denormalize(batch.old_vpred.to(self.device)).cpu()
         self._update_value_normalizer(batch.value_target)
-        sums = dict.fromkeys(TERMS, 0.0)
+        sums = dict.fromkeys(LOSS_TERMS, 0.0)
         windows = 0
         skipped = 0
         for epoch in range(t.epochs_per_iteration):
@@ -191,19 +206,15 @@ class PPOLearner(TrainerRuntime):
                 step = (b + 1) % t.gradient_accumulation == 0
                 for _ in range(t.optim_steps_per_batch if step else 1):
                     for terms in self._backward_windows(mb, target_vpred, old_vpred, sync=step):
-                        for name in TERMS:
+                        for name in LOSS_TERMS:
                             sums[name] += float(getattr(terms, name).detach())
                         windows += 1
                     if step:
                         skipped += self._optimizer_step()
             self.hooks.run("post_epoch", self, epoch=epoch)
         self.samples_trained += batch.size * batch.length
-        mean = {k: v / max(windows, 1) for k, v in sums.items()}
         return {
-            "trainer/policy_loss": mean["policy"], "trainer/value_loss": mean["value"],
-            "trainer/entropy_bonus": mean["entropy"], "trainer/kl_divergence_loss": mean["kl"],
-            "trainer/total_loss": mean["total"], "trainer/approx_kl": mean["approx_kl"],
-            "trainer/clip_fraction": mean["clip_fraction"],
+            **{f"trainer/{name}": total / max(windows, 1) for name, total in sums.items()},
             "trainer/learning_rate": self.optimizer.param_groups[0]["lr"], "trainer/rho": self.rho,
             "trainer/explained_var": explained_variance(old_value, batch.value_target),
             "trainer/abs_advantage": float(batch.advantage.abs().mean()),
@@ -244,7 +255,7 @@ class PPOLearner(TrainerRuntime):
         L = mb.length
         window = min(t.context_length, L)
         warmup = self.in_vf_warmup()
-        kl_coef = 1.0 if warmup else self.rho  # MineStudio weights the KL term by 1 during the warm-up
+        kl_coef = 1.0 if warmup else self.rho  # the KL term weighs 1 during the value warm-up
         loss_config = self.loss_config
         state, ref_state = mb.state, mb.state
         for start in range(0, L, window):
@@ -265,7 +276,7 @@ class PPOLearner(TrainerRuntime):
                 terms = ppo_loss(out, w.action, w.behaviour_logp, w.advantage, target_vpred[:, sl],
                                  old_vpred[:, sl], ref_logits, kl_coef, loss_config, value_only=warmup)
                 self.hooks.run("post_loss", self, terms=terms)
-                loss = terms.total * (w.length / L) / t.gradient_accumulation
+                loss = terms.total_loss * (w.length / L) / t.gradient_accumulation
                 (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             yield terms
 
@@ -304,8 +315,8 @@ class PPOLearner(TrainerRuntime):
 
     # -- devices and precision ---------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager:
-        """`use_amp`: autocast to `amp_dtype` around the learner's forward passes (the update's, as
-        MineStudio, and the value recomputation, which MineStudio runs in fp32); a no-op without it."""
+        """`use_amp`: autocast to `amp_dtype` around the learner's forward passes (the update's and the
+        value recomputation's); a no-op without it."""
         if self.amp_dtype is None:
             return contextlib.nullcontext()
         return torch.autocast(self.device.type, dtype=self.amp_dtype)
@@ -336,9 +347,9 @@ def wrap_ddp(policy: torch.nn.Module) -> torch.nn.Module:
 
 def amp_settings(use_amp: bool, device: torch.device,
                  amp_dtype: str = "auto") -> tuple[torch.dtype | None, torch.amp.GradScaler | None]:
-    """`use_amp` (MineStudio's): the autocast type and the loss scaler. bf16 needs no loss scaling; fp16
-    (`amp_dtype: float16`, MineStudio's own choice, or "auto" on a GPU without bf16) gets a GradScaler
-    for the device (MineStudio: GradScaler("cuda"); on a CPU the "cpu" one, which the tests use)."""
+    """`use_amp`: the autocast type and the loss scaler. bf16 needs no loss scaling; fp16 (`amp_dtype:
+    float16`, or "auto" on a GPU without bf16) gets a GradScaler for the device (on a CPU the "cpu" one,
+    which the tests use)."""
     if not use_amp:
         return None, None
     fp16 = amp_dtype == "float16" or (amp_dtype == "auto" and device.type == "cuda" and not torch.cuda.is_bf16_supported())

@@ -1,12 +1,11 @@
-"""The PPO loss of MineStudio's PPOTrainer, term by term, with its defects fixed.
-
-Ratios are taken against the behaviour log-probs recorded at rollout time (MineStudio recomputed
-them with the learner, so stale fragments were never corrected for).
+"""The PPO loss, term by term: ratios against the behaviour log-probs recorded at rollout time, a
+clipped value loss, the entropy bonus and KL(pi || reference). Each term's name is the one it is
+logged under (`trainer/<name>`); what differs from MineStudio's loss is in docs/trainer.md.
 """
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, fields
 
 import torch
 
@@ -25,13 +24,16 @@ class LossConfig:
 
 @dataclass
 class LossTerms:
-    total: torch.Tensor
-    policy: torch.Tensor
-    value: torch.Tensor
-    entropy: torch.Tensor
-    kl: torch.Tensor
+    total_loss: torch.Tensor
+    policy_loss: torch.Tensor
+    value_loss: torch.Tensor
+    entropy_bonus: torch.Tensor
+    kl_divergence_loss: torch.Tensor
     approx_kl: torch.Tensor
     clip_fraction: torch.Tensor
+
+
+LOSS_TERMS = tuple(f.name for f in fields(LossTerms))
 
 
 def ppo_loss(out: PolicyOutput, action: dict[str, torch.Tensor], behaviour_logp: torch.Tensor,
@@ -39,7 +41,7 @@ def ppo_loss(out: PolicyOutput, action: dict[str, torch.Tensor], behaviour_logp:
              ref_logits: dict[str, torch.Tensor] | None, kl_coef: float, cfg: LossConfig,
              value_only: bool = False) -> LossTerms:
     """All inputs are (B, T); `target_vpred` and `old_vpred` are in the value head's (normalised) space.
-    `kl_coef`: the weight of KL(pi || reference), rho (MineStudio: 1 during the value warm-up).
+    `kl_coef`: the weight of KL(pi || reference), rho (1 during the value warm-up).
 
     `value_only` (the value warm-up): value loss and KL term only. The logits still enter the total
     with weight zero, so that every parameter the forward used gets a (zero) gradient: under DDP a
@@ -57,14 +59,17 @@ def ppo_loss(out: PolicyOutput, action: dict[str, torch.Tensor], behaviour_logp:
     else:
         value_loss = 0.5 * ((vpred - target_vpred) ** 2).mean()
 
-    ent = entropy(out.logits).mean()
-    kl = kl_divergence(out.logits, ref_logits).mean() if ref_logits is not None else torch.zeros((), device=vpred.device)
+    entropy_bonus = entropy(out.logits).mean()
+    kl_divergence_loss = (kl_divergence(out.logits, ref_logits).mean() if ref_logits is not None
+                          else torch.zeros((), device=vpred.device))
     if value_only:
-        total = cfg.ppo_vf_coef * value_loss + kl_coef * kl + 0.0 * sum(v.sum() for v in out.logits.values())
+        total_loss = (cfg.ppo_vf_coef * value_loss + kl_coef * kl_divergence_loss
+                      + 0.0 * sum(v.sum() for v in out.logits.values()))
     else:
-        total = (cfg.ppo_policy_coef * policy_loss + cfg.ppo_vf_coef * value_loss
-                 - cfg.entropy_bonus_coef * ent + kl_coef * kl)
+        total_loss = (cfg.ppo_policy_coef * policy_loss + cfg.ppo_vf_coef * value_loss
+                      - cfg.entropy_bonus_coef * entropy_bonus + kl_coef * kl_divergence_loss)
     with torch.no_grad():
         approx_kl = ((ratio - 1) - log_ratio).mean()
         clip_fraction = ((ratio - 1).abs() > cfg.ppo_clip).float().mean()
-    return LossTerms(total, policy_loss, value_loss, ent, kl, approx_kl, clip_fraction)
+    return LossTerms(total_loss=total_loss, policy_loss=policy_loss, value_loss=value_loss, entropy_bonus=entropy_bonus,
+                     kl_divergence_loss=kl_divergence_loss, approx_kl=approx_kl, clip_fraction=clip_fraction)

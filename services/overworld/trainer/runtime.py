@@ -12,10 +12,12 @@ iteration. Everything around an iteration is a hook (trainer/hooks.py).
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import logging
 import math
 import time
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -100,6 +102,15 @@ class TrainerRuntime:
     def train_iteration(self, batch: Any = None) -> dict[str, float] | None:
         raise NotImplementedError
 
+    @contextlib.contextmanager
+    def timed(self, part: str) -> Iterator[None]:
+        """Seconds the block takes, as this iteration's `trainer/<part>_seconds`."""
+        started = time.monotonic()
+        try:
+            yield
+        finally:
+            self.timings[part] = time.monotonic() - started
+
     # -- collectives over this trainer's ranks (no-ops for one rank) ------------------------------
     @property
     def distributed(self) -> bool:
@@ -155,8 +166,8 @@ class TrainerRuntime:
                     "trainer/utd_ratio": (self.updates - updates_before) / new_steps if new_steps else math.nan,
                     "trainer/env_steps_all_workers": float(self.env_steps),
                 })
-                self.hooks.run("post_iteration", self, metrics=metrics)
-                self.timings["post_iteration"] = time.monotonic() - updated
+                with self.timed("post_iteration"):
+                    self.hooks.run("post_iteration", self, metrics=metrics)
                 metrics.update({f"trainer/{k}_seconds": v for k, v in self.timings.items()})
                 metrics["trainer/iteration_seconds"] = time.monotonic() - started
                 if self.report("running", metrics):
@@ -311,16 +322,15 @@ class TrainerRuntime:
         registry, so `new_version=False` (re-send the current version) has nothing to publish."""
         if self.rank != 0 or not new_version:
             return
-        started = time.monotonic()
-        version = self.model_version + 1
-        data = to_bytes(self.unwrapped_model.state_dict())
-        counters = {"iteration": self.iteration, "updates": self.updates, "samples_trained": self.samples_trained,
-                    "env_steps": self.env_steps}
-        self.registry.publish(version, data, parent=self.model_version, counters=counters,
-                              config_hash=config_hash(self.config))
-        self.model_version = version
-        self.buffer.set_model_version(version)
-        self.timings["publish"] = time.monotonic() - started
+        with self.timed("publish"):
+            version = self.model_version + 1
+            data = to_bytes(self.unwrapped_model.state_dict())
+            counters = {"iteration": self.iteration, "updates": self.updates,
+                        "samples_trained": self.samples_trained, "env_steps": self.env_steps}
+            self.registry.publish(version, data, parent=self.model_version, counters=counters,
+                                  config_hash=config_hash(self.config))
+            self.model_version = version
+            self.buffer.set_model_version(version)
 
     def publish_first_version(self) -> None:
         """On the driver, while Ray starts: a fresh run's starting weights as version 1, tagged
