@@ -127,11 +127,9 @@ def test_a_worker_of_another_run_from_the_same_issuer_is_refused(endpoints: dict
         relay.stop()
 
 
-def test_a_frame_changed_on_the_way_is_refused(identities: dict[str, Path], endpoints: dict[str, str],
-                                               monkeypatch: pytest.MonkeyPatch) -> None:
-    """AES-GCM over each frame: a byte flipped between the sockets (a man in the middle without the
-    connection's key) is DATA_LOSS, not a chunk."""
-    tls.use(identities["rollout-worker"])
+def flip_a_byte_of_each_sealed_chunk(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A man in the middle without the connection's key: one byte of each sealed chunk flipped between
+    the sockets."""
     received = WeightsStream._fill
 
     def flip(self: WeightsStream, view: memoryview) -> None:
@@ -140,6 +138,14 @@ def test_a_frame_changed_on_the_way_is_refused(identities: dict[str, Path], endp
             view[100] ^= 0x01
 
     monkeypatch.setattr(WeightsStream, "_fill", flip)
+
+
+def test_a_frame_changed_on_the_way_is_refused(identities: dict[str, Path], endpoints: dict[str, str],
+                                               monkeypatch: pytest.MonkeyPatch) -> None:
+    """AES-GCM over each frame: a byte flipped between the sockets (a man in the middle without the
+    connection's key) is DATA_LOSS, not a chunk."""
+    tls.use(identities["rollout-worker"])
+    flip_a_byte_of_each_sealed_chunk(monkeypatch)
     stream = open_stream(endpoints[authz.WEIGHTS_FROM_REGISTRY], request(), 5.0, 15.0, lambda: False)
     out = bytearray(8 << 20)
     try:
@@ -194,12 +200,5 @@ def test_the_whole_version_arrives_sealed_with_either_aead_api(identities: dict[
     finally:
         stream.close()
     assert weights.from_bytes(bytes(out[:end]))["w"].equal(torch.arange(300_000, dtype=torch.float32))
-    received = WeightsStream._fill
-
-    def flip(self: WeightsStream, view: memoryview) -> None:
-        received(self, view)
-        if len(view) > 1000:  # a sealed chunk
-            view[100] ^= 0x01
-
-    monkeypatch.setattr(WeightsStream, "_fill", flip)
+    flip_a_byte_of_each_sealed_chunk(monkeypatch)
     assert answer(endpoints[authz.WEIGHTS_FROM_REGISTRY]) == grpc.StatusCode.DATA_LOSS

@@ -28,6 +28,7 @@ from overworld.core.fragment import Fragment, FragmentError, validate
 from overworld.core.grpc_util import Refused
 from overworld.core.tensors import TensorDecodeError
 from overworld.replay_buffer import wire
+from overworld.replay_buffer.front import Front
 from overworld.replay_buffer.index import (
     BLOCKED,
     DUPLICATE,
@@ -42,12 +43,7 @@ from overworld.replay_buffer.metrics import DROPS, DUPLICATES, INGEST_LATENCY, I
 from overworld.v1 import common_pb2, replay_buffer_pb2
 
 if TYPE_CHECKING:
-    from concurrent.futures import ThreadPoolExecutor
-
-    from overworld.core.blobs import BlobStore
     from overworld.core.specs import Spaces
-    from overworld.replay_buffer.index import ReplayIndex
-    from overworld.replay_buffer.sweeper import DeferredDeletes
 
 log = logging.getLogger("overworld.replay_buffer")
 
@@ -128,8 +124,8 @@ def split_insert_request(raw: bytes) -> _Received:
         return _Received(msg.header, msg.SerializeToString(), msg.tensors)
 
 
-class IngestFront(Protocol):
-    """What an Insert call needs of its ReplayBufferService (declared here: the service imports this module)."""
+class IngestFront(Front, Protocol):
+    """What an Insert call needs of its ReplayBufferService beyond what every call does (front.py)."""
 
     fragment_length: int
     ingest_window: int
@@ -138,15 +134,6 @@ class IngestFront(Protocol):
     report: InsertReport
     run_id: str
     spaces: Callable[[], Spaces | None]
-    blobs: BlobStore
-    deletes: DeferredDeletes
-    generation: int
-    index: ReplayIndex
-    io: ThreadPoolExecutor
-    stopping: threading.Event
-
-    def notify(self, *_: object) -> None: ...
-    def wait_change(self, seen: int, timeout: float) -> None: ...
 
 
 class InsertStream:

@@ -14,23 +14,16 @@ import time
 from collections import deque
 from collections.abc import Iterator
 from concurrent.futures import Future
-from typing import TYPE_CHECKING, Protocol
+from typing import Protocol
 
 import grpc
 
 from overworld.core.grpc_util import Refused
 from overworld.replay_buffer import wire
+from overworld.replay_buffer.front import Front
 from overworld.replay_buffer.index import Claim, IndexUnavailable
 from overworld.replay_buffer.metrics import DROPS, REF_SAMPLES, SAMPLE_LAG, SAMPLE_WAIT, SAMPLES
 from overworld.v1 import replay_buffer_pb2
-
-if TYPE_CHECKING:
-    import threading
-    from concurrent.futures import ThreadPoolExecutor
-
-    from overworld.core.blobs import BlobStore
-    from overworld.replay_buffer.index import ReplayIndex
-    from overworld.replay_buffer.sweeper import DeferredDeletes
 
 log = logging.getLogger("overworld.replay_buffer")
 
@@ -48,20 +41,11 @@ def check_sample_request(request: replay_buffer_pb2.SampleRequest, context: grpc
               f"seconds (0: the server's default of {default_timeout:g}), got {request.timeout_seconds}")
 
 
-class SampleFront(Protocol):
-    """What a Sample call needs of its ReplayBufferService (declared here: the service imports this module)."""
+class SampleFront(Front, Protocol):
+    """What a Sample call needs of its ReplayBufferService beyond what every call does (front.py)."""
 
     default_sample_timeout: float
     prefetch: int
-    blobs: BlobStore
-    deletes: DeferredDeletes
-    generation: int
-    index: ReplayIndex
-    io: ThreadPoolExecutor
-    stopping: threading.Event
-
-    def notify(self, *_: object) -> None: ...
-    def wait_change(self, seen: int, timeout: float) -> None: ...
 
 
 class SampleStream:
