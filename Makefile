@@ -1,7 +1,7 @@
 # Overworld: `make run` trains the default task on this machine, `make test` runs the tests.
 # Both create .venv and install what is missing on first use; the tests fetch the servers they need
-# (redis-server, promtool) when the system has none (tests/server_binaries.py), and the image tests and
-# the rehearsal build the images first (make rehearsal-images; tests/oci_images.py).
+# (redis-server, promtool) when the system has none (rehearsal/server_binaries.py), and the image tests and
+# the rehearsal build the images first (make rehearsal-images; rehearsal/oci_images.py).
 
 PYTHON ?= python3
 VENV := .venv
@@ -48,18 +48,19 @@ test: $(STAMP)
 test-fast: $(STAMP)
 	$(call pytest,$(PY),-m "not slow")
 
-# The cluster rehearsal (tests/cluster, also part of `make test`): the rendered chart as pods, each in
-# network, PID, mount and UTS namespaces of its own on a bridge; pods deleted, workers scaled and cut
-# off, a kubectl resume, every pod from the image its manifest names (built first: make rehearsal-images).
-# Needs root, nft and an image builder; docs/operations.md says what it covers.
+# The cluster rehearsal (the tests in tests/rehearsal, on the harness in rehearsal/; also part of `make test`):
+# the rendered chart as pods, each in network, PID, mount and UTS namespaces of its own on a bridge; pods
+# deleted, workers scaled and cut off, a kubectl resume, every pod from the image its manifest names (built
+# first: make rehearsal-images). Needs root, nft and an image builder; rehearsal/README.md says what it
+# emulates of Kubernetes and what it does not, docs/operations.md what it covers.
 rehearsal: $(STAMP)
-	$(call pytest,$(PY),tests/cluster)
+	$(call pytest,$(PY),tests/rehearsal)
 
 # The training dashboard in docs/operations.md, drawn from what the rehearsal's Prometheus returned for
-# each of its panels (query_range, saved by tests/cluster/test_rehearsal.py in output/rehearsal/): run
+# each of its panels (query_range, saved by tests/rehearsal/test_rehearsal.py in output/rehearsal/): run
 # `make rehearsal` (or `make test`) first.
 dashboard-picture: $(STAMP)
-	$(PY) tests/cluster/dashboard_picture.py output/rehearsal/overworld-training.json docs/images/overworld-training.png
+	$(PY) -m rehearsal.dashboard_picture output/rehearsal/overworld-training.json docs/images/overworld-training.png
 
 bench: $(STAMP) $(SB3_STAMP)
 	mkdir -p bench/results
@@ -87,7 +88,7 @@ sb3: $(SB3_STAMP)
 
 # ruff, then mypy over services/overworld ([tool.mypy] in pyproject.toml): any error fails.
 lint: $(STAMP)
-	$(VENV)/bin/ruff check services tests bench docker
+	$(VENV)/bin/ruff check services tests bench docker rehearsal
 	$(PY) -m mypy
 
 protos: $(STAMP)

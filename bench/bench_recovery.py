@@ -14,22 +14,14 @@ from __future__ import annotations
 
 import argparse
 import statistics
-import sys
 import tempfile
-import types
 import uuid
 from pathlib import Path
 from typing import Any
 
 from bench.runs import write
-
-# This repository's tests/ (no __init__.py: pytest imports it as a namespace) is the `tests` meant here;
-# an installed distribution's own top-level `tests` package (opensimplex, Crafter's) would win otherwise.
-sys.modules["tests"] = types.ModuleType("tests")
-sys.modules["tests"].__path__ = [str(Path(__file__).resolve().parents[1] / "tests")]
-
-from tests.chaos.chaos_run import KILL_ORDER, ROOT, ChaosRun  # noqa: E402
-from tests.support import RedisServer, S3Server  # noqa: E402
+from rehearsal.chaos_run import KILL_ORDER, ROOT, ChaosRun
+from rehearsal.local_stores import RedisServer, S3Server
 
 # Long enough for every round of kills; the run is stopped once they are done.
 ARGS = ["--max-env-steps", "10000000", "--set", "train_config.save_interval=5"]

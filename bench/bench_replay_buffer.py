@@ -33,7 +33,6 @@ import sys
 import tempfile
 import threading
 import time
-import types
 import uuid
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
@@ -42,10 +41,6 @@ from typing import Any
 ROOT = Path(__file__).resolve().parents[1]
 sys.path.insert(0, str(ROOT / "services"))
 sys.path.insert(0, str(ROOT))  # bench.runs, when run as a script
-# This repository's tests/ (no __init__.py) is the `tests` meant here, not an installed distribution's
-# own top-level `tests` package (opensimplex's).
-sys.modules["tests"] = types.ModuleType("tests")
-sys.modules["tests"].__path__ = [str(ROOT / "tests")]
 
 import numpy as np  # noqa: E402
 
@@ -53,7 +48,7 @@ from bench.runs import provenance  # noqa: E402
 from overworld.core.fragment import Fragment, expected_tensors  # noqa: E402
 from overworld.core.net import free_port, wait_port  # noqa: E402
 from overworld.core.specs import Spaces, TensorSpec  # noqa: E402
-from tests.server_binaries import ServerBinaryUnavailable, locate  # noqa: E402
+from rehearsal.server_binaries import ServerBinaryUnavailable, locate  # noqa: E402
 
 SPACES = Spaces(obs={"rgb": TensorSpec((64, 64, 3), "uint8")}, action={"action": TensorSpec((), "int64")})
 LENGTH = 256

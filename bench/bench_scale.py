@@ -1,5 +1,5 @@
 """`make scale`: how Overworld behaves as the fleet grows, measured on the scale rehearsal
-(tests/cluster/fleet.py: the chart's services as pods on 200 Mbit/s links, rollout pods running a
+(rehearsal/scale_rehearsal.py: the chart's services as pods on 200 Mbit/s links, rollout pods running a
 Minecraft-paced stand-in with 48 MB of weights).
 
 For each way of pushing weights (relay, the default; star, `OVERWORLD_REGISTRY_RELAY_FANOUT=0`) and
@@ -33,20 +33,16 @@ import statistics
 import sys
 import threading
 import time
-import types
 from pathlib import Path
 from typing import Any
 
 import torch
 
-# This repository's tests/ (no __init__.py) is the `tests` meant here, not an installed distribution's
-# own top-level `tests` package (opensimplex's).
-sys.modules["tests"] = types.ModuleType("tests")
-sys.modules["tests"].__path__ = [str(Path(__file__).resolve().parents[1] / "tests")]
-
-from bench.runs import RESULTS, write  # noqa: E402
-from overworld.core import weights  # noqa: E402
-from tests.cluster.fleet import (  # noqa: E402
+from bench.runs import RESULTS, write
+from overworld.core import weights
+from rehearsal.netns import wait_until
+from rehearsal.oci_images import ImageStore, build
+from rehearsal.scale_rehearsal import (
     BUFFER,
     COMPONENTS,
     REGISTRY,
@@ -55,8 +51,6 @@ from tests.cluster.fleet import (  # noqa: E402
     WORKERS,
     Fleet,
 )
-from tests.cluster.netns import wait_until  # noqa: E402
-from tests.oci_images import ImageStore, build  # noqa: E402
 
 LAG_METRIC = "overworld_replay_buffer_sample_policy_lag"
 

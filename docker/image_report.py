@@ -1,5 +1,5 @@
 """What the images cost: their sizes (the CUDA images `make images` builds for users, the CPU-only ones
-CI builds) and how long CI's build takes (`make rehearsal-images`, as tests/oci_images.py runs it) from
+CI builds) and how long CI's build takes (`make rehearsal-images`, as rehearsal/oci_images.py runs it) from
 nothing, with every layer cached, and after a change of code. Writes bench/results/images.json (with
 the commit, date, machine and command, as every result) and README.md's table of images.
 

@@ -23,10 +23,10 @@ MOTO_VERSION := $(call pin,moto)
 build_image = BUILDER=$(BUILDER) DOCKER="$(DOCKER)" BUILD_FLAGS="$(BUILD_FLAGS)" docker/build-image.sh
 torch_args = --build-arg TORCH_VERSION=$(TORCH_VERSION) --build-arg TORCH_VARIANT=$(TORCH_VARIANT) \
 	  --build-arg TORCH_CPU_INDEX_URL=$(TORCH_CPU_INDEX_URL)
-# The rehearsal's stand-ins for the chart's third-party images (tests/cluster/*.Dockerfile).
+# The rehearsal's stand-ins for the chart's third-party images (rehearsal/{object-store,redis}.Dockerfile).
 REHEARSAL_OBJECT_STORE ?= localhost/overworld-rehearsal/object-store:moto-$(MOTO_VERSION)
 REHEARSAL_REDIS ?= localhost/overworld-rehearsal/redis:bookworm
-# The scale rehearsal's rollout-worker and trainer: the images with its stand-in env (tests/scale/).
+# The scale rehearsal's rollout-worker and trainer: the images with its stand-in env (rehearsal/scale_standin.py).
 SCALE_IMAGES ?= localhost/overworld-scale
 
 .PHONY: images image-services image-rollout-worker image-trainer image-versions rehearsal-images scale-images
@@ -49,17 +49,17 @@ image-trainer: image-versions
 	$(build_image) docker/trainer.Dockerfile runtime $(REGISTRY)/overworld-trainer:$(TAG) \
 	  $(torch_args) --build-arg RAY_VERSION=$(RAY_VERSION)
 
-# What `make test` runs (tests/oci_images.py builds it, the three images with the CPU-only torch under
+# What `make test` runs (rehearsal/oci_images.py builds it, the three images with the CPU-only torch under
 # names of their own): the images, and the stand-ins for the object store and Redis.
 rehearsal-images: images
-	CONTEXT=tests/cluster $(build_image) tests/cluster/object-store.Dockerfile runtime \
+	CONTEXT=rehearsal $(build_image) rehearsal/object-store.Dockerfile runtime \
 	  $(REHEARSAL_OBJECT_STORE) --build-arg MOTO_VERSION=$(MOTO_VERSION)
-	CONTEXT=tests/cluster $(build_image) tests/cluster/redis.Dockerfile runtime $(REHEARSAL_REDIS)
+	CONTEXT=rehearsal $(build_image) rehearsal/redis.Dockerfile runtime $(REHEARSAL_REDIS)
 
 # What `make scale` runs (bench/bench_scale.py): the rehearsal's images, and the rollout-worker and the
-# trainer with the scale rehearsal's stand-in environment added (tests/scale/standin.Dockerfile).
+# trainer with the scale rehearsal's stand-in environment added (rehearsal/scale-standin.Dockerfile).
 scale-images: rehearsal-images
-	CONTEXT=tests/scale $(build_image) tests/scale/standin.Dockerfile runtime \
+	CONTEXT=rehearsal $(build_image) rehearsal/scale-standin.Dockerfile runtime \
 	  $(SCALE_IMAGES)/overworld-rollout-worker:$(TAG) --build-arg BASE=$(REGISTRY)/overworld-rollout-worker:$(TAG)
-	CONTEXT=tests/scale $(build_image) tests/scale/standin.Dockerfile runtime \
+	CONTEXT=rehearsal $(build_image) rehearsal/scale-standin.Dockerfile runtime \
 	  $(SCALE_IMAGES)/overworld-trainer:$(TAG) --build-arg BASE=$(REGISTRY)/overworld-trainer:$(TAG)

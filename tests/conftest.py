@@ -2,10 +2,10 @@
 started per test session and stopped by PID; the images built here (`image_store`).
 
 `redis-server`, `promtool` and `prometheus` are the system's or the project's pinned copies, fetched on first use
-(tests/server_binaries.py). Before any test runs, the binaries the selected tests need are located;
+(rehearsal/server_binaries.py). Before any test runs, the binaries the selected tests need are located;
 one that can be neither found nor fetched ends the session with one message, not an error per test.
 Likewise for the image tests and the cluster rehearsal: what they need of the machine (root, an image
-builder, nft, ...) is checked, and the images are built (tests/oci_images.py; layers cached across
+builder, nft, ...) is checked, and the images are built (rehearsal/oci_images.py; layers cached across
 runs, OVERWORLD_SKIP_IMAGE_BUILD=1 uses them as they are), before any test runs.
 """
 
@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from tests import oci_images
+from rehearsal import oci_images
 from tests.support import RedisServer, S3Server, server_binary
 
 # Ray started by tests stays on loopback (read by Ray when it is imported).
@@ -48,14 +48,14 @@ def _prepare_images(config: pytest.Config, items: list[pytest.Item]) -> None:
     """The machine checked for what the selected image tests and network-namespace tests need, then the
     images built: what is missing, or a build that fails, ends the session with one message."""
     images = any("image_store" in getattr(item, "fixturenames", ()) for item in items)
-    namespaces = any(Path(str(item.path)).is_relative_to(CLUSTER_TESTS) for item in items)
+    namespaces = any(Path(str(item.path)).is_relative_to(REHEARSAL_TESTS) for item in items)
     if not images and not namespaces:
         return
     missing = oci_images.missing_prerequisites(images=images, namespaces=namespaces)
     if missing:
-        pytest.exit(f"the selected tests (image tests, tests/cluster) need what this machine lacks: {'; '.join(missing)}."
+        pytest.exit(f"the selected tests (image tests, tests/rehearsal) need what this machine lacks: {'; '.join(missing)}."
                     " .ci/run installs it all (.ci/apt-packages.txt), as root; or leave them out:"
-                    " --ignore=tests/cluster --ignore=tests/images", returncode=1)
+                    " --ignore=tests/rehearsal --ignore=tests/images", returncode=1)
     if not images or config.option.collectonly or os.environ.get("OVERWORLD_SKIP_IMAGE_BUILD") == "1":
         return
     log = oci_images.REPO / "output" / "image-build.log"
@@ -68,7 +68,7 @@ def _prepare_images(config: pytest.Config, items: list[pytest.Item]) -> None:
         pytest.exit(f"the images could not be built: {err}", returncode=1)
 
 
-CLUSTER_TESTS = Path(__file__).parent / "cluster"
+REHEARSAL_TESTS = Path(__file__).parent / "rehearsal"
 
 
 @pytest.fixture(scope="session")

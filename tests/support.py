@@ -1,19 +1,18 @@
 """Small helpers for tests (and benchmarks): free ports, waiting for a listener, stopping a process, is
-it alive, the server binaries, and real stores on loopback (redis-server, an S3-protocol server)."""
+it alive, the server binaries, and real stores on loopback (redis-server, an S3-protocol server: the
+rehearsal's, rehearsal/local_stores.py)."""
 
 from __future__ import annotations
 
 import functools
-import shutil
-import signal
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
 
 from overworld.core.net import free_port, wait_port  # noqa: F401 (re-exported for tests)
-from tests.server_binaries import ServerBinaryUnavailable, locate
+from rehearsal import local_stores
+from rehearsal.local_stores import S3Server, stop_process  # noqa: F401 (re-exported for tests)
+from rehearsal.server_binaries import ServerBinaryUnavailable, locate
 
 
 @functools.cache
@@ -28,16 +27,6 @@ def server_binary(name: str) -> str:
                     f"Install it (.ci/apt-packages.txt lists Debian's packages) or put it on PATH.", returncode=1)
 
 
-def stop_process(proc: subprocess.Popen, timeout: float = 10.0) -> None:
-    if proc.poll() is None:
-        proc.send_signal(signal.SIGTERM)
-        try:
-            proc.wait(timeout)
-        except subprocess.TimeoutExpired:
-            proc.kill()
-            proc.wait()
-
-
 def alive(pid: int) -> bool:
     """The process exists and is not a zombie (any process, not only our children)."""
     try:
@@ -47,100 +36,9 @@ def alive(pid: int) -> bool:
     return state != "Z"
 
 
-def _require(binary: str, how: str) -> str:
-    """A binary on PATH or in this Python's bin directory (the venv's moto_server)."""
-    path = shutil.which(binary) or shutil.which(binary, path=str(Path(sys.executable).parent))
-    if path is None:
-        raise RuntimeError(f"{binary} is not installed ({how}); .ci/run installs it")
-    return path
+class RedisServer(local_stores.RedisServer):
+    """The rehearsal's redis-server on loopback; one that cannot be had ends the session (server_binary)."""
 
-
-class RedisServer:
     def __init__(self, workdir: Path, appendonly: bool = True, password: str = "", extra_args: tuple[str, ...] = ()
                  ) -> None:
-        self.binary = server_binary("redis-server")
-        self.workdir = workdir
-        self.port = free_port()
-        self.appendonly = appendonly
-        self.password = password
-        self.extra_args = extra_args
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def url(self) -> str:
-        return f"redis://127.0.0.1:{self.port}/0"
-
-    def start(self) -> None:
-        self.workdir.mkdir(parents=True, exist_ok=True)
-        args = [self.binary, "--port", str(self.port), "--bind", "127.0.0.1", "--dir", str(self.workdir),
-                "--save", "", "--appendonly", "yes" if self.appendonly else "no", "--appendfsync", "always",
-                "--protected-mode", "no", *(["--requirepass", self.password] if self.password else []),
-                *self.extra_args]
-        self.proc = subprocess.Popen(args, stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_port(self.port)
-
-    def aof_commands(self) -> list[list[bytes]]:
-        """Every write Redis made durable, in order, read from its append-only files (Redis 7: the
-        incremental files of appendonlydir; start it with `--auto-aof-rewrite-percentage 0`, or a
-        rewrite folds the history into a snapshot). A script's writes appear as the commands it ran."""
-        out: list[list[bytes]] = []
-        for path in sorted((self.workdir / "appendonlydir").glob("*.incr.aof"),
-                           key=lambda p: int(p.name.split(".")[-3])):
-            data = path.read_bytes()
-            i = 0
-            while i < len(data):
-                end = data.index(b"\r\n", i)
-                assert data[i:i + 1] == b"*", f"{path}: expected a command, found {data[i:i + 20]!r}"
-                count, i = int(data[i + 1:end]), end + 2
-                args = []
-                for _ in range(count):
-                    end = data.index(b"\r\n", i)
-                    size, i = int(data[i + 1:end]), end + 2  # $<length>
-                    args.append(data[i:i + size])
-                    i += size + 2
-                out.append(args)
-        return out
-
-    def stop(self, kill: bool = False) -> None:
-        if self.proc is not None:
-            if kill:
-                self.proc.kill()
-                self.proc.wait()
-            else:
-                stop_process(self.proc)
-            self.proc = None
-
-
-class S3Server:
-    """moto's S3-protocol server on a free loopback port. It keeps its objects in memory: `pause()`
-    (SIGSTOP) makes it unreachable without losing them, as an S3 outage would."""
-
-    def __init__(self) -> None:
-        self.binary = _require("moto_server", "PyPI moto[server], in the dev extra")
-        self.port = free_port()
-        self.proc: subprocess.Popen | None = None
-
-    @property
-    def env(self) -> dict[str, str]:
-        """The OVERWORLD_S3_* settings."""
-        return {"OVERWORLD_S3_ENDPOINT": f"http://127.0.0.1:{self.port}", "OVERWORLD_S3_ACCESS_KEY": "testing",
-                "OVERWORLD_S3_SECRET_KEY": "testing"}
-
-    def start(self) -> None:
-        self.proc = subprocess.Popen([self.binary, "-H", "127.0.0.1", "-p", str(self.port)],
-                                     stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL)
-        wait_port(self.port)
-
-    def pause(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGSTOP)
-
-    def resume(self) -> None:
-        assert self.proc is not None
-        self.proc.send_signal(signal.SIGCONT)
-
-    def stop(self) -> None:
-        if self.proc is not None:
-            self.resume()
-            stop_process(self.proc)
-            self.proc = None
+        super().__init__(workdir, appendonly, password, extra_args, binary=server_binary("redis-server"))

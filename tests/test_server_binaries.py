@@ -11,7 +11,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from tests.server_binaries import locate
+from rehearsal.server_binaries import locate
 from tests.support import free_port, stop_process, wait_port
 
 REPO = Path(__file__).resolve().parents[1]

@@ -1,4 +1,4 @@
-"""`make scale` in small: the scale rehearsal's harness (bench/bench_scale.py on tests/cluster/fleet.py)
+"""`make scale` in small: the scale rehearsal's harness (bench/bench_scale.py on rehearsal/scale_rehearsal.py)
 run end to end with 4 rollout pods, so that it cannot rot between the runs of the full curve (hours of
 the whole machine). Every part of a row is measured and every check of the full run holds: the
 pipeline while training, a push by relay costing the registry one copy, churn (a quarter of the fleet

@@ -22,7 +22,7 @@ from pathlib import Path
 import pytest
 from redis import Redis
 
-from tests.chaos.chaos_run import KILL_ORDER, ROOT, ChaosRun
+from rehearsal.chaos_run import KILL_ORDER, ROOT, ChaosRun
 from tests.e2e.test_cartpole import overworld_processes
 from tests.support import RedisServer
 

@@ -1,13 +1,13 @@
-"""Shared helpers of the deployment tests: render the chart, find tools, check schemas."""
+"""Shared helpers of the deployment tests: render the chart (rehearsal/chart.py, which the rehearsal
+renders it with too), find tools, check schemas."""
 
 from __future__ import annotations
 
-import copy
 import functools
 import os
 import shutil
 import sysconfig
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
 
@@ -16,10 +16,19 @@ import kubernetes_validate
 import pytest
 import yaml
 
+from rehearsal.chart import (  # noqa: F401 (re-exported for the deployment tests)
+    CHART,
+    REPO,
+    by_kind,
+    chart_crds,
+    deep_merge,
+    parse_manifests,
+    render,
+    render_files,
+    values_from_files,
+)
 from tests.support import server_binary
 
-REPO = Path(__file__).resolve().parents[2]
-CHART = REPO / "deploy" / "helm" / "overworld"
 CI_VALUES = sorted((CHART / "ci").glob("*.yaml"))
 KUSTOMIZE = REPO / "deploy" / "kustomize"
 CRD_FIXTURES = Path(__file__).resolve().parent / "crds"
@@ -54,56 +63,6 @@ def kubectl() -> str:
 
 def promtool() -> str:
     return server_binary("promtool")
-
-
-def deep_merge(base: dict[str, Any], override: dict[str, Any]) -> dict[str, Any]:
-    merged = copy.deepcopy(base)
-    for key, value in override.items():
-        if isinstance(value, dict) and isinstance(merged.get(key), dict):
-            merged[key] = deep_merge(merged[key], value)
-        else:
-            merged[key] = copy.deepcopy(value)
-    return merged
-
-
-def values_from_files(files: Iterable[Path]) -> dict[str, Any]:
-    values: dict[str, Any] = {}
-    for path in files:
-        values = deep_merge(values, yaml.safe_load(path.read_text()) or {})
-    return values
-
-
-def render_files(
-    values: dict[str, Any] | None = None, *, release: str = "overworld", namespace: str = "rl"
-) -> dict[str, str]:
-    """Render the chart with real Helm (helm-python-sdk): template path -> text. Enforces values.schema.json."""
-    import helm_python
-
-    with helm_python.Chart.load(CHART) as chart:
-        return chart.render(values or {}, name=release, namespace=namespace, is_install=True)
-
-
-def parse_manifests(rendered: dict[str, str]) -> list[dict[str, Any]]:
-    objects: list[dict[str, Any]] = []
-    for path, text in sorted(rendered.items()):
-        if path.endswith("NOTES.txt"):
-            continue
-        for doc in yaml.safe_load_all(text):
-            if doc:
-                doc.setdefault("__source__", path)
-                objects.append(doc)
-    return objects
-
-
-def render(values: dict[str, Any] | None = None, **kwargs: Any) -> list[dict[str, Any]]:
-    objects = parse_manifests(render_files(values, **kwargs))
-    for obj in objects:
-        obj.pop("__source__", None)
-    return objects
-
-
-def chart_crds() -> list[dict[str, Any]]:
-    return [yaml.safe_load(path.read_text()) for path in sorted((CHART / "crds").glob("*.yaml"))]
 
 
 def closed(schema: Any) -> Any:
@@ -173,7 +132,3 @@ def containers(obj: dict[str, Any]) -> list[dict[str, Any]]:
     if obj["kind"] in ("Deployment", "StatefulSet", "Job"):
         return list(spec["template"]["spec"]["containers"])
     return []
-
-
-def by_kind(objects: list[dict[str, Any]], kind: str) -> dict[str, dict[str, Any]]:
-    return {obj["metadata"]["name"]: obj for obj in objects if obj["kind"] == kind}

@@ -15,6 +15,7 @@ import pytest
 import yaml
 
 from overworld.run_controller.rayjob import build_rayjob
+from rehearsal.cluster import image_entrypoint
 from tests.deploy.deploy_support import (
     ARCHITECTURE,
     CHART,
@@ -629,22 +630,6 @@ def test_run_controller_rbac_is_namespaced_and_exact(default_objects: list[dict[
 
 
 # --- what a first real install would hit ---------------------------------------------------------
-
-
-def image_entrypoint(dockerfile: Path, target: str | None = None) -> list[str]:
-    """ENTRYPOINT of a Dockerfile's stage (the last one when no target is named)."""
-    from dockerfile_parse import DockerfileParser
-
-    entrypoint: list[str] = []
-    stage = None
-    for instruction in DockerfileParser(str(dockerfile)).structure:
-        if instruction["instruction"] == "FROM":
-            stage = instruction["value"].split()[-1] if " AS " in instruction["value"].upper() else None
-            if target is not None and stage == target:
-                entrypoint = []
-        elif instruction["instruction"] == "ENTRYPOINT" and (target is None or stage == target):
-            entrypoint = json.loads(instruction["value"])
-    return entrypoint
 
 
 def test_rollout_worker_runs_the_images_entrypoint() -> None:

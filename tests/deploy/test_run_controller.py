@@ -29,11 +29,11 @@ from overworld.run_controller.rayjob import (
     trainer_entrypoint,
 )
 from overworld.v1 import trainer_pb2, trainer_pb2_grpc
-from tests.cluster.api_validation import Validator
-from tests.cluster.rbac import ADMIN, Authorizer, serving_certificate
-from tests.cluster.rbac import serve as serve_rbac
+from rehearsal.api_validation import Validator
+from rehearsal.kube_api import FOREGROUND, kubernetes_api, write_kubeconfig
+from rehearsal.rbac import ADMIN, Authorizer, serving_certificate
+from rehearsal.rbac import serve as serve_rbac
 from tests.deploy.deploy_support import by_kind, chart_crds, kubectl, pod_templates, render, validate_object
-from tests.deploy.kube_support import FOREGROUND, kubernetes_api, write_kubeconfig
 
 NAMESPACE = "rl"
 RUN = "cow-hunt"

@@ -1,5 +1,5 @@
 """The images as built here (`make rehearsal-images`: the Dockerfiles as users build them, with the
-CPU-only torch), each container started as a kubelet starts it (tests/cluster/container.py): the
+CPU-only torch), each container started as a kubelet starts it (rehearsal/container.py): the
 image's root filesystem, entrypoint, cmd, env, working directory and user, merged with the container
 spec, without a network.
 
@@ -21,9 +21,9 @@ from typing import Any
 import pytest
 
 from overworld.run_controller.rayjob import RAY_GID, RAY_UID
-from tests.cluster import container
-from tests.cluster.cluster import Security, Volume, run_as_non_root_refusal, security_of
-from tests.oci_images import REPO, Image, ImageStore, reference
+from rehearsal import container
+from rehearsal.cluster import Security, Volume, run_as_non_root_refusal, security_of
+from rehearsal.oci_images import REPO, Image, ImageStore, reference
 
 pytestmark = pytest.mark.slow  # the images are built before the session (minutes from nothing)
 

@@ -6,7 +6,7 @@ from __future__ import annotations
 import json
 import sys
 
-from tests.oci_images import REPO, ROLES
+from rehearsal.oci_images import REPO, ROLES
 
 sys.path.insert(0, str(REPO / "docker"))
 from image_report import RESULT, block  # noqa: E402

@@ -2,7 +2,7 @@
 own weights-stream port, a registry that plans the stripes. What a version costs the registry, a relay
 that lies (caught at its hop, chunk by chunk, and left out of the next plans), one that sends
 keep-alives but no data, half precision, a registry restart. (Processes, mutual TLS, shaped links and a
-relay killed mid-push: tests/cluster/test_relay_links.py; the stream's authorization: tests/security.)"""
+relay killed mid-push: tests/rehearsal/test_relay_links.py; the stream's authorization: tests/security.)"""
 
 from __future__ import annotations
 

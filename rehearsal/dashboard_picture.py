@@ -1,9 +1,9 @@
 """Draws a dashboard as Grafana lays it out, from the series a real Prometheus returned for each of its
-panels during a rehearsal (tests/cluster/dashboards.py `capture`, saved by the rehearsal as
+panels during a rehearsal (rehearsal/dashboards.py `capture`, saved by the rehearsal as
 output/rehearsal/<dashboard>.json): one plot per panel at its grid position, a legend per series as
 the panel's legendFormat names it, a stat panel as its last value.
 
-    python tests/cluster/dashboard_picture.py output/rehearsal/overworld-training.json docs/images/overworld-training.png
+    python -m rehearsal.dashboard_picture output/rehearsal/overworld-training.json docs/images/overworld-training.png
 
 (`make dashboard-picture` runs exactly that.)
 """

@@ -2,7 +2,7 @@
 
 What Kubernetes would do, done here, and nothing more:
 
-- **pods**: each a process tree in namespaces of its own (:mod:`tests.cluster.netns`), started with
+- **pods**: each a process tree in namespaces of its own (:mod:`rehearsal.netns`), started with
   its container's command, arguments and environment exactly as rendered, merged with its image's
   config (see **images**; without images, the ENTRYPOINT of `docker/*.Dockerfile`); Secrets (env and volumes:
   each pod's identity certificate, Redis' password, the S3 keys, KubeRay's Ray token), fieldRefs and
@@ -18,27 +18,28 @@ What Kubernetes would do, done here, and nothing more:
   a plaintext gRPC health check on the health-only port, as the kubelet's, the HTTP path for
   httpGet ones, a TCP connect for exec ones): a ClusterIP name with one ready
   pod, a headless one with all of them; /etc/hosts holds only the pod's own name.
-- **the API server** is kmock (:mod:`tests.deploy.kube_support`) in the control namespace behind
+- **the API server** is kmock (:mod:`rehearsal.kube_api`) in the control namespace behind
   an HTTPS front that authenticates bearer tokens and authorizes each request with the chart's RBAC
-  (:mod:`tests.cluster.rbac`); the run-controller pod (the rendered Deployment) calls it with a token
+  (:mod:`rehearsal.rbac`); the run-controller pod (the rendered Deployment) calls it with a token
   of its ServiceAccount (in a kubeconfig); kubectl runs in the control namespace as an admin.
 - **security**: each container runs as its securityContext says (uid, gid, fsGroup, capabilities,
   no new privileges, read-only root), its volumes owned as the kubelet owns them (`Security`);
 - **NetworkPolicies** are enforced in each pod's namespace, and Services' port -> targetPort
-  rewritten (:mod:`tests.cluster.network_policy`);
-- **KubeRay** (:mod:`tests.cluster.kuberay`) turns the controller's RayJobs into a RayCluster (head
+  rewritten (:mod:`rehearsal.network_policy`);
+- **KubeRay** (:mod:`rehearsal.kuberay`) turns the controller's RayJobs into a RayCluster (head
   and worker pods started as KubeRay starts them) and a submitter pod running KubeRay's own
   `ray job submit` command, and follows the job as KubeRay does.
 
-- **images**: with `images` (reference -> :class:`tests.oci_images.Image`, built by `make
+- **images**: with `images` (reference -> :class:`rehearsal.oci_images.Image`, built by `make
   rehearsal-images`), each pod runs from the image its manifest names: the image's root filesystem
   under a writable layer of the container's own, its entrypoint, cmd, env, working directory and
-  user merged with the container spec as the kubelet merges them (:mod:`tests.cluster.container`).
+  user merged with the container spec as the kubelet merges them (:mod:`rehearsal.container`).
   The chart's third-party images are stood in for by images built here: Redis by Debian's
   redis-server, SeaweedFS by moto's S3 server with its requests recorded on the pod's volume
-  (:mod:`tests.cluster.s3_pod`; it does not check the S3 keys it is given). Without `images` (the
-  scale rehearsal, :mod:`tests.cluster.fleet`), pods run on this machine's root filesystem, the
-  Python ones from this checkout's virtual environment.
+  (:mod:`rehearsal.s3_pod`; it does not check the S3 keys it is given). A pod whose image is not
+  in `images` runs on this machine's root filesystem, the Python ones from this checkout's virtual
+  environment (both rehearsals, :mod:`rehearsal.training_rehearsal` and
+  :mod:`rehearsal.scale_rehearsal`, give every pod its image).
 
 Not enforced: resource limits.
 """
@@ -65,8 +66,8 @@ from dataclasses import dataclass, field, replace
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
-from tests.cluster.container import enter_argv, home_of, image_user, process_of, root_commands
-from tests.cluster.netns import (
+from rehearsal.container import enter_argv, home_of, image_user, process_of, root_commands
+from rehearsal.netns import (
     HomeThread,
     Host,
     Network,
@@ -75,15 +76,15 @@ from tests.cluster.netns import (
     thread_namespaces,
     wait_until,
 )
-from tests.cluster.network_policy import NetworkPolicies, Peer
-from tests.cluster.rbac import ADMIN, Authorizer, serving_certificate
-from tests.cluster.rbac import Request as ApiRequest
-from tests.cluster.rbac import serve as serve_rbac
+from rehearsal.network_policy import NetworkPolicies, Peer
+from rehearsal.rbac import ADMIN, Authorizer, serving_certificate
+from rehearsal.rbac import Request as ApiRequest
+from rehearsal.rbac import serve as serve_rbac
 
 if TYPE_CHECKING:
-    from tests.oci_images import Image
+    from rehearsal.oci_images import Image
 
-REPO = Path(__file__).resolve().parents[2]
+REPO = Path(__file__).resolve().parents[1]
 VENV_BIN = Path(sys.executable).parent
 # Without images, what a pod's image holds is taken from this machine: the code and its venv. A volume
 # mounted over them (the chart's emptyDir at /tmp, with a checkout under /tmp) must not hide them.
@@ -110,12 +111,26 @@ OBJECT_STORE_IMAGE = "chrislusf/seaweedfs"
 POD_IP = "\x00status.podIP"  # a fieldRef to the pod's IP in a template's environment, filled in at its start
 
 
-def dockerfile_entrypoint(image: str) -> list[str]:
-    from tests.deploy.test_chart import image_entrypoint as read_entrypoint
+def image_entrypoint(dockerfile: Path, target: str | None = None) -> list[str]:
+    """ENTRYPOINT of a Dockerfile's stage (the last one when no target is named)."""
+    from dockerfile_parse import DockerfileParser
 
+    entrypoint: list[str] = []
+    stage = None
+    for instruction in DockerfileParser(str(dockerfile)).structure:
+        if instruction["instruction"] == "FROM":
+            stage = instruction["value"].split()[-1] if " AS " in instruction["value"].upper() else None
+            if target is not None and stage == target:
+                entrypoint = []
+        elif instruction["instruction"] == "ENTRYPOINT" and (target is None or stage == target):
+            entrypoint = json.loads(instruction["value"])
+    return entrypoint
+
+
+def dockerfile_entrypoint(image: str) -> list[str]:
     for repository, (dockerfile, target) in SERVICE_IMAGE_ENTRYPOINTS.items():
         if f"/{repository}" in image:
-            return read_entrypoint(REPO / "docker" / dockerfile, target)
+            return image_entrypoint(REPO / "docker" / dockerfile, target)
     return []
 
 
@@ -428,9 +443,9 @@ class Cluster:
     def _serve_api(self) -> None:
         import asyncio
 
-        from tests.cluster.api_validation import Validator
-        from tests.deploy.deploy_support import chart_crds
-        from tests.deploy.kube_support import kubernetes_api
+        from rehearsal.api_validation import Validator
+        from rehearsal.chart import chart_crds
+        from rehearsal.kube_api import kubernetes_api
 
         async def serve() -> None:
             async with kubernetes_api(NAMESPACE, host="127.0.0.1", port=self.store_port) as (_, url):
@@ -458,7 +473,7 @@ class Cluster:
     def kubeconfig(self, server_host: str, user: str = ADMIN, path: Path | None = None) -> Path:
         """A kubeconfig for `user` (a person: everything; a ServiceAccount,
         `system:serviceaccount:<namespace>:<name>`: what its bindings grant) with a token of its own."""
-        from tests.deploy.kube_support import write_kubeconfig
+        from rehearsal.kube_api import write_kubeconfig
 
         path = path or self.workdir / f"kubeconfig-{server_host}-{user.replace(':', '-')}"
         path.parent.mkdir(parents=True, exist_ok=True)
@@ -484,7 +499,7 @@ class Cluster:
     def kubectl_as(self, user: str, *args: str) -> subprocess.CompletedProcess[str]:
         """kubectl in the control namespace with a token of `user` (a ServiceAccount:
         `system:serviceaccount:<namespace>:<name>`)."""
-        from tests.deploy.deploy_support import kubectl
+        from rehearsal.kube_api import kubectl
 
         assert self.control is not None
         return subprocess.run(["ip", "netns", "exec", self.control.netns, kubectl(), "--kubeconfig",
@@ -774,7 +789,7 @@ class Cluster:
         })
 
     def _root_script(self, pod: Pod, image: Image) -> str:
-        """The commands that make the pod's root filesystem from its image (tests.cluster.container),
+        """The commands that make the pod's root filesystem from its image (rehearsal.container),
         then exec the container's process as its securityContext says."""
         template = pod.template
         ordered = sorted(template.volumes, key=lambda v: len(Path(v.mount_path).parts))
@@ -1171,7 +1186,7 @@ class Cluster:
         if OBJECT_STORE_IMAGE in reference:  # the stand-in's own program, on the chart's port and volume
             port = next(p["containerPort"] for p in container["ports"] if p["name"] == "s3")
             arguments = ["--port", str(port), "--data", "/data"]
-            container = {**container, "command": None if image else [sys.executable, str(REPO / "tests" / "cluster" / "s3_pod.py")],
+            container = {**container, "command": None if image else [sys.executable, str(REPO / "rehearsal" / "s3_pod.py")],
                          "args": arguments}
         env = self.container_env(container.get("env") or [])
         security = security_of(pod_spec, container, image)

@@ -1,7 +1,7 @@
 """A pod trying the run's services over the pod network (issue 16's and 23's "Done when", in the
 rehearsal). Run inside a network namespace of its own on the rehearsal's bridge:
 
-    ip netns exec NS python tests/cluster/intruder.py SPEC.json
+    ip netns exec NS python rehearsal/intruder.py SPEC.json
 
 SPEC: {"reach": {name: "ip:port"}, "targets": {pod: [service kind, "ip:port"]}, "other_ca": dir,
        "stolen": {identity: dir}, "ray_dashboard": "ip:8265", "redis": "ip:6379"}, every key optional.
@@ -28,7 +28,7 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from overworld.core import authz, tls
 
-RPCS_MODULE = Path(__file__).resolve().parents[1] / "security" / "rpcs.py"
+RPCS_MODULE = Path(__file__).resolve().parents[1] / "tests" / "security" / "rpcs.py"  # the services' methods, by identity
 
 
 def health(channel: grpc.Channel) -> str:

@@ -4,7 +4,7 @@ them: pods deleted, fleets scaled, links cut, a run resumed with kubectl.
 
 One cluster serves every test of this module (bringing it up is most of the cost); the tests run in
 file order and each leaves the cluster training. A real Prometheus watches it all along as the chart's
-monitors tell a cluster's Prometheus to (tests/cluster/prometheus.py): its targets, its alerts and
+monitors tell a cluster's Prometheus to (rehearsal/prometheus.py): its targets, its alerts and
 every dashboard query are tested here too. `make rehearsal` runs just these.
 
 Every Ray cluster (re)start costs minutes on two busy cores, so there are three: the first, the one
@@ -26,11 +26,11 @@ from typing import Any
 import pytest
 
 from overworld.run_controller.rayjob import JOB_STOP_WAIT_SECONDS
-from tests.cluster.cluster import NAMESPACE, RELEASE, REPO
-from tests.cluster.netns import wait_until
-from tests.cluster.prometheus import MONITORING
-from tests.cluster.rehearsal import Rehearsal
-from tests.oci_images import OBJECT_STORE, REDIS, ImageStore, reference
+from rehearsal.cluster import NAMESPACE, RELEASE, REPO
+from rehearsal.netns import wait_until
+from rehearsal.oci_images import OBJECT_STORE, REDIS, ImageStore, reference
+from rehearsal.prometheus import MONITORING
+from rehearsal.training_rehearsal import Rehearsal
 
 # Ray clusters come and go in some of these: minutes each on two busy cores.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -103,7 +103,7 @@ def test_only_the_runs_own_pods_get_in(rehearsal: Rehearsal, tmp_path: Path) -> 
     targets[head.name] = ["trainer", f"{head.ip}:50055"]
     stores = {"redis": f"{cluster.pod(f'{RELEASE}-redis').ip}:6379",
               "object-store": f"{cluster.pod(f'{RELEASE}-seaweedfs').ip}:8333"}
-    intruder = [sys.executable, str(Path(__file__).parent / "intruder.py")]
+    intruder = [sys.executable, str(REPO / "rehearsal" / "intruder.py")]
 
     def run(name: str, spec: dict[str, object], labels: dict[str, str] | None,
             namespace: str = NAMESPACE) -> dict[str, object]:
@@ -349,7 +349,7 @@ def test_a_pod_asking_for_a_gpu_the_node_lacks_stays_pending(rehearsal: Rehearsa
     """The node declares one GPU, which the Ray worker group's pod holds: the rollout-worker Deployment
     rendered with `rolloutWorker.gpu.enabled` (a limit of one nvidia.com/gpu) gets no pod, and the
     scheduler's event says why, as `kubectl describe` would show it."""
-    from tests.cluster.rehearsal import rehearsal_values
+    from rehearsal.training_rehearsal import rehearsal_values
     from tests.deploy.deploy_support import by_kind, render
 
     cluster = rehearsal.cluster
@@ -641,9 +641,9 @@ def test_every_dashboard_query_shows_data(rehearsal: Rehearsal) -> None:
     namespace and release variables, $__rate_interval), returns series from the rehearsal's Prometheus
     over the run. The ones empty while all is well (EMPTY_WHILE_WELL) show the faults this test causes,
     each twice, as a rate above 0. The training dashboard's series are saved for docs' picture."""
-    from tests.cluster.dashboard_picture import draw
-    from tests.cluster.dashboards import capture, dashboard_files, queries, rate_interval, run_range
-    from tests.cluster.rehearsal import SCRAPE_INTERVAL
+    from rehearsal.dashboard_picture import draw
+    from rehearsal.dashboards import capture, dashboard_files, queries, rate_interval, run_range
+    from rehearsal.training_rehearsal import SCRAPE_INTERVAL
 
     prometheus = rehearsal.prometheus
     step = SCRAPE_INTERVAL

@@ -8,7 +8,7 @@ PersistentVolumeClaim. Moto's recorder is not made for a threaded server or a ki
 one request is recorded at a time (concurrent ones interleaved their lines), and a line cut short by
 a kill is dropped before the replay (the request it recorded was never answered).
 
-    python tests/cluster/s3_pod.py --port 8333 --data /data
+    python rehearsal/s3_pod.py --port 8333 --data /data
 """
 
 from __future__ import annotations

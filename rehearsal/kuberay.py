@@ -35,8 +35,8 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from tests.cluster.cluster import DOMAIN, NAMESPACE, Cluster, Pod, Workload, quantity, random_suffix
-from tests.deploy.kube_support import FOREGROUND
+from rehearsal.cluster import DOMAIN, NAMESPACE, Cluster, Pod, Workload, quantity, random_suffix
+from rehearsal.kube_api import FOREGROUND
 
 FINALIZER = "ray.io/rayjob-finalizer"
 RAYJOBS = f"/apis/ray.io/v1/namespaces/{NAMESPACE}/rayjobs"

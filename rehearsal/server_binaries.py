@@ -12,7 +12,7 @@ a cache directory:
 
 Knobs (environment): `OVERWORLD_SERVER_CACHE` (default `~/.cache/overworld/servers`),
 `OVERWORLD_SYSTEM_SERVERS=0` (ignore PATH: use or fetch the pinned copies; how the fetch is tested
-on a machine that has the system packages). `python tests/server_binaries.py [NAME...]` fetches
+on a machine that has the system packages). `python -m rehearsal.server_binaries [NAME...]` fetches
 and prints the paths.
 """
 

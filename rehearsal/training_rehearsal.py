@@ -1,5 +1,5 @@
 """The rehearsal: the chart rendered with CPU values and a CartPole run, brought up as pods from the
-images built here (tests/oci_images.py), and the calls a person (or a dashboard) would make to see
+images built here (rehearsal/oci_images.py), and the calls a person (or a dashboard) would make to see
 how it is doing.
 
     with Rehearsal.up(workdir, ImageStore.here()) as rehearsal:
@@ -30,12 +30,12 @@ from overworld.v1 import (
     trainer_pb2,
     trainer_pb2_grpc,
 )
-from tests.cluster.cluster import NAMESPACE, RELEASE, REPO, Cluster, Pod, Volume, Workload
-from tests.cluster.kuberay import KubeRay
-from tests.cluster.netns import Network, remove_leftovers, wait_until
-from tests.cluster.prometheus import MONITORING, Prometheus
-from tests.deploy.deploy_support import CHART, by_kind, render, values_from_files
-from tests.oci_images import OBJECT_STORE, REDIS, REGISTRY, TAG, Image, ImageStore
+from rehearsal.chart import CHART, by_kind, render, values_from_files
+from rehearsal.cluster import NAMESPACE, RELEASE, REPO, Cluster, Pod, Volume, Workload
+from rehearsal.kuberay import KubeRay
+from rehearsal.netns import Network, remove_leftovers, wait_until
+from rehearsal.oci_images import OBJECT_STORE, REDIS, REGISTRY, TAG, Image, ImageStore
+from rehearsal.prometheus import MONITORING, Prometheus
 
 RUN = RELEASE  # the TrainingRun the chart creates
 STORES = (f"{RELEASE}-redis", f"{RELEASE}-seaweedfs")
@@ -74,7 +74,7 @@ def rehearsal_values() -> dict[str, Any]:
     values["trainer"]["workerGroup"].update(replicas=1, gpus=1)
     values["trainingRun"] = {"resumeFrom": ""}
     values["runController"] = {"progressIntervalSeconds": 2}
-    # enforced between the pods (tests/cluster/network_policy.py)
+    # enforced between the pods (rehearsal/network_policy.py)
     values["networkPolicy"] = {"enabled": True, "metricsNamespaceSelector": {
         "matchLabels": {"kubernetes.io/metadata.name": MONITORING}}}
     every = {"interval": f"{SCRAPE_INTERVAL:g}s", "scrapeTimeout": f"{SCRAPE_INTERVAL - 1:g}s"}
@@ -131,11 +131,11 @@ class Rehearsal:
     # --- bring-up, in the order a cluster settles into anyway ----------------------------------
 
     def start(self) -> None:
-        from tests.support import server_binary
+        from rehearsal.server_binaries import locate
 
         cluster = self.cluster
         cluster.start()
-        self.prometheus.start(server_binary("prometheus"))  # watching from the first pod on
+        self.prometheus.start(str(locate("prometheus")))  # watching from the first pod on
         workloads = cluster.start_release(STORES, SERVICES, 120)
         controller = cluster.workload_from_manifest(workloads[CONTROLLER])
         # the controller's ServiceAccount token, if the chart mounts one, with what the chart's Role grants

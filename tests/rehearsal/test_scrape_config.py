@@ -1,5 +1,5 @@
 """The rehearsal's Prometheus configuration made from the rendered chart as the prometheus-operator
-makes it (tests/cluster/scrape_config.py), in seconds: Prometheus' own checker accepts it, each
+makes it (rehearsal/scrape_config.py), in seconds: Prometheus' own checker accepts it, each
 monitor's selector, port and relabelings are in its job, TLS settings become certificate files, and a
 monitor field that is not translated is refused instead of being scraped without it."""
 
@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 import yaml
 
-from tests.cluster.scrape_config import UntranslatedMonitor, scrape_jobs
+from rehearsal.scrape_config import UntranslatedMonitor, scrape_jobs
 from tests.deploy.deploy_support import CHART, by_kind, promtool, render, values_from_files
 
 NAMESPACE = "rl"

@@ -4,7 +4,7 @@ dcgm-exporter labels it with its Kubernetes mapping on (`gpu`, `UUID`, `device`,
 `Hostname`, and the holder's `namespace`, `pod`, `container`). The utilisation is 0: no GPU computes
 here. What it shows is whether the dashboard's GPU panel selects the release's GPU pods by their names.
 
-    python tests/cluster/dcgm_standin.py --port 9400 --holders HOLDERS.json
+    python rehearsal/dcgm_standin.py --port 9400 --holders HOLDERS.json
 
 HOLDERS.json (rewritten by the rehearsal as pods come and go): [{"namespace", "pod", "container"}, ...].
 """

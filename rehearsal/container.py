@@ -25,8 +25,8 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tests.cluster.cluster import Security, Volume
-    from tests.oci_images import Image
+    from rehearsal.cluster import Security, Volume
+    from rehearsal.oci_images import Image
 
 ENTER_ROOT = Path(__file__).with_name("enter_root.py")
 DEVICES = ("null", "zero", "full", "random", "urandom", "tty")

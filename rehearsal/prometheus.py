@@ -1,10 +1,10 @@
 """A real Prometheus watching the rehearsal as a cluster's Prometheus watches the release: the
-machine's `prometheus` server (Debian's package, or the project's pinned copy: tests/server_binaries.py)
+machine's `prometheus` server (Debian's package, or the project's pinned copy: rehearsal/server_binaries.py)
 on a pod of its own in the `monitoring` namespace, so the chart's NetworkPolicies decide whether it
 may scrape; its scrape jobs those the prometheus-operator makes of the rendered ServiceMonitor and
-PodMonitor (tests/cluster/scrape_config.py), its targets the pods as Kubernetes service discovery finds
+PodMonitor (rehearsal/scrape_config.py), its targets the pods as Kubernetes service discovery finds
 them, its rules the rendered PrometheusRule's. The cluster's own exporters that a dashboard needs stand
-beside it: a DCGM exporter stand-in (tests/cluster/dcgm_standin.py) in `gpu-operator`, scraped with
+beside it: a DCGM exporter stand-in (rehearsal/dcgm_standin.py) in `gpu-operator`, scraped with
 honor_labels as its own ServiceMonitor does.
 
     prometheus = Prometheus(cluster, objects, scrape_interval=5.0)
@@ -24,13 +24,13 @@ from typing import TYPE_CHECKING, Any
 
 import yaml
 
-from tests.cluster.netns import Host, wait_until
-from tests.cluster.scrape_config import PodView, ScrapeJob, scrape_jobs, target_groups
+from rehearsal.netns import Host, wait_until
+from rehearsal.scrape_config import PodView, ScrapeJob, scrape_jobs, target_groups
 
 if TYPE_CHECKING:
     import subprocess
 
-    from tests.cluster.cluster import Cluster
+    from rehearsal.cluster import Cluster
 
 MONITORING = "monitoring"  # the namespace Prometheus runs in (kube-prometheus-stack's usual one)
 GPU_OPERATOR = "gpu-operator"  # where the DCGM exporter runs
@@ -126,7 +126,7 @@ class Prometheus:
     def discover(self) -> None:
         """Rewrite each job's targets file (and the GPU holders the DCGM stand-in reports) from the
         pods there are now; unchanged files are left alone."""
-        from tests.cluster.cluster import NAMESPACE
+        from rehearsal.cluster import NAMESPACE
 
         with self.cluster.lock:
             pods = [p for p in self.cluster.pods if not p.deleting and p.phase != "Terminated"]

@@ -21,15 +21,15 @@ from pathlib import Path
 import pytest
 
 from overworld.core import tls
-from tests.cluster.netns import Host, Network, netem_available, remove_leftovers, wait_until
-from tests.cluster.relay_node import checksum, model
+from rehearsal.netns import Host, Network, netem_available, remove_leftovers, wait_until
+from rehearsal.relay_node import checksum, model
 
 # Root (network namespaces, tc) is not optional: without it tests/conftest.py ends the session with an
 # error naming what is missing; these tests never skip.
 pytestmark = pytest.mark.slow
 
 REPO = Path(__file__).resolve().parents[2]
-NODE = str(Path(__file__).with_name("relay_node.py"))
+NODE = str(REPO / "rehearsal" / "relay_node.py")
 WATCHERS = 4
 RATE_MBIT = 100
 STALL_SECONDS = 3  # the watchers give up a silent source after this long (OVERWORLD_RELAY_STALL_SECONDS)

@@ -1,4 +1,4 @@
-"""The rehearsal's API server front (tests/cluster/rbac.py) refuses as Kubernetes' RBAC refuses, in
+"""The rehearsal's API server front (rehearsal/rbac.py) refuses as Kubernetes' RBAC refuses, in
 seconds: the run-controller's ServiceAccount, with the chart's Role, gets the calls the Role grants and
 403 Forbidden (the API server's status and message) for the rest; the same Role with a verb or a
 resource taken out refuses that call; an unknown token gets 401. An authorizer that allows everything
@@ -20,11 +20,11 @@ import aiohttp
 import pytest
 
 from overworld.core.net import free_port
-from tests.cluster.api_validation import Validator
-from tests.cluster.rbac import Authorizer, serving_certificate
-from tests.cluster.rbac import serve as serve_rbac
+from rehearsal.api_validation import Validator
+from rehearsal.kube_api import kubernetes_api
+from rehearsal.rbac import Authorizer, serving_certificate
+from rehearsal.rbac import serve as serve_rbac
 from tests.deploy.deploy_support import by_kind, chart_crds, render
-from tests.deploy.kube_support import kubernetes_api
 
 NAMESPACE = "rl"
 ACCOUNT = f"system:serviceaccount:{NAMESPACE}:overworld-run-controller"

@@ -1,4 +1,4 @@
-"""The chart's NetworkPolicies as the rehearsal enforces them (tests/cluster/network_policy.py), on real
+"""The chart's NetworkPolicies as the rehearsal enforces them (rehearsal/network_policy.py), on real
 network namespaces with real listeners, in seconds: who gets through to a replay-buffer pod from which
 namespace and on which port. And what the rehearsal does not enforce (egress rules, unknown selector
 operators, unknown fields) is refused when the policies are read, never passed over."""
@@ -13,8 +13,8 @@ from typing import Any
 
 import pytest
 
-from tests.cluster.netns import Host, Network, remove_leftovers
-from tests.cluster.network_policy import NetworkPolicies, Peer, UnsupportedPolicy
+from rehearsal.netns import Host, Network, remove_leftovers
+from rehearsal.network_policy import NetworkPolicies, Peer, UnsupportedPolicy
 from tests.deploy.deploy_support import by_kind, render
 
 NAMESPACE = "rl"

@@ -54,7 +54,7 @@ def check_policy(policy: dict[str, Any]) -> None:
     name = f"NetworkPolicy {policy['metadata']['name']}"
     spec = policy["spec"]
     if "Egress" in (spec.get("policyTypes") or []) or spec.get("egress"):
-        raise UnsupportedPolicy(f"{name}: egress rules are not enforced by the rehearsal (tests/cluster/network_policy.py)")
+        raise UnsupportedPolicy(f"{name}: egress rules are not enforced by the rehearsal (rehearsal/network_policy.py)")
     check_selector(spec.get("podSelector") or {}, f"{name} podSelector")
     for rule in spec.get("ingress") or []:
         for peer in rule.get("from") or []:

@@ -50,7 +50,7 @@ from overworld.v1 import (
     trainer_pb2_grpc,
 )
 
-ROOT = Path(__file__).resolve().parents[2]
+ROOT = Path(__file__).resolve().parents[1]
 KILL_ORDER = ("gae", "replay-buffer", "model-registry", "rollout-manager", "rollout-worker#0", "trainer")
 WATCH_SECONDS = 0.2
 PROBE_TIMEOUT = 1.0

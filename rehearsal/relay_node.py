@@ -1,4 +1,4 @@
-"""The processes of the relay's link test (tests/cluster/test_relay_links.py), each run in a network
+"""The processes of the relay's link test (tests/rehearsal/test_relay_links.py), each run in a network
 namespace of its own:
 
     relay_node.py watcher REGISTRY NAME DIR     a rollout worker's weights path: its relay (the weights

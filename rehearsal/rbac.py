@@ -21,7 +21,7 @@ from pathlib import Path
 from typing import Any
 from urllib.parse import parse_qs, urlsplit
 
-from tests.cluster.api_validation import Validator, merge_patch
+from rehearsal.api_validation import Validator, merge_patch
 
 ADMIN = "kubernetes-admin"  # a person's kubeconfig (kubectl in the tests): everything
 

@@ -1,16 +1,16 @@
-"""The scale rehearsal: the chart rendered and run as pods (tests/cluster/cluster.py) on rate-shaped
-links, with a fleet of up to 32 rollout pods at Minecraft's pace (tests/scale/standin.py), two
+"""The scale rehearsal: the chart rendered and run as pods (rehearsal/cluster.py) on rate-shaped
+links, with a fleet of up to 32 rollout pods at Minecraft's pace (rehearsal/scale_standin.py), two
 replay-buffer fronts, gae, the model-registry, the rollout-manager, Redis and the object store, and the
 trainer; and what bench/bench_scale.py measures on them. Every pod runs from the image its manifest
 names, built here (`make scale-images`): the rehearsal's, with the stand-in environment added to the
-rollout-worker's and the trainer's as a user adds their own (tests/scale/standin.Dockerfile).
+rollout-worker's and the trainer's as a user adds their own (rehearsal/scale-standin.Dockerfile).
 
     with Fleet.up(workdir, ImageStore.here(), workers=4, relay_fanout=2) as fleet:
         fleet.scale(8)
         fleet.wait_fleet(8)
         print(fleet.push_status(0))
 
-Differences from the rehearsal (tests/cluster/rehearsal.py), each to fit 32 pods into 2 cores:
+Differences from the rehearsal (rehearsal/training_rehearsal.py), each to fit 32 pods into 2 cores:
 - the trainer is one pod in local mode (`train_config.num_workers: 0`): the chart's RayJob head
   container with the entrypoint's `--ray-address auto` left out, and no run-controller or KubeRay (the
   rehearsal covers those; a Ray cluster costs minutes of both cores);
@@ -43,15 +43,15 @@ from overworld.v1 import (
     rollout_manager_pb2,
     rollout_manager_pb2_grpc,
 )
-from tests.cluster.cluster import NAMESPACE, RELEASE, REPO, Cluster, Pod, Workload
-from tests.cluster.netns import netem_available, remove_leftovers, wait_until
-from tests.cluster.rehearsal import pod_images
-from tests.deploy.deploy_support import CHART, by_kind, render, values_from_files
-from tests.oci_images import REGISTRY as IMAGES
-from tests.oci_images import TAG, ImageStore
+from rehearsal.chart import CHART, by_kind, render, values_from_files
+from rehearsal.cluster import NAMESPACE, RELEASE, REPO, Cluster, Pod, Workload
+from rehearsal.netns import netem_available, remove_leftovers, wait_until
+from rehearsal.oci_images import REGISTRY as IMAGES
+from rehearsal.oci_images import TAG, ImageStore
+from rehearsal.training_rehearsal import pod_images
 
-STANDIN = REPO / "tests" / "scale" / "standin.py"  # what the bench publishes from, on this machine
-STANDIN_IN_IMAGE = "/opt/overworld-standin/standin.py"  # the same file in the scale images
+STANDIN = REPO / "rehearsal" / "scale_standin.py"  # what the bench publishes from, on this machine
+STANDIN_IN_IMAGE = "/opt/overworld-standin/scale_standin.py"  # the same file in the scale images
 SCALE_IMAGES = "localhost/overworld-scale"  # docker/images.mk's SCALE_IMAGES
 LINK_MBIT = 200.0
 LINK_DELAY_MS = 1.0  # applied where the kernel has netem (this machine's has not)

@@ -13,20 +13,17 @@ from pathlib import Path
 
 import pytest
 
-from tests.cluster.netns import NAME_PREFIX, delete_netns, ip
+from rehearsal.netns import NAME_PREFIX, delete_netns, ip
 
 REPO = Path(__file__).resolve().parents[2]
 
 # In a fresh interpreter, so that gRPC's thread pool does not exist yet: the namespaced thread's call
 # is the one that starts it, as the rehearsal's controllers could.
 SCRIPT = textwrap.dedent("""
-    import importlib.util, sys, threading
+    import sys, threading
     import grpc
-    spec = importlib.util.spec_from_file_location("rehearsal_netns", sys.argv[1])
-    netns = importlib.util.module_from_spec(spec)
-    sys.modules[spec.name] = netns
-    spec.loader.exec_module(netns)
-    sys.path.insert(0, sys.argv[3])
+    sys.path[:0] = [sys.argv[1], sys.argv[3]]  # the repository (the rehearsal package), services/
+    from rehearsal import netns
     from overworld.core.grpc_util import serve
     from grpc_health.v1 import health_pb2, health_pb2_grpc
 
@@ -76,7 +73,7 @@ def test_a_grpc_call_or_a_fork_for_a_namespaced_thread_leaves_no_grpc_thread_in_
         ip("-n", name, "link", "set", "lo", "up")
         script = tmp_path / "probe.py"
         script.write_text(SCRIPT)
-        out = subprocess.run([sys.executable, str(script), str(REPO / "tests" / "cluster" / "netns.py"), name,
+        out = subprocess.run([sys.executable, str(script), str(REPO), name,
                               str(REPO / "services"), made], capture_output=True, text=True, timeout=60)
     finally:
         delete_netns(name)

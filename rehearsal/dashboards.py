@@ -1,7 +1,7 @@
 """The chart's Grafana dashboards as the rehearsal reads them: every query of every panel, with the
 dashboard's variables filled in as Grafana fills them, run against the rehearsal's Prometheus over a
 time range (query_range, as a time-series panel asks), and kept (`capture`) for the picture in
-docs/operations.md (tests/cluster/dashboard_picture.py).
+docs/operations.md (rehearsal/dashboard_picture.py).
 """
 
 from __future__ import annotations
@@ -13,9 +13,9 @@ from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 if TYPE_CHECKING:
-    from tests.cluster.prometheus import Prometheus
+    from rehearsal.prometheus import Prometheus
 
-DASHBOARDS = Path(__file__).resolve().parents[2] / "deploy" / "helm" / "overworld" / "files" / "dashboards"
+DASHBOARDS = Path(__file__).resolve().parents[1] / "deploy" / "helm" / "overworld" / "files" / "dashboards"
 
 
 @dataclass(frozen=True)
