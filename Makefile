@@ -124,7 +124,7 @@ test-minestudio: minestudio-venv
 # rehearses the documented call here on the stand-in box (CPU torch, tiny sizes, the box's packages only)
 # and collects what it returns into runs/gpu-check-stand-in/results.
 gpu-check: $(STAMP)
-	$(PY) -m bench.gpu.standin
+	$(PY) -m bench.gpu.box_standin
 
 gpu-wheels: $(STAMP)
 	$(PY) -m bench.gpu.carry --out gpu-wheels

@@ -40,13 +40,13 @@ import torch
 
 from bench.runs import RESULTS, write
 from overworld.core import weights
+from rehearsal import scale_standin
 from rehearsal.netns import wait_until
 from rehearsal.oci_images import ImageStore, build
 from rehearsal.scale_rehearsal import (
     BUFFER,
     COMPONENTS,
     REGISTRY,
-    STANDIN,
     TRAINER,
     WORKERS,
     Fleet,
@@ -61,15 +61,10 @@ def log(*what: Any) -> None:
 
 def standin_state(weights_mb: float, seed: int) -> dict[str, torch.Tensor]:
     """Weights of the stand-in policy, as a new version would carry them."""
-    import importlib.util
-
-    spec = importlib.util.spec_from_file_location("standin", STANDIN)
-    assert spec and spec.loader
-    standin = importlib.util.module_from_spec(spec)
-    spec.loader.exec_module(standin)
-    env = standin.make_env()
+    env = scale_standin.make_env()
     torch.manual_seed(seed)
-    return standin.make_policy(env.observation_space, env.action_space, weights_mb=weights_mb).state_dict()
+    policy = scale_standin.make_policy(env.observation_space, env.action_space, weights_mb=weights_mb)
+    return policy.state_dict()
 
 
 def summed(samples: list[dict[str, float]], name: str) -> dict[str, float]:

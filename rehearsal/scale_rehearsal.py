@@ -44,13 +44,12 @@ from overworld.v1 import (
     rollout_manager_pb2_grpc,
 )
 from rehearsal.chart import CHART, by_kind, render, values_from_files
-from rehearsal.cluster import NAMESPACE, RELEASE, REPO, Cluster, Pod, Workload
+from rehearsal.cluster import NAMESPACE, RELEASE, Cluster, Pod, Workload
 from rehearsal.netns import netem_available, remove_leftovers, wait_until
 from rehearsal.oci_images import REGISTRY as IMAGES
 from rehearsal.oci_images import TAG, ImageStore
 from rehearsal.training_rehearsal import pod_images
 
-STANDIN = REPO / "rehearsal" / "scale_standin.py"  # what the bench publishes from, on this machine
 STANDIN_IN_IMAGE = "/opt/overworld-standin/scale_standin.py"  # the same file in the scale images
 SCALE_IMAGES = "localhost/overworld-scale"  # docker/images.mk's SCALE_IMAGES
 LINK_MBIT = 200.0

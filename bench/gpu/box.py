@@ -1,5 +1,5 @@
 """The GPU box's Python packages (bench/gpu/box_packages.txt, from the device tool's KINDS.md) and the
-view of this interpreter that the stand-in box (bench/gpu/standin.py) runs in.
+view of this interpreter that the stand-in box (bench/gpu/box_standin.py) runs in.
 
 `simulate` writes a sitecustomize module that swaps this interpreter's site-packages for a view holding
 only the box's distributions installed here (and what they require): Ray, W&B, cffi and the rest are

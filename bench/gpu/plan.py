@@ -20,7 +20,7 @@ CALL_MARKER = "<!-- the gpu-check call: the device tool's arguments -->"
 STEPS = ("rollout", "vpt2x", "amp_fp16", "crafter")
 # The command exports the moment it started: the budget counts the wheel install too.
 STARTED_ENV = "GPU_CHECK_STARTED"
-# Set by the stand-in box only (bench/gpu/standin.py): every step on the CPU at tiny sizes.
+# Set by the stand-in box only (bench/gpu/box_standin.py): every step on the CPU at tiny sizes.
 STAND_IN_ENV = "GPU_CHECK_STAND_IN"
 # The stand-in's shortened budget; the box runs on its plan's.
 BUDGET_ENV = "GPU_CHECK_BUDGET"

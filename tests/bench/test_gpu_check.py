@@ -1,5 +1,5 @@
 """The GPU check's one device call (docs/gpu_check.md) cannot rot: the documented command runs here on the
-stand-in box (bench/gpu/standin.py) to its end and killed at a random moment, returning through $OUT the
+stand-in box (bench/gpu/box_standin.py) to its end and killed at a random moment, returning through $OUT the
 probe and every step it finished; what it returns becomes gpu.json and the README's rows; the carry
 installs and imports on a CPython 3.12 (or, without one, fits the box by its tags) and fits the device
 tool's limit. Also: the VPT-2x stand-in has VPT-2x's size and behaves as a recurrent policy must."""
@@ -19,7 +19,7 @@ import pytest
 import torch
 
 from bench import report
-from bench.gpu import box, carry, collect, crafter, outbox, standin
+from bench.gpu import box, box_standin, carry, collect, crafter, outbox
 from bench.gpu.check import install_carry
 from bench.gpu.plan import BOX, STAND_IN, STEPS, documented_call
 from bench.gpu.vpt_standin import TINY, VPT_2X, VPTStandIn, count_parameters
@@ -221,14 +221,14 @@ def test_the_make_targets_rehearse_the_call_and_build_the_carry() -> None:
         return subprocess.run(["make", "-n", "--no-print-directory", target], cwd=ROOT, capture_output=True, text=True,
                               check=True).stdout.splitlines()[-1]
 
-    assert dry("gpu-check").endswith("-m bench.gpu.standin")
+    assert dry("gpu-check").endswith("-m bench.gpu.box_standin")
     assert dry("gpu-wheels").endswith("-m bench.gpu.carry --out gpu-wheels")
 
 
 # -- the call on the stand-in box ----------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def stand_in_box(tmp_path_factory: pytest.TempPathFactory) -> standin.StandInBox:
-    return standin.prepare(tmp_path_factory.mktemp("stand-in"))
+def stand_in_box(tmp_path_factory: pytest.TempPathFactory) -> box_standin.StandInBox:
+    return box_standin.prepare(tmp_path_factory.mktemp("stand-in"))
 
 
 def check_out_files(out: Path) -> dict[str, dict]:
@@ -250,9 +250,9 @@ def assert_probe(probe: dict) -> None:
 
 @pytest.mark.slow
 @pytest.mark.timeout(900)
-def test_the_documented_call_returns_every_result_through_out(stand_in_box: standin.StandInBox,
+def test_the_documented_call_returns_every_result_through_out(stand_in_box: box_standin.StandInBox,
                                                               tmp_path: Path) -> None:
-    run = standin.run_call(stand_in_box, tmp_path / "out", STAND_IN.budget)
+    run = box_standin.run_call(stand_in_box, tmp_path / "out", STAND_IN.budget)
     assert run.killed_at is None and run.exit_code == 0, run.output[-6000:]
     found = check_out_files(tmp_path / "out")
     assert set(found) == {"probe", *STEPS}
@@ -282,12 +282,12 @@ def test_the_documented_call_returns_every_result_through_out(stand_in_box: stan
 
 
 @pytest.mark.slow
-def test_a_call_killed_at_a_random_moment_returns_what_it_finished(stand_in_box: standin.StandInBox,
+def test_a_call_killed_at_a_random_moment_returns_what_it_finished(stand_in_box: box_standin.StandInBox,
                                                                   tmp_path: Path) -> None:
     seed = int(os.environ.get("GPU_CHECK_KILL_SEED") or random.randrange(2**32))
     kill_after = random.Random(seed).uniform(0.0, STAND_IN.budget - 90.0)  # Crafter stops 28 s before the end
     print(f"killed {kill_after:.1f}s after the probe (GPU_CHECK_KILL_SEED={seed})")
-    run = standin.run_call(stand_in_box, tmp_path / "out", STAND_IN.budget, kill_after_probe=kill_after)
+    run = box_standin.run_call(stand_in_box, tmp_path / "out", STAND_IN.budget, kill_after_probe=kill_after)
     assert run.killed_at is not None, run.output[-6000:]
     found = check_out_files(tmp_path / "out")
     assert_probe(found["probe"])

@@ -10,7 +10,7 @@ from typing import Any
 import numpy as np
 
 from overworld.envs.minestudio import adapt_env
-from tests.minestudio.standin import StandInSim
+from tests.minestudio.minecraft_sim_standin import StandInSim
 
 
 class CountingTimeLimit:

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 
-from tests.security.fleet import Fleet, start_fleet
+from tests.security.services_in_one_process import Fleet, start_fleet
 
 
 @pytest.fixture(scope="module")

@@ -25,7 +25,7 @@ from overworld.v1 import (
     trainer_pb2,
     trainer_pb2_grpc,
 )
-from tests.security.fleet import Fleet
+from tests.security.services_in_one_process import Fleet
 
 
 def _as(fleet: Fleet, identity: str, service: str) -> Any:

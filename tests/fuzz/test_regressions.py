@@ -6,7 +6,7 @@ import grpc
 
 from overworld.core import tls
 from overworld.core.grpc_util import channel
-from tests.security.fleet import Fleet
+from tests.security.services_in_one_process import Fleet
 
 
 def _identity(b: bytes) -> bytes:

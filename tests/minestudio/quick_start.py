@@ -13,7 +13,7 @@ from overworld.v1 import replay_buffer_pb2
 
 HERE = Path(__file__).resolve().parent
 
-def run_quick_start(make_cluster_from_file, tmp_path: Path, policy: str, module: str = "standin") -> None:  # type: ignore[no-untyped-def]
+def run_quick_start(make_cluster_from_file, tmp_path: Path, policy: str, module: str = "minecraft_sim_standin") -> None:  # type: ignore[no-untyped-def]
     """A MineStudio-style file (online_dict + generators) through a real worker, env processes included."""
     quick_start = tmp_path / "quick_start.py"
     quick_start.write_text(textwrap.dedent(QUICK_START).replace("{HERE}", repr(str(HERE))).replace("{POLICY}", policy).replace("{MODULE}", module))
@@ -41,7 +41,7 @@ QUICK_START = """
         }
 
         def env_generator():
-            return _load("standin").env_generator()
+            return _load("minecraft_sim_standin").env_generator()
 
 
         def policy_generator():

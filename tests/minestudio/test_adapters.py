@@ -13,14 +13,15 @@ from overworld.envs.gym_tasks import make_env
 from overworld.envs.minestudio import adapt_env
 from overworld.policies.base import log_prob, sample
 from overworld.policies.minestudio import MinePolicyAdapter, as_policy, is_mine_policy
-from tests.minestudio import fake_policy, standin
+from tests.minestudio import fake_policy, minecraft_sim_standin
 from tests.minestudio.quick_start import run_quick_start
 
 
 def test_env_adapter_keeps_minecraftsim_semantics() -> None:
-    env = adapt_env(standin.env_generator())
+    env = adapt_env(minecraft_sim_standin.env_generator())
     spaces = spaces_from_gym(env.observation_space, env.action_space)
-    assert set(spaces.obs) == {"image"} and spaces.obs["image"].shape == (standin.SIZE, standin.SIZE, 3)
+    size = minecraft_sim_standin.SIZE
+    assert set(spaces.obs) == {"image"} and spaces.obs["image"].shape == (size, size, 3)
     assert {k: s.shape for k, s in spaces.action.items()} == {"buttons": (), "camera": ()}
     obs, _ = env.reset(seed=3)
     assert set(obs) == {"image"}

@@ -22,14 +22,14 @@ from overworld.core.weights import to_bytes  # noqa: E402
 from overworld.policies.factory import run_spaces  # noqa: E402
 from overworld.trainer.checkpoint import CheckpointStore, tensors_to_bytes  # noqa: E402
 from overworld.trainer.minestudio_checkpoint import import_checkpoint  # noqa: E402
-from tests.minestudio import standin  # noqa: E402
+from tests.minestudio import minecraft_sim_standin  # noqa: E402
 
 pytestmark = pytest.mark.minestudio
 
 
 def _vpt(seed: int):  # type: ignore[no-untyped-def]
     torch.manual_seed(seed)
-    return standin.policy_generator()
+    return minecraft_sim_standin.policy_generator()
 
 
 def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
@@ -41,8 +41,8 @@ def _step(model: torch.nn.Module, optimizer: torch.optim.Optimizer) -> None:
 
 
 def _config():  # type: ignore[no-untyped-def]
-    return load_config({"env_generator": "tests.minestudio.standin:env_generator",
-                        "policy_generator": "tests.minestudio.standin:policy_generator",
+    return load_config({"env_generator": "tests.minestudio.minecraft_sim_standin:env_generator",
+                        "policy_generator": "tests.minestudio.minecraft_sim_standin:policy_generator",
                         "train_config": {"use_normalized_vf": True}})
 
 

@@ -22,7 +22,7 @@ from overworld.rollout_worker.env_runner import TASK_KEY, episode_extras
 from overworld.rollout_worker.pipeline_report import PipelineReport
 from overworld.trainer.minestudio_metrics import MineStudioMetrics
 from overworld.v1 import rollout_manager_pb2 as mpb
-from tests.minestudio import standin
+from tests.minestudio import minecraft_sim_standin
 
 
 def module_level_generator() -> None:
@@ -83,7 +83,7 @@ def _fleet(*tasks: tuple[str, int, float, float, int], env_steps: int = 0) -> mp
 
 
 def test_episode_statistics_under_minestudios_names_per_iteration() -> None:
-    config = load_config({"env_generator": "tests.minestudio.standin:env_generator"})
+    config = load_config({"env_generator": "tests.minestudio.minecraft_sim_standin:env_generator"})
     metrics = MineStudioMetrics()
     first = metrics.episode_statistics(_fleet(("env_generator", 2, 3.0, 2.5, 50), ("chop", 1, 1.0, 1.0, 10)),
                                        config, step=100)
@@ -125,7 +125,7 @@ def test_replay_buffer_and_sps_metrics_from_the_services() -> None:
     assert out["replay_buffer/avg_reuse"] == 0.5 and out["replay_buffer/avg_staleness"] == 1.0
 
 
-class TaskSim(standin.StandInSim):
+class TaskSim(minecraft_sim_standin.StandInSim):
     """MinecraftSim with TaskCallback: obs["task"] = {"name", "text"}; plus an undeclared non-array key."""
 
     def _obs(self):  # type: ignore[no-untyped-def]

@@ -156,7 +156,8 @@ if __name__ == "__main__":
 def _run(tmp_path: Path, name: str, fragment_length: int, train: bool) -> subprocess.CompletedProcess:
     script = tmp_path / name
     script.write_text(textwrap.dedent(QUICK_START).replace("FRAGMENT_LENGTH", str(fragment_length))
-                      .replace("TRAIN", str(train)).replace("STANDIN", repr(str(ROOT / "tests/minestudio/standin.py"))))
+                      .replace("TRAIN", str(train))
+                      .replace("STANDIN", repr(str(ROOT / "tests/minestudio/minecraft_sim_standin.py"))))
     env = {**os.environ, "OVERWORLD_WORKDIR": str(tmp_path / "work"), "WANDB_SILENT": "true",
            "PYTHONPATH": os.pathsep.join([str(ROOT / "services"), str(ROOT)])}
     env.pop("WANDB_API_KEY", None)

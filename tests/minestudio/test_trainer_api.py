@@ -7,7 +7,7 @@ import pytest
 
 from overworld.core.config import load_config
 from overworld.online import PPOTrainer
-from tests.minestudio import fake_policy, standin
+from tests.minestudio import fake_policy, minecraft_sim_standin
 
 TRAIN_CONFIG = {  # MineStudio's quick start train_config, as start_trainer passes it: **online_cfg.train_config
     "num_workers": 2, "num_gpus_per_worker": 1.0, "num_iterations": 4000, "vf_warmup": 0, "learning_rate": 0.00002,
@@ -24,7 +24,8 @@ TRAIN_CONFIG = {  # MineStudio's quick start train_config, as start_trainer pass
 
 def test_minestudios_constructor_arguments_are_all_kept() -> None:
     trainer = PPOTrainer(rollout_manager="127.0.0.1:1", policy_generator=fake_policy.policy_generator,
-                         env_generator=standin.env_generator, **TRAIN_CONFIG, whole_config="online_dict = {...}")
+                         env_generator=minecraft_sim_standin.env_generator, **TRAIN_CONFIG,
+                         whole_config="online_dict = {...}")
     t = trainer.config.train_config
     assert t.kl_divergence_coef_rho == 0.2 and trainer.kl_divergence_coef_rho == 0.2  # was silently 0.0
     assert (t.batches_per_iteration, t.context_length, t.use_normalized_vf) == (200, 64, True)

@@ -15,7 +15,7 @@ import torch  # noqa: E402
 from overworld.envs.minestudio import adapt_env  # noqa: E402
 from overworld.policies.base import entropy, kl_divergence, log_prob, sample  # noqa: E402
 from overworld.policies.minestudio import MinePolicyAdapter, as_policy  # noqa: E402
-from tests.minestudio import standin  # noqa: E402
+from tests.minestudio import minecraft_sim_standin  # noqa: E402
 from tests.minestudio.quick_start import run_quick_start  # noqa: E402
 
 pytestmark = pytest.mark.minestudio
@@ -23,15 +23,16 @@ pytestmark = pytest.mark.minestudio
 
 def make_policy() -> tuple[MinePolicyAdapter, object]:
     torch.manual_seed(0)
-    mine = standin.policy_generator()
-    env = adapt_env(standin.env_generator())
+    mine = minecraft_sim_standin.policy_generator()
+    env = adapt_env(minecraft_sim_standin.env_generator())
     return as_policy(mine, env.action_space), env  # type: ignore[return-value]
 
 
 def test_vpt_behind_the_policy_interface() -> None:
     policy, env = make_policy()
     B, T = 3, 5
-    obs = {"image": torch.randint(0, 256, (B, T, standin.SIZE, standin.SIZE, 3), dtype=torch.uint8)}
+    size = minecraft_sim_standin.SIZE
+    obs = {"image": torch.randint(0, 256, (B, T, size, size, 3), dtype=torch.uint8)}
     state = policy.initial_state(B)
     assert state and all(v.shape[0] == B for v in state.values())
     first = torch.zeros(B, T, dtype=torch.bool)
@@ -68,7 +69,8 @@ def test_rollout_worker_runs_minestudio_generators(make_cluster_from_file, tmp_p
 
 def test_actions_come_from_pi_head_sample_with_its_nucleus_setting() -> None:
     policy, _ = make_policy()
-    obs = {"image": torch.randint(0, 256, (4, 1, standin.SIZE, standin.SIZE, 3), dtype=torch.uint8)}
+    size = minecraft_sim_standin.SIZE
+    obs = {"image": torch.randint(0, 256, (4, 1, size, size, 3), dtype=torch.uint8)}
     out, _ = policy(obs, policy.initial_state(4), torch.zeros(4, 1, dtype=torch.bool))
     heads = dict(policy.mine.pi_head.items())
     assert set(heads) == {"buttons", "camera"}

@@ -16,8 +16,8 @@ from overworld.core import authz, tls
 from overworld.core.grpc_util import channel, serve, wait_healthy
 from overworld.gae.server import GaeService
 from overworld.v1 import gae_pb2, gae_pb2_grpc
-from tests.security.fleet import Fleet
 from tests.security.rpcs import RPCS, call_raw
+from tests.security.services_in_one_process import Fleet
 
 
 def health(ch: grpc.Channel, timeout: float = 5.0) -> grpc.StatusCode:

@@ -3,7 +3,7 @@ the security and fuzz tests: real servicers assembled as `overworld serve` assem
 rollout-worker on CartPole registered with the rollout-manager; the trainer's status service
 without Ray).
 
-    python tests/security/fleet.py TLS_ROOT|- WORKDIR ADDRESSES_JSON
+    python tests/security/services_in_one_process.py TLS_ROOT|- WORKDIR ADDRESSES_JSON
 
 serves until SIGTERM; TLS_ROOT is a directory of write_run_credentials(), `-` for plaintext.
 """

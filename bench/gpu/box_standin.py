@@ -1,6 +1,6 @@
 """The stand-in GPU box: the documented call (docs/gpu_check.md) run here as the device tool runs it.
 
-    python -m bench.gpu.standin [--budget 150] [--dir runs/gpu-check-stand-in]    (make gpu-check)
+    python -m bench.gpu.box_standin [--budget 150] [--dir runs/gpu-check-stand-in]    (make gpu-check)
 
 As the tool does: a copy of what travels (tracked files, untracked ones git does not ignore, and the
 call's carry list), `bash -c COMMAND` in its root with $OUT an empty folder, every process of the command
