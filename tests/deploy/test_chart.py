@@ -609,7 +609,7 @@ def test_ray_version_matches_pyproject() -> None:
 def test_run_controller_rbac_is_namespaced_and_exact(default_objects: list[dict[str, Any]]) -> None:
     """The run-controller's Role names each resource and verb (no wildcard, no ClusterRole) and is its
     ServiceAccount's. That the Role grants every call the controller makes is shown by running it
-    through RBAC (tests/deploy/test_run_controller.py, and the rehearsal)."""
+    through RBAC (tests/run_controller/test_run_controller.py, and the rehearsal)."""
     (role,) = by_kind(default_objects, "Role").values()
     granted = {
         (group, resource, verb)

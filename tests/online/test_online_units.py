@@ -31,7 +31,7 @@ def module_level_generator() -> None:
 
 def test_generators_travel_by_import_path_and_closures_are_refused(tmp_path: Path) -> None:
     assert generator_ref(module_level_generator, "env_generator") == \
-        "tests.minestudio.test_online_units:module_level_generator"
+        "tests.online.test_online_units:module_level_generator"
     with pytest.raises(GeneratorError, match=r"env_generator \(.*<lambda>\) is a lambda: .*def env_generator\(\):"):
         generator_ref(lambda: None, "env_generator")
 

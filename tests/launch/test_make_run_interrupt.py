@@ -30,7 +30,7 @@ import pytest
 from overworld import cli
 from overworld.launch.processes import descendants, proc_stat
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 MAKE_ERROR = re.compile(r"^make(\[\d+\])?: \*\*\*", re.MULTILINE)
 
 

@@ -15,7 +15,7 @@ import pytest
 
 from overworld import cli, serve
 
-ROOT = Path(__file__).resolve().parents[1]
+ROOT = Path(__file__).resolve().parents[2]
 
 
 def options(help_text: str) -> set[str]:
