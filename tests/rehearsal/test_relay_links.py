@@ -15,12 +15,14 @@ import os
 import signal
 import subprocess
 import sys
+import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
 
 import pytest
 
 from overworld.core import tls
+from overworld.core.grpc_util import CHANNEL_OPTIONS
 from rehearsal.netns import Host, Network, netem_available, remove_leftovers, wait_until
 from rehearsal.relay_node import checksum, model
 
@@ -32,6 +34,8 @@ REPO = Path(__file__).resolve().parents[2]
 NODE = str(REPO / "rehearsal" / "relay_node.py")
 WATCHERS = 4
 RATE_MBIT = 100
+# how long a silent connection lasts before gRPC's keepalive ends it (ping interval + ping timeout)
+KEEPALIVE_SECONDS = (dict(CHANNEL_OPTIONS)["grpc.keepalive_time_ms"] + dict(CHANNEL_OPTIONS)["grpc.keepalive_timeout_ms"]) / 1000
 STALL_SECONDS = 3  # the watchers give up a silent source after this long (OVERWORLD_RELAY_STALL_SECONDS)
 
 
@@ -195,16 +199,21 @@ def failure_mid_push(fleet: Fleet, fail: Callable[[str], None], heal: Callable[[
     publishing = fleet.publish(version := fleet.next_version())
     victim = parent_mid_push(fleet, live, baseline)
     fail(victim)
+    failed = time.monotonic()
     try:
         fleet.expect([n for n in live if n != victim], version, timeout=STALL_SECONDS + 60)
     finally:
         heal(victim)
+    failed_for = time.monotonic() - failed
     assert fleet.reattaches() > reattaches  # its children went on from the registry
     result = fleet.published(publishing)
     healed = [n for n in live if fleet.watchers[n].poll() is None]
     fleet.expect(healed, version, timeout=90)
-    # the registry's push status stays true: every watcher still there acknowledged, a dead one left
-    assert result["complete"] and result["acked"] == len(healed), result
+    # the registry's push status stays true: every watcher still there acknowledged, a dead one left.
+    # A victim failed for longer than gRPC's keepalive (time + timeout) may have been seen leaving
+    # before it was healed (a loaded machine takes that long to finish the others): it counts as left.
+    may_have_left = victim in healed and failed_for > KEEPALIVE_SECONDS
+    assert result["complete"] and len(healed) - may_have_left <= result["acked"] <= len(healed), (result, failed_for)
 
 
 def test_a_relay_parent_killed_mid_push_costs_a_reattach_never_a_version(fleet: Fleet) -> None:
