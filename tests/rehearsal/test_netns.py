@@ -24,8 +24,7 @@ SCRIPT = textwrap.dedent("""
     import grpc
     sys.path[:0] = [sys.argv[1], sys.argv[3]]  # the repository (the rehearsal package), services/
     from rehearsal import netns
-    from overworld.core.grpc_util import serve
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+    from overworld.core.grpc_util import health_status, serve
 
     home = netns.HomeThread("home")
     opened, release = threading.Event(), threading.Event()
@@ -54,10 +53,9 @@ SCRIPT = textwrap.dedent("""
     own = netns.thread_namespaces()[threading.get_native_id()]
     server = serve([], "127.0.0.1", 0)
     with grpc.insecure_channel(f"127.0.0.1:{server.port}") as channel:
-        reply = health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=5,
-                                                          wait_for_ready=True)
+        status = health_status(channel, timeout=5, wait_for_ready=True)
     elsewhere = [tid for tid, ns in netns.thread_namespaces().items() if ns != own]
-    print(f"status={reply.status} threads-elsewhere={len(elsewhere)}")
+    print(f"status={status} threads-elsewhere={len(elsewhere)}")
     kept.close()
     server.stop(0)
     home.close()

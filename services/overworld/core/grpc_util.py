@@ -247,13 +247,20 @@ def channel(address: str) -> grpc.Channel:
     return tls.ReloadingChannel(address, files, CHANNEL_OPTIONS)
 
 
+def health_status(ch: grpc.Channel, service: str = "", timeout: float = 1.0, wait_for_ready: bool = False) -> int:
+    """One health check on `ch` (the standard grpc.health.v1 service; "" asks about the server as a
+    whole): its status, a `health_pb2.HealthCheckResponse.ServingStatus`. Raises grpc.RpcError."""
+    reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout,
+                                                 wait_for_ready=wait_for_ready)
+    return int(reply.status)
+
+
 def serving(ch: grpc.Channel, service: str = "", timeout: float = 1.0) -> bool:
     """One health check on `ch`: SERVING or not (not yet listening, starting, failed)."""
     try:
-        reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service=service), timeout=timeout)
+        return health_status(ch, service, timeout) == health_pb2.HealthCheckResponse.SERVING
     except grpc.RpcError:
         return False
-    return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
 
 
 def wait_healthy(address: str, timeout: float = 30.0, service: str = "") -> None:
@@ -308,20 +315,21 @@ class Backoff:
 class Retry:
     """How every client call rides through a restart of the service it calls: transient errors
     (UNAVAILABLE, DEADLINE_EXCEEDED, RESOURCE_EXHAUSTED, ABORTED) are retried with capped exponential
-    backoff until `deadline` seconds have passed since the call began; each attempt gets the time
-    left (at most `attempt` seconds), so no call waits longer than `deadline`. Other errors are
+    backoff until `timeout` seconds have passed since the call began; each attempt gets the time
+    left (at most `attempt` seconds), so no call takes longer than `timeout`. Other errors are
     raised at once. (gRPC's built-in retry policy stops after 5 attempts, a few seconds: not enough
-    to wait out a service's restart, so Overworld retries here, in one place.)"""
+    to wait out a service's restart, so Overworld retries here, in one place: the clients'
+    `timeout=`, core/client.py.)"""
 
-    deadline: float = 60.0
+    timeout: float = 60.0
     attempt: float | None = None  # per-attempt timeout (None: the time left)
     initial_backoff: float = 0.05
     max_backoff: float = 2.0
 
     def run(self, fn: Callable[[float], T], what: str = "call", stop: Callable[[], bool] | None = None) -> T:
-        """fn(timeout) until it succeeds; timeout is the attempt's deadline in seconds."""
+        """fn(left) until it succeeds; `left` is the attempt's deadline in seconds."""
         started = time.monotonic()
-        end = started + self.deadline
+        end = started + self.timeout
         backoff = Backoff(self.initial_backoff, self.max_backoff)
         failures = 0
         while True:
@@ -338,14 +346,9 @@ class Retry:
                     raise
                 failures += 1
                 if failures == 1:
-                    log.warning("%s: %s; retrying for up to %.0fs", what, err.code().name, self.deadline)
+                    log.warning("%s: %s; retrying for up to %.0fs", what, err.code().name, self.timeout)
             time.sleep(delay)
 
     def unary(self, method: Callable[..., T], request: Any, what: str) -> T:
         """A unary stub call, retried: `Retry(30).unary(stub.GetStats, GetStatsRequest(), "GetStats")`."""
         return self.run(lambda timeout: method(request, timeout=timeout), what)
-
-
-def retry(fn: Callable[[], T], what: str, timeout: float = 60.0, stop: Callable[[], bool] | None = None) -> T:
-    """Call fn until it succeeds: `Retry(timeout)` for a call that sets its own per-attempt timeout."""
-    return Retry(timeout).run(lambda _timeout: fn(), what, stop)

@@ -18,7 +18,7 @@ from types import TracebackType
 
 import grpc
 
-from overworld.core.grpc_util import Retry, channel, retry
+from overworld.core.grpc_util import Retry, channel
 from overworld.replay_buffer.reader import ChunkReader, sample_chunks
 from overworld.replay_buffer.refs import BlobRefReader
 from overworld.replay_buffer.reservations import Reservations
@@ -91,7 +91,7 @@ class ReplayBufferClient:
         """The learner's model version (chunks older than max_staleness behind it are dropped), retried
         through a restart of the front for up to `deadline` seconds; FAILED_PRECONDITION if it goes back."""
         request = replay_buffer_pb2.SetModelVersionRequest(model_version=version)
-        return retry(lambda: self.stub.SetModelVersion(request, timeout=30), "SetModelVersion", deadline)
+        return Retry(deadline, attempt=30).unary(self.stub.SetModelVersion, request, "SetModelVersion")
 
     def stats(self, timeout: float = 10.0, *, retried: bool = False) -> replay_buffer_pb2.BufferStats:
         """The buffer-wide counters. retried: transient errors (a front restarting) are retried until
