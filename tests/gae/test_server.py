@@ -4,8 +4,7 @@ import grpc
 import numpy as np
 import pytest
 
-from overworld.core import tensors
-from overworld.core.grpc_util import Server, channel, serve, wait_healthy
+from overworld.core.grpc_util import Server, serve, wait_healthy
 from overworld.gae.client import GaeClient
 from overworld.gae.server import GaeService
 from overworld.v1 import gae_pb2, gae_pb2_grpc
@@ -41,17 +40,19 @@ def test_estimate_over_a_socket(server: Server) -> None:
 def test_bad_input_is_invalid_argument_and_server_stays_up(server: Server, mutate, message: str) -> None:
     b = batch()
     mutate(b)
-    stub = gae_pb2_grpc.GaeStub(channel(server.address))
+    client = GaeClient(server.address)
     with pytest.raises(grpc.RpcError) as err:
-        stub.Estimate(gae_pb2.EstimateRequest(discount=0.9, gae_lambda=0.9, tensors=tensors.encode(b)))
+        client.estimate(b, 0.9, 0.9)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and message in err.value.details()
     with pytest.raises(grpc.RpcError) as err:
-        stub.Estimate(gae_pb2.EstimateRequest(discount=0.9, gae_lambda=0.9, tensors=b"not safetensors"))
+        client.call("Estimate", gae_pb2.EstimateRequest(discount=0.9, gae_lambda=0.9, tensors=b"not safetensors"),
+                    timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(grpc.RpcError) as err:
-        stub.Estimate(gae_pb2.EstimateRequest(discount=1.5, gae_lambda=0.9, tensors=tensors.encode(batch())))
+        client.estimate(batch(), 1.5, 0.9)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
-    assert GaeClient(server.address).estimate(batch(), 0.9, 0.9)[0].shape == (3, 8)
+    assert client.estimate(batch(), 0.9, 0.9)[0].shape == (3, 8)
+    client.close()
 
 
 def test_vtrace_over_a_socket_honours_lambda_and_clip_thresholds(server: Server) -> None:
@@ -68,7 +69,6 @@ def test_vtrace_over_a_socket_honours_lambda_and_clip_thresholds(server: Server)
                                    discount=0.9, gae_lambda=0.7, rho_clip=2.0, c_clip=0.5)
     np.testing.assert_allclose(adv, want_adv, rtol=1e-6)
     np.testing.assert_allclose(target, want_target, rtol=1e-6)
-    stub = gae_pb2_grpc.GaeStub(channel(server.address))
-    with pytest.raises(grpc.RpcError) as err:
-        stub.Estimate(gae_pb2.EstimateRequest(discount=0.9, gae_lambda=1.5, vtrace=True, tensors=tensors.encode(b)))
+    with GaeClient(server.address) as client, pytest.raises(grpc.RpcError) as err:
+        client.estimate(b, 0.9, 1.5, vtrace=True)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT and "gae_lambda" in err.value.details()

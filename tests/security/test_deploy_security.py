@@ -16,7 +16,8 @@ import pytest
 import yaml
 
 from overworld.core import tls
-from overworld.core.grpc_util import channel, serve
+from overworld.core.grpc_util import serve
+from overworld.gae.client import GaeClient
 from overworld.gae.server import GaeService
 from overworld.run_controller.rayjob import build_rayjob
 from overworld.v1 import gae_pb2, gae_pb2_grpc
@@ -205,8 +206,8 @@ def test_helm_generated_certificates_work_with_the_services(tmp_path: Path) -> N
         for identity, expected in (("trainer", grpc.StatusCode.INVALID_ARGUMENT),
                                    ("rollout-worker", grpc.StatusCode.PERMISSION_DENIED)):
             tls.use(tmp_path / identity)
-            with channel(server.address) as ch, pytest.raises(grpc.RpcError) as err:
-                gae_pb2_grpc.GaeStub(ch).Estimate(gae_pb2.EstimateRequest(), timeout=10)
+            with GaeClient(server.address) as gae, pytest.raises(grpc.RpcError) as err:
+                gae.call("Estimate", gae_pb2.EstimateRequest(), timeout=10)
             assert err.value.code() == expected, err.value.details()
         server.stop(0)
     finally:

@@ -10,10 +10,11 @@ from pathlib import Path
 
 import grpc
 import pytest
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from overworld.core import authz, tls
-from overworld.core.grpc_util import channel, serve, wait_healthy
+from overworld.core.grpc_util import channel, health_status, serve, wait_healthy
+from overworld.gae.client import GaeClient
 from overworld.gae.server import GaeService
 from overworld.v1 import gae_pb2, gae_pb2_grpc
 from tests.security.rpcs import RPCS, call_raw
@@ -22,7 +23,7 @@ from tests.security.services_in_one_process import Fleet
 
 def health(ch: grpc.Channel, timeout: float = 5.0) -> grpc.StatusCode:
     try:
-        health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=timeout)
+        health_status(ch, timeout=timeout)
     except grpc.RpcError as err:
         return err.code()
     return grpc.StatusCode.OK
@@ -87,9 +88,9 @@ def test_a_certificate_of_another_run_from_the_same_issuer_is_refused(tmp_path: 
     try:
         for run, expected in (("run-a", grpc.StatusCode.INVALID_ARGUMENT), ("run-b", grpc.StatusCode.PERMISSION_DENIED)):
             tls.use(tmp_path / run / "trainer")
-            with channel(server.address) as ch:
+            with GaeClient(server.address) as gae:
                 with pytest.raises(grpc.RpcError) as err:
-                    gae_pb2_grpc.GaeStub(ch).Estimate(gae_pb2.EstimateRequest(), timeout=5)
+                    gae.call("Estimate", gae_pb2.EstimateRequest(), timeout=5)
                 assert err.value.code() == expected, err.value.details()
         assert "run 'run-b'" in (err.value.details() or "")
     finally:
@@ -121,13 +122,11 @@ def test_the_health_port_answers_kubelet_probes_and_nothing_else(fleet: Fleet, m
     try:
         with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:  # as kubelet: plaintext, no certificate
             assert health(ch) == grpc.StatusCode.OK
-            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(service="overworld.v1.Gae"))
-            assert reply.status == health_pb2.HealthCheckResponse.SERVING
+            assert health_status(ch, "overworld.v1.Gae", timeout=5) == health_pb2.HealthCheckResponse.SERVING
             estimate = next(r for r in RPCS if r.path.endswith("Gae/Estimate"))
             assert call_raw(ch, estimate, [b""], 5)[0] == grpc.StatusCode.UNIMPLEMENTED
             server.set_serving(False)
-            reply = health_pb2_grpc.HealthStub(ch).Check(health_pb2.HealthCheckRequest(), timeout=5)
-            assert reply.status == health_pb2.HealthCheckResponse.NOT_SERVING
+            assert health_status(ch, timeout=5) == health_pb2.HealthCheckResponse.NOT_SERVING
     finally:
         server.stop(0)
     with grpc.insecure_channel(f"127.0.0.1:{port}") as ch:
@@ -146,12 +145,11 @@ def test_certificates_rotate_without_a_restart(tmp_path: Path, monkeypatch: pyte
     tls.use(live["gae"])
     server = serve([(gae_pb2_grpc.add_GaeServicer_to_server, GaeService(), "overworld.v1.Gae")])
     tls.use(live["trainer"])
-    ch = channel(server.address)
-    stub = gae_pb2_grpc.GaeStub(ch)
+    gae = GaeClient(server.address)
     try:
         wait_healthy(server.address, 10)
         with pytest.raises(grpc.RpcError) as err:
-            stub.Estimate(gae_pb2.EstimateRequest(), timeout=5)
+            gae.call("Estimate", gae_pb2.EstimateRequest(), timeout=5)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # through TLS and authorization
         for identity, path in live.items():  # as a Secret volume update: every file replaced
             for name in (tls.CERT, tls.KEY, tls.CA):
@@ -163,10 +161,10 @@ def test_certificates_rotate_without_a_restart(tmp_path: Path, monkeypatch: pyte
         with channel(server.address) as stale:
             assert health(stale, 3) == grpc.StatusCode.UNAVAILABLE
         with pytest.raises(grpc.RpcError) as err:  # the open channel follows its files
-            stub.Estimate(gae_pb2.EstimateRequest(), timeout=5)
+            gae.call("Estimate", gae_pb2.EstimateRequest(), timeout=5)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     finally:
-        ch.close()
+        gae.close()
         server.stop(0)
 
 

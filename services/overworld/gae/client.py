@@ -1,26 +1,27 @@
+"""The gae service's client: advantages and value targets of a batch (GAE, or V-trace)."""
+
 from __future__ import annotations
 
+import grpc
 import numpy as np
 
 from overworld.core import tensors
-from overworld.core.grpc_util import Retry, channel
+from overworld.core.client import ServiceClient
+from overworld.core.grpc_util import Retry
 from overworld.v1 import gae_pb2, gae_pb2_grpc
 
 
-class GaeClient:
-    def __init__(self, address: str) -> None:
-        self._channel = channel(address)
-        self._stub = gae_pb2_grpc.GaeStub(self._channel)
+class GaeClient(ServiceClient):
+    def __init__(self, address: str, *, channel: grpc.Channel | None = None) -> None:
+        super().__init__(address, gae_pb2_grpc.GaeStub, channel=channel)
 
     def estimate(self, batch: dict[str, np.ndarray], discount: float, gae_lambda: float,
-                 vtrace: bool = False, rho_clip: float = 1.0, c_clip: float = 1.0,
+                 vtrace: bool = False, rho_clip: float = 1.0, c_clip: float = 1.0, *,
                  timeout: float = 60.0) -> tuple[np.ndarray, np.ndarray]:
+        """(advantage, value_target) of `batch`. Retried: gae is stateless, a call that broke with the
+        service is simply made again."""
         request = gae_pb2.EstimateRequest(discount=discount, gae_lambda=gae_lambda, tensors=tensors.encode(batch),
                                           vtrace=vtrace, vtrace_rho_clip=rho_clip, vtrace_c_clip=c_clip)
-        # gae is stateless: a call that broke with the service is simply made again
         reply = Retry(timeout).unary(self._stub.Estimate, request, "gae.Estimate")
         out = tensors.decode(reply.tensors)
         return out["advantage"], out["value_target"]
-
-    def close(self) -> None:
-        self._channel.close()
