@@ -18,9 +18,8 @@ from pathlib import Path
 import pytest
 
 from overworld.core import tls
-from overworld.core.grpc_util import channel
 from overworld.rollout_manager.client import RolloutManagerClient
-from overworld.v1 import trainer_pb2, trainer_pb2_grpc
+from overworld.trainer.client import TrainerClient
 from tests.rollout_worker.test_worker import wait_for
 from tests.support import free_port, stop_process, wait_port
 
@@ -53,11 +52,11 @@ def test_second_worker_joins_and_leaves_mid_run(tmp_path: Path) -> None:
         certificates = tmp_path / "run" / "tls"  # the run's mutual TLS: join it as its identities do
         tls.use(certificates / "operator")
         manager = RolloutManagerClient(address("rollout-manager"))  # type: ignore[arg-type]
-        trainer = trainer_pb2_grpc.TrainerStub(channel(address("trainer")))  # type: ignore[arg-type]
+        trainer = TrainerClient(address("trainer"))  # type: ignore[arg-type]
 
         def updates() -> int:
             try:
-                return trainer.GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=5).updates
+                return trainer.status(timeout=5).updates
             except Exception:  # noqa: BLE001 - still starting
                 return 0
 

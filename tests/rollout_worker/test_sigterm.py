@@ -11,9 +11,8 @@ import sys
 import time
 from pathlib import Path
 
-from overworld.core.grpc_util import channel
 from overworld.rollout_manager.client import RolloutManagerClient
-from overworld.v1 import rollout_worker_pb2, rollout_worker_pb2_grpc
+from overworld.rollout_worker.client import RolloutWorkerClient
 from tests.rollout_worker.test_worker import wait_for
 from tests.support import alive, free_port, wait_port
 
@@ -52,8 +51,8 @@ def test_sigterm_flushes_complete_fragments_and_deregisters(make_cluster, tmp_pa
                      "the worker to send 20 fragments")
             (info,) = client.fleet_status().workers
             assert info.address == f"127.0.0.1:{port}" and info.num_envs == 6
-            control = rollout_worker_pb2_grpc.RolloutWorkerStub(channel(f"127.0.0.1:{port}"))
-            status = control.GetStatus(rollout_worker_pb2.GetWorkerStatusRequest(), timeout=5)
+            with RolloutWorkerClient(f"127.0.0.1:{port}") as control:
+                status = control.status(timeout=5)
             assert status.worker_id == info.worker_id and status.num_envs == 6 and status.env_steps > 0
             envs = children(proc.pid) - {proc.pid}
             assert len([p for p in envs if alive(p)]) >= 2  # the env processes (and the resource tracker)

@@ -3,22 +3,21 @@ drain. (Its weights relay, the weights stream between workers, is the registry's
 
 from __future__ import annotations
 
-from overworld.core.grpc_util import channel
+import grpc
+
+from overworld.core.client import ServiceClient
 from overworld.v1 import rollout_worker_pb2 as pb
 from overworld.v1 import rollout_worker_pb2_grpc
 
 
-class RolloutWorkerClient:
-    def __init__(self, address: str) -> None:
-        self.address = address
-        self._channel = channel(address)
-        self._stub = rollout_worker_pb2_grpc.RolloutWorkerStub(self._channel)
+class RolloutWorkerClient(ServiceClient):
+    def __init__(self, address: str, *, channel: grpc.Channel | None = None) -> None:
+        super().__init__(address, rollout_worker_pb2_grpc.RolloutWorkerStub, channel=channel)
 
-    def status(self, timeout: float = 5.0) -> pb.WorkerStatus:
+    def status(self, *, timeout: float = 5.0) -> pb.WorkerStatus:
+        """The worker's status; one attempt (its callers poll)."""
         return self._stub.GetStatus(pb.GetWorkerStatusRequest(), timeout=timeout)
 
-    def drain(self, request: pb.DrainRequest, timeout: float = 30.0) -> pb.DrainResponse:
-        return self._stub.Drain(request, timeout=timeout)
-
-    def close(self) -> None:
-        self._channel.close()
+    def drain(self, *, timeout: float = 30.0) -> pb.DrainResponse:
+        """Ask the worker to drain: stop stepping, send its complete fragments, deregister, exit. One attempt."""
+        return self._stub.Drain(pb.DrainRequest(), timeout=timeout)

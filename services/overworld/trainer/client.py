@@ -3,27 +3,26 @@ run`, the MineStudio facade and the run-controller read it (and ask it to stop t
 
 from __future__ import annotations
 
-from overworld.core.grpc_util import channel
+import grpc
+
+from overworld.core.client import ServiceClient
 from overworld.core.tls import aio_channel
 from overworld.v1 import trainer_pb2 as pb
 from overworld.v1 import trainer_pb2_grpc
 
 
-class TrainerClient:
-    def __init__(self, address: str) -> None:
-        self.address = address
-        self._channel = channel(address)
-        self._stub = trainer_pb2_grpc.TrainerStub(self._channel)
+class TrainerClient(ServiceClient):
+    def __init__(self, address: str, *, channel: grpc.Channel | None = None) -> None:
+        super().__init__(address, trainer_pb2_grpc.TrainerStub, channel=channel)
 
-    def status(self, timeout: float = 5.0) -> pb.TrainerStatus:
+    def status(self, *, timeout: float = 5.0) -> pb.TrainerStatus:
+        """The trainer's progress; one attempt (its callers poll)."""
         return self._stub.GetStatus(pb.GetTrainerStatusRequest(), timeout=timeout)
 
-    def report(self, status: pb.TrainerStatus, timeout: float = 10.0) -> bool:
-        """Rank 0's progress; True when the driver asks training to stop."""
+    def report(self, status: pb.TrainerStatus, *, timeout: float = 10.0) -> bool:
+        """Rank 0's progress; True when the driver asks training to stop. One attempt: the next
+        iteration reports again."""
         return bool(self._stub.ReportProgress(status, timeout=timeout).stop)
-
-    def close(self) -> None:
-        self._channel.close()
 
 
 async def read_status(address: str, timeout: float = 5.0) -> pb.TrainerStatus:
