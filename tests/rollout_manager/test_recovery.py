@@ -92,7 +92,7 @@ def test_sigkill_restart_restores_fleet_spaces_and_episode_statistics(manager: M
 
         manager.kill()
         with pytest.raises(grpc.RpcError):
-            client.stub.GetFleetStatus(pb.GetFleetStatusRequest(), timeout=1)
+            client.fleet_status(timeout=1)
         manager.start()
 
         after = client.fleet_status(timeout=30)
@@ -102,7 +102,7 @@ def test_sigkill_restart_restores_fleet_spaces_and_episode_statistics(manager: M
         assert [w.worker_id for w in after.workers] == [a.worker_id]
         assert after.tasks[0].mean_return_last_100 == pytest.approx(20.0)
         assert after.tasks[0].mean_extras_last_100["x"] == pytest.approx(1.0)
-        assert Spaces.from_proto(client.stub.GetSpaces(pb.GetSpacesRequest(), timeout=5)) == SPACES
+        assert client.spaces(timeout=5) == SPACES
         # the worker keeps its id and lease, and its cumulative counters go on
         reply = client.heartbeat(pb.HeartbeatRequest(worker_id=a.worker_id, env_steps=160, fragments_sent=4))
         assert reply.lease_valid

@@ -26,7 +26,7 @@ def manager() -> Iterator[tuple[RolloutManagerService, RolloutManagerClient]]:
 
 
 def register(client: RolloutManagerClient, spaces: Spaces = SPACES) -> pb.RegisterResponse:
-    return client.stub.Register(pb.RegisterRequest(hostname="h", num_envs=4, spaces=spaces.to_proto()))
+    return client.register(pb.RegisterRequest(hostname="h", num_envs=4, spaces=spaces.to_proto()))
 
 
 def test_run_config_and_spaces(manager) -> None:
@@ -47,22 +47,22 @@ def test_mismatched_spaces_are_refused(manager) -> None:
         register(client, other)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION and "differ" in err.value.details()
     with pytest.raises(grpc.RpcError) as err:
-        client.stub.Register(pb.RegisterRequest(hostname="h", num_envs=0, spaces=SPACES.to_proto()))
+        client.register(pb.RegisterRequest(hostname="h", num_envs=0, spaces=SPACES.to_proto()))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_leases_heartbeats_and_departed_steps_still_count(manager) -> None:
     service, client = manager
     a, b = register(client).worker_id, register(client).worker_id
-    client.stub.Heartbeat(pb.HeartbeatRequest(worker_id=a, env_steps=100))
-    client.stub.Heartbeat(pb.HeartbeatRequest(worker_id=b, env_steps=50))
+    client.heartbeat(pb.HeartbeatRequest(worker_id=a, env_steps=100))
+    client.heartbeat(pb.HeartbeatRequest(worker_id=b, env_steps=50))
     assert client.fleet_status().env_steps == 150
-    client.stub.Deregister(pb.DeregisterRequest(worker_id=b))
+    client.deregister(b)
     status = client.fleet_status()
     assert [w.worker_id for w in status.workers] == [a] and status.env_steps == 150
     service.lease_seconds = 0.2
     time.sleep(0.3)  # a's lease runs out
-    assert not client.stub.Heartbeat(pb.HeartbeatRequest(worker_id=a, env_steps=120)).lease_valid
+    assert not client.heartbeat(pb.HeartbeatRequest(worker_id=a, env_steps=120)).lease_valid
     status = client.fleet_status()
     assert not status.workers and status.env_steps == 150
 
@@ -72,7 +72,7 @@ def test_episode_statistics(manager) -> None:
     wid = register(client).worker_id
     episodes = [pb.EpisodeStats(task="cow", sum_reward=float(i), length=10, extras={"achievement_eat_cow": i % 2})
                 for i in range(150)]
-    client.stub.ReportEpisodes(pb.ReportEpisodesRequest(worker_id=wid, episodes=episodes))
+    client.report_episodes(pb.ReportEpisodesRequest(worker_id=wid, episodes=episodes))
     status = client.fleet_status()
     assert status.episodes == 150
     assert status.mean_return_last_100 == pytest.approx(sum(range(50, 150)) / 100)
@@ -81,12 +81,12 @@ def test_episode_statistics(manager) -> None:
     # Sums over every episode of the run, not the last 100 (Crafter's success rates count them all).
     early = [pb.EpisodeStats(task="cow", sum_reward=0.0, length=10, extras={"achievement_collect_wood": 1.0})
              for _ in range(30)]
-    client.stub.ReportEpisodes(pb.ReportEpisodesRequest(worker_id=wid, episodes=early))
+    client.report_episodes(pb.ReportEpisodesRequest(worker_id=wid, episodes=early))
     (task,) = client.fleet_status().tasks
     assert task.episodes == 180 and task.total_extras["achievement_collect_wood"] == pytest.approx(30)
     assert task.total_extras["achievement_eat_cow"] == pytest.approx(75)
     with pytest.raises(grpc.RpcError) as err:
-        client.stub.ReportEpisodes(pb.ReportEpisodesRequest(
+        client.report_episodes(pb.ReportEpisodesRequest(
             worker_id=wid, episodes=[pb.EpisodeStats(task="cow", sum_reward=float("nan"))]))
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     assert client.fleet_status().episodes == 180

@@ -36,11 +36,11 @@ def manager(tmp_path: Path) -> Iterator[tuple[RolloutManagerService, RolloutMana
 
 
 def register(client: RolloutManagerClient) -> str:
-    return client.stub.Register(pb.RegisterRequest(hostname="h", num_envs=4, spaces=SPACES.to_proto())).worker_id
+    return client.register(pb.RegisterRequest(hostname="h", num_envs=4, spaces=SPACES.to_proto())).worker_id
 
 
 def upload(client: RolloutManagerClient, info: pb.VideoInfo, data: bytes = MP4) -> pb.VideoInfo:
-    return client.stub.UploadVideo(iter([pb.VideoChunk(info=info, data=data[:10]), pb.VideoChunk(data=data[10:])]))
+    return client.upload_video([pb.VideoChunk(info=info, data=data[:10]), pb.VideoChunk(data=data[10:])])
 
 
 def test_video_store_url() -> None:
@@ -53,16 +53,16 @@ def test_video_store_url() -> None:
 def test_explicit_request_is_handed_to_one_worker_and_listed(manager) -> None:
     service, client = manager
     a, b = register(client), register(client)
-    rid = client.stub.RequestVideo(pb.RequestVideoRequest(iteration=7)).request_id
-    first = client.stub.Heartbeat(pb.HeartbeatRequest(worker_id=a))
+    rid = client.request_video(7)
+    first = client.heartbeat(pb.HeartbeatRequest(worker_id=a))
     assert first.record_video and first.video_request_id == rid
-    assert not client.stub.Heartbeat(pb.HeartbeatRequest(worker_id=b)).record_video  # only one worker gets it
-    assert client.stub.Heartbeat(pb.HeartbeatRequest(worker_id=a)).video_request_id == rid  # until it uploads
+    assert not client.heartbeat(pb.HeartbeatRequest(worker_id=b)).record_video  # only one worker gets it
+    assert client.heartbeat(pb.HeartbeatRequest(worker_id=a)).video_request_id == rid  # until it uploads
     stored = upload(client, pb.VideoInfo(request_id=rid, worker_id=a, env_slot=2, task="t", sum_reward=3, length=9))
     assert stored.iteration == 7 and stored.size_bytes == len(MP4) and stored.key.startswith("videos/r1/")
     assert service.videos.store.get(stored.key) == MP4
-    assert not client.stub.Heartbeat(pb.HeartbeatRequest(worker_id=a)).record_video
-    (listed,) = client.stub.ListVideos(pb.ListVideosRequest()).videos
+    assert not client.heartbeat(pb.HeartbeatRequest(worker_id=a)).record_video
+    (listed,) = client.list_videos()
     assert listed.key == stored.key and client.fleet_status().videos == 1
     with pytest.raises(grpc.RpcError) as err:
         upload(client, pb.VideoInfo(request_id="x", worker_id=a), b"not a video at all")
@@ -72,31 +72,31 @@ def test_explicit_request_is_handed_to_one_worker_and_listed(manager) -> None:
 def test_request_of_a_departed_worker_goes_to_another(manager) -> None:
     _, client = manager
     a, b = register(client), register(client)
-    rid = client.stub.RequestVideo(pb.RequestVideoRequest()).request_id
-    assert client.stub.Heartbeat(pb.HeartbeatRequest(worker_id=a)).video_request_id == rid
-    client.stub.Deregister(pb.DeregisterRequest(worker_id=a))
-    assert client.stub.Heartbeat(pb.HeartbeatRequest(worker_id=b)).video_request_id == rid
+    rid = client.request_video()
+    assert client.heartbeat(pb.HeartbeatRequest(worker_id=a)).video_request_id == rid
+    client.deregister(a)
+    assert client.heartbeat(pb.HeartbeatRequest(worker_id=b)).video_request_id == rid
     assert client.fleet_status().pending_video_requests == 1
 
 
 def test_every_record_video_interval_model_versions(manager) -> None:
     _, client = manager
     a = register(client)
-    assert not client.stub.Heartbeat(pb.HeartbeatRequest(worker_id=a, model_version=1)).record_video
-    rid = client.stub.Heartbeat(pb.HeartbeatRequest(worker_id=a, model_version=2)).video_request_id
+    assert not client.heartbeat(pb.HeartbeatRequest(worker_id=a, model_version=1)).record_video
+    rid = client.heartbeat(pb.HeartbeatRequest(worker_id=a, model_version=2)).video_request_id
     assert rid
     upload(client, pb.VideoInfo(request_id=rid, worker_id=a))
-    assert not client.stub.Heartbeat(pb.HeartbeatRequest(worker_id=a, model_version=3)).record_video
-    assert client.stub.Heartbeat(pb.HeartbeatRequest(worker_id=a, model_version=4)).record_video
+    assert not client.heartbeat(pb.HeartbeatRequest(worker_id=a, model_version=3)).record_video
+    assert client.heartbeat(pb.HeartbeatRequest(worker_id=a, model_version=4)).record_video
 
 
 def test_status_prints_the_fleet(manager, capsys: pytest.CaptureFixture[str]) -> None:
     service, client = manager
     a = register(client)
-    client.stub.Heartbeat(pb.HeartbeatRequest(worker_id=a, env_steps=1234, fragments_sent=5, model_version=3,
-                                              env_steps_per_second=321.0, env_restarts={"died": 2, "error": 1},
-                                              fragments_dropped=3, envs_ready=3, send_queue_depth=1))
-    client.stub.ReportEpisodes(pb.ReportEpisodesRequest(worker_id=a, episodes=[
+    client.heartbeat(pb.HeartbeatRequest(worker_id=a, env_steps=1234, fragments_sent=5, model_version=3,
+                                         env_steps_per_second=321.0, env_restarts={"died": 2, "error": 1},
+                                         fragments_dropped=3, envs_ready=3, send_queue_depth=1))
+    client.report_episodes(pb.ReportEpisodesRequest(worker_id=a, episodes=[
         pb.EpisodeStats(task="cow", sum_reward=2.0, discounted_reward=1.5, length=10,
                         extras={"achievement_eat_cow": 1.0})]))
     upload(client, pb.VideoInfo(request_id="", worker_id=a, sum_reward=2.0, length=10))

@@ -189,7 +189,7 @@ class TrainerRuntime:
         """The fleet's status, asked now and answered while the caller works (waits for a manager
         that is restarting, up to `timeout`)."""
         try:
-            return self.manager.fleet_status_future(timeout)
+            return self.manager.fleet_status_future(timeout=timeout)
         except Exception:  # statistics only: never stall training on the manager
             return None
 
