@@ -114,9 +114,9 @@ def fetch_as_a_relay_does(address: str, version: int, size: int, identity: Path)
         announcement = next(iter(watch))
         watch.cancel()
         chunk = announcement.chunk_bytes or relay_chunk_bytes(size)
-        request = pb.FetchRequest(version=version, limit=size, chunk_size=chunk)
         if not announcement.weights_port:  # a tree from before the weights stream: gRPC Fetch
-            return sum(len(c.data) for c in client.fetch_chunks(request, timeout=300))
+            return len(client.fetch(version, verify=False, timeout=300)[1])
+        request = pb.FetchRequest(version=version, limit=size, chunk_size=chunk)
         from overworld.model_registry.stream import END, open_stream
 
         out = bytearray(chunk)

@@ -27,12 +27,12 @@ from typing import Any
 import grpc
 import pytest
 import yaml
-from grpc_health.v1 import health_pb2, health_pb2_grpc
+from grpc_health.v1 import health_pb2
 
 from overworld.core import tls
-from overworld.core.grpc_util import channel
+from overworld.core.grpc_util import health_status
+from overworld.model_registry.client import ModelRegistryClient
 from overworld.run_controller.rayjob import build_rayjob
-from overworld.v1 import model_registry_pb2, model_registry_pb2_grpc
 from tests.conftest import RedisServer
 from tests.deploy.deploy_support import CHART, REPO, SERVICES, by_kind, containers, render, values_from_files
 from tests.support import free_port, stop_process
@@ -137,12 +137,10 @@ def process_env(extra: dict[str, str]) -> dict[str, str]:
 def healthy(address: str, timeout: float = 90.0) -> None:
     deadline = time.monotonic() + timeout
     last: Exception | None = None
-    with grpc.insecure_channel(address) as channel:
-        stub = health_pb2_grpc.HealthStub(channel)
+    with grpc.insecure_channel(address) as plaintext:
         while time.monotonic() < deadline:
             try:
-                response = stub.Check(health_pb2.HealthCheckRequest(service=""), timeout=2)
-                if response.status == health_pb2.HealthCheckResponse.SERVING:
+                if health_status(plaintext, timeout=2) == health_pb2.HealthCheckResponse.SERVING:
                     return
             except grpc.RpcError as exc:
                 last = exc
@@ -151,10 +149,9 @@ def healthy(address: str, timeout: float = 90.0) -> None:
 
 
 def latest_version(address: str) -> int:
-    with channel(address) as ch:  # as the operator (tls.use)
-        stub = model_registry_pb2_grpc.ModelRegistryStub(ch)
-        response = stub.ListVersions(model_registry_pb2.ListVersionsRequest(), timeout=5)
-    return max((v.version for v in response.versions), default=0)
+    with ModelRegistryClient(address) as registry:  # as the operator (tls.use)
+        versions = registry.list_versions(timeout=5)
+    return max((v.version for v in versions), default=0)
 
 
 @pytest.mark.slow
@@ -252,7 +249,7 @@ def test_rendered_services_find_each_other_and_train(tmp_path: Path, s3_server: 
             healthy(probes[component], timeout=10)
         # The gRPC port itself takes mutual TLS only.
         with grpc.insecure_channel(addresses["model-registry"]) as plaintext, pytest.raises(grpc.RpcError):
-            health_pb2_grpc.HealthStub(plaintext).Check(health_pb2.HealthCheckRequest(), timeout=3)
+            health_status(plaintext, timeout=3)
     finally:
         tls.reset()
         for _, proc, _ in reversed(processes):

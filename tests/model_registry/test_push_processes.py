@@ -198,8 +198,8 @@ def test_eight_watcher_processes_follow_every_push(fleet, tmp_path: Path) -> Non
     bad[-5] ^= 0xFF
     manifest = pb.VersionInfo(version=8, size_bytes=len(good))
     with pytest.raises(grpc.RpcError) as err:
-        client.stub.Publish(iter([pb.PublishRequest(manifest=manifest), pb.PublishRequest(chunk=bytes(bad)),
-                                  pb.PublishRequest(sha256=hashlib.sha256(good).hexdigest())]))
+        client.call("Publish", iter([pb.PublishRequest(manifest=manifest), pb.PublishRequest(chunk=bytes(bad)),
+                                     pb.PublishRequest(sha256=hashlib.sha256(good).hexdigest())]), timeout=60)
     assert err.value.code() == grpc.StatusCode.DATA_LOSS
     assert [v.version for v in client.list_versions()][-1] == 7
     assert not list((tmp_path / "blobs" / "models").glob("0000000008*"))

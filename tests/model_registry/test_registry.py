@@ -136,8 +136,8 @@ def test_fetch_resumes_where_the_stream_broke(tmp_path: Path) -> None:
             restarted.append(Running(store, port=port, chunk_size=1 << 16, largest_message=1 << 16))
         return False
 
-    info, buf = client.fetch_into(1, stop=break_once, timeout=60)
-    assert bytes(buf) == data and info.version == 1 and seen[0] > 3
+    info, got = client.fetch(1, stop=break_once, timeout=60)
+    assert got == data and info.version == 1 and seen[0] > 3
     # the resumed request started at the offset reached, on a message boundary of the new registry
     assert restarted[0].client.fetch()[1] == data
     client.close()
@@ -148,12 +148,13 @@ def test_odd_offsets_and_chunk_sizes(reg: Running) -> None:
     data = bytes(range(256)) * 1000
     reg.client.publish(1, data)
     for offset, chunk_size in ((0, 0), (1 << 16, 0), (1000, 0), (5, 777), (len(data), 0)):
-        got = list(reg.client.stub.Fetch(pb.FetchRequest(version=1, offset=offset, chunk_size=chunk_size)))
+        got = list(reg.client.call("Fetch", pb.FetchRequest(version=1, offset=offset, chunk_size=chunk_size),
+                                   timeout=30))
         assert got[0].info.version == 1
         assert b"".join(c.data for c in got) == data[offset:]
         assert all(c.offset == offset + sum(len(x.data) for x in got[:i]) for i, c in enumerate(got) if c.data)
     with pytest.raises(grpc.RpcError) as err:
-        list(reg.client.stub.Fetch(pb.FetchRequest(version=1, offset=len(data) + 1)))
+        list(reg.client.call("Fetch", pb.FetchRequest(version=1, offset=len(data) + 1), timeout=30))
     assert err.value.code() == grpc.StatusCode.OUT_OF_RANGE
 
 
@@ -247,7 +248,7 @@ def slow_publish(client: ModelRegistryClient, version: int, data: bytes, sent: b
 
     def run() -> None:
         try:
-            client.stub.Publish(messages(), timeout=30)
+            client.call("Publish", messages(), timeout=30)
         except grpc.RpcError as err:
             errors.append(err)
 
@@ -320,10 +321,22 @@ def test_a_publisher_that_goes_away_stores_nothing(reg: Running) -> None:
         yield pb.PublishRequest(chunk=data[:1000])
         gate.wait(10)
 
-    future = reg.client.stub.Publish.future(messages(), timeout=30)
+    publisher = ModelRegistryClient(reg.server.address)
+    errors: list[grpc.RpcError] = []
+
+    def publish() -> None:
+        try:
+            publisher.call("Publish", messages(), timeout=30)
+        except grpc.RpcError as err:
+            errors.append(err)
+
+    thread = threading.Thread(target=publish)
+    thread.start()
     time.sleep(0.3)
-    future.cancel()
+    publisher.close()  # the publisher goes away: its call is cancelled
     gate.set()
+    thread.join(10)
+    assert [err.code() for err in errors] == [grpc.StatusCode.CANCELLED]
     time.sleep(0.3)
     assert reg.client.list_versions() == []
     assert reg.client.publish(1, data).version == 1  # the registry is not stuck on the broken publish
@@ -375,14 +388,11 @@ def test_corrupted_stored_weights_are_data_loss(tmp_path: Path) -> None:
     running.stop()
 
 
-def test_fetch_into_checks_what_arrives(reg: Running) -> None:
+def test_a_fetch_asked_to_stop_gives_up(reg: Running) -> None:
     reg.client.publish(1, b"a" * 1000)
-    info, buf = reg.client.fetch_into(1, buffer=lambda n: bytearray(n + 5))
-    assert info.size_bytes == 1000 and bytes(buf[:1000]) == b"a" * 1000
-    with pytest.raises(ValueError):
-        reg.client.fetch_into(1, buffer=lambda n: bytearray(n - 1))
     with pytest.raises(FetchBroken):
-        reg.client.fetch_into(1, stop=lambda: True)
+        reg.client.fetch(1, stop=lambda: True)
+    assert reg.client.fetch(1)[1] == b"a" * 1000
 
 
 # -- S3 ---------------------------------------------------------------------------------------------------
@@ -408,7 +418,8 @@ def test_registry_on_s3(s3_env: dict[str, str]) -> None:
         running.stop()
 
 
-def test_messages_end_at_tensor_boundaries_so_tensors_arrive_as_views(tmp_path: Path) -> None:
+def test_messages_end_at_tensor_boundaries_so_tensors_arrive_as_views(tmp_path: Path,
+                                                                      monkeypatch: pytest.MonkeyPatch) -> None:
     state = {"a_big": torch.rand(100_000), "b_small": torch.rand(10), "c_small": torch.rand(3).double(),
              "d_huge": torch.rand(300_000)}
     data = weights.to_bytes(state)
@@ -422,8 +433,16 @@ def test_messages_end_at_tensor_boundaries_so_tensors_arrive_as_views(tmp_path: 
     running = Running(LocalBlobStore(tmp_path / "blobs"), chunk_size=1 << 16, largest_message=1 << 20)
     try:
         running.client.publish(1, data)
-        info, pieces = running.client.fetch_pieces(1)
-        got = weights.from_pieces(pieces)
+        received: list[list[tuple[int, memoryview]]] = []
+        from_pieces = weights.from_pieces
+
+        def spy(pieces: list[tuple[int, memoryview]], like: dict | None = None) -> dict[str, torch.Tensor]:
+            received.append(pieces)  # the messages as they arrived
+            return from_pieces(pieces, like)
+
+        monkeypatch.setattr(weights, "from_pieces", spy)
+        info, got = running.client.fetch_state(1)
+        (pieces,) = received
         for k, v in state.items():
             assert torch.equal(got[k], v) and got[k].dtype == v.dtype
         spans = [(np.frombuffer(view, np.uint8).ctypes.data, len(view)) for _, view in pieces]

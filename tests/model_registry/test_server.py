@@ -7,7 +7,7 @@ import grpc
 import pytest
 
 from overworld.core.blobs import LocalBlobStore
-from overworld.core.grpc_util import Server, channel, serve, wait_healthy
+from overworld.core.grpc_util import Server, serve, wait_healthy
 from overworld.model_registry.client import ModelRegistryClient
 from overworld.model_registry.server import ModelRegistryService, registration
 from overworld.v1 import model_registry_pb2 as pb
@@ -41,17 +41,17 @@ def test_publish_fetch_list_and_tags(registry) -> None:
     fetched, got = client.fetch()
     assert got == data and fetched.sha256 == hashlib.sha256(data).hexdigest() and fetched.counters["updates"] == 3
     client.publish(2, b"v2", parent=1)
-    assert [v.version for v in client.stub.ListVersions(pb.ListVersionsRequest()).versions] == [1, 2]
+    assert [v.version for v in client.list_versions()] == [1, 2]
     assert client.fetch(tag="reference")[1] == data
     assert client.fetch()[1] == b"v2"
-    client.stub.SetTag(pb.SetTagRequest(tag="best", version=1))
+    client.set_tag("best", 1)
     assert client.fetch(tag="best")[1] == data
 
 
 def test_fetch_resumes_from_an_offset(registry) -> None:
     _, client = registry
     client.publish(1, b"0123456789")
-    chunks = list(client.stub.Fetch(pb.FetchRequest(version=1, offset=4, chunk_size=3)))
+    chunks = list(client.call("Fetch", pb.FetchRequest(version=1, offset=4, chunk_size=3), timeout=30))
     assert b"".join(c.data for c in chunks) == b"456789" and chunks[0].offset == 4
 
 
@@ -65,16 +65,16 @@ def test_corrupted_chunk_is_refused_and_nothing_is_stored(registry) -> None:
 
     def publish(*messages: pb.PublishRequest) -> grpc.StatusCode:
         with pytest.raises(grpc.RpcError) as err:
-            client.stub.Publish(iter([pb.PublishRequest(manifest=manifest), *messages]))
+            client.call("Publish", iter([pb.PublishRequest(manifest=manifest), *messages]), timeout=30)
         return err.value.code()
 
     assert publish(pb.PublishRequest(chunk=bytes(corrupted)), sha256) == grpc.StatusCode.DATA_LOSS
-    assert list(client.stub.ListVersions(pb.ListVersionsRequest()).versions) == []
+    assert client.list_versions() == []
     assert publish(pb.PublishRequest(chunk=good[:-1]), sha256) == grpc.StatusCode.INVALID_ARGUMENT
     assert publish(pb.PublishRequest(chunk=good)) == grpc.StatusCode.INVALID_ARGUMENT  # no sha256
     assert publish(pb.PublishRequest(chunk=good), pb.PublishRequest(sha256="short")) == grpc.StatusCode.INVALID_ARGUMENT
     assert publish(pb.PublishRequest(chunk=good), sha256, sha256) == grpc.StatusCode.INVALID_ARGUMENT
-    assert list(client.stub.ListVersions(pb.ListVersionsRequest()).versions) == []
+    assert client.list_versions() == []
     assert client.publish(1, good).version == 1
 
 
@@ -97,7 +97,7 @@ def test_watch_pushes_every_new_version(registry) -> None:
     _, client = registry
     client.publish(1, b"one")
     seen: list[int] = []
-    stream = client.stub.Watch(pb.WatchRequest(watcher_id="w", known_version=0))
+    stream = client.call("Watch", pb.WatchRequest(watcher_id="w", known_version=0), timeout=60)
     got_first, got_three = threading.Event(), threading.Event()
 
     def consume() -> None:
@@ -127,8 +127,8 @@ def test_restart_keeps_versions_and_retention_drops_old_ones(tmp_path: Path) -> 
     service.stop()
     server.stop(0)
     server, service = start(tmp_path / "blobs", retain=2)
-    stub = model_registry_pb2_grpc.ModelRegistryStub(channel(server.address))
-    versions = {v.version: list(v.tags) for v in stub.ListVersions(pb.ListVersionsRequest()).versions}
+    with ModelRegistryClient(server.address) as restarted:
+        versions = {v.version: list(v.tags) for v in restarted.list_versions()}
     assert versions == {1: ["reference"], 3: [], 4: ["latest"]}  # tagged versions are always retained
     service.stop()
     server.stop(0)
@@ -138,8 +138,8 @@ def test_bad_manifest_is_invalid_argument(registry) -> None:
     _, client = registry
     for manifest in (pb.VersionInfo(version=0), pb.VersionInfo(version=1, sha256="0" * 64)):
         with pytest.raises(grpc.RpcError) as err:
-            client.stub.Publish(iter([pb.PublishRequest(manifest=manifest)]))
+            client.call("Publish", iter([pb.PublishRequest(manifest=manifest)]), timeout=30)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT
     with pytest.raises(grpc.RpcError) as err:
-        client.stub.Publish(iter([pb.PublishRequest(chunk=b"x")]))
+        client.call("Publish", iter([pb.PublishRequest(chunk=b"x")]), timeout=30)
     assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT

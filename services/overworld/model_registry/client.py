@@ -1,17 +1,17 @@
-"""Thin client of the model-registry: publish, fetch (resumable, optionally in half precision),
-list, tags, watch, acknowledgements and push status."""
+"""Thin client of the model-registry: publish, fetch (resumable, optionally in half precision; as
+bytes or as a state dict), list, tags, watch, acknowledgements and push status."""
 
 from __future__ import annotations
 
 import hashlib
 import threading
 from collections.abc import Callable, Iterator
-from typing import Any
 
 import grpc
 
 from overworld.core import safetensors_format
-from overworld.core.grpc_util import Retry, channel
+from overworld.core.client import ServiceClient
+from overworld.core.grpc_util import Retry
 from overworld.model_registry import wire
 from overworld.v1 import model_registry_pb2 as pb
 from overworld.v1 import model_registry_pb2_grpc
@@ -29,14 +29,9 @@ class FetchBroken(Exception):
     """A fetch that cannot complete: the version went away or its publish failed."""
 
 
-class ModelRegistryClient:
-    def __init__(self, address: str, through: grpc.Channel | None = None) -> None:
-        """A client of the registry at `address`, over a channel of this process's credentials (or
-        over `through`, a channel made otherwise: e.g. a port-forward's)."""
-        self.address = address
-        self._channel = through or channel(address)
-        self._owns_channel = through is None
-        self.stub = model_registry_pb2_grpc.ModelRegistryStub(self._channel)
+class ModelRegistryClient(ServiceClient):
+    def __init__(self, address: str, *, channel: grpc.Channel | None = None) -> None:
+        super().__init__(address, model_registry_pb2_grpc.ModelRegistryStub, channel=channel)
         self._acks: set[grpc.Future] = set()
         self._acks_lock = threading.Lock()
         # Publish and Fetch through hand-encoded messages (same bytes on the wire): one copy per chunk
@@ -50,9 +45,9 @@ class ModelRegistryClient:
     # -- publish -------------------------------------------------------------------------------
     def publish(self, version: int, data: bytes | bytearray | memoryview, parent: int = 0,
                 counters: dict[str, int] | None = None, config_hash: str = "", tags: list[str] | None = None,
-                dtype: str = "", timeout: float = 300.0, chunk_size: int = CHUNK) -> pb.VersionInfo:
-        """Publish `data` (safetensors bytes) as `version`. Retried on transient errors; publishing the
-        same bytes again is idempotent. `dtype` defaults to the payload's floating dtype."""
+                dtype: str = "", chunk_size: int = CHUNK, *, timeout: float = 300.0) -> pb.VersionInfo:
+        """Publish `data` (safetensors bytes) as `version`. Retried (publishing the same bytes again is
+        idempotent). `dtype` defaults to the payload's floating dtype."""
         view = memoryview(data)
         manifest = pb.VersionInfo(version=version, parent=parent, size_bytes=len(view),
                                   dtype=dtype or safetensors_format.payload_dtype(view), counters=counters or {},
@@ -117,92 +112,65 @@ class ModelRegistryClient:
             raise FetchBroken(f"fetched version {info.version} does not match its sha256")
         return info
 
-    def fetch_chunks(self, request: pb.FetchRequest, timeout: float) -> Any:
-        """One Fetch call, not retried: an iterator of `wire.Chunk` (cancel it with .cancel())."""
-        return self._fetch(request, timeout=timeout)
-
-    def fetch_into(self, version: int = 0, tag: str = "", precision: str = "", verify: bool = True,
-                   buffer: Callable[[int], bytearray] = bytearray, timeout: float = 300.0,
-                   stop: Callable[[], bool] | None = None) -> tuple[pb.VersionInfo, bytearray]:
-        """Fetch one version into buffer(size) (at least `size` bytes: e.g. a reused one), resuming
-        when the stream breaks. Returns the info of the bytes received (with `precision`, of the
-        converted payload) and the buffer; the payload is buffer[:info.size_bytes].
+    def fetch(self, version: int = 0, tag: str = "", *, precision: str = "", verify: bool = True,
+              stop: Callable[[], bool] | None = None, timeout: float = 300.0) -> tuple[pb.VersionInfo, bytes]:
+        """A whole version (0: the latest; or the one `tag` names) as bytes, resuming where the stream
+        broke (retried). Returns the info of the bytes received (with `precision`, of the converted
+        payload). `stop`, asked after every message, gives up (FetchBroken).
 
         Raises grpc.RpcError from the registry (NOT_FOUND: no such version; DATA_LOSS / ABORTED: its
         publish failed; UNAVAILABLE: unreachable for `timeout`), FetchBroken when what arrived is
-        inconsistent (size, offsets, sha256)."""
-        out: list[bytearray] = []
-
-        def sink(info: pb.VersionInfo, offset: int, data: memoryview) -> None:
-            if not out:
-                out.append(buffer(info.size_bytes))
-                if len(out[0]) < info.size_bytes:
-                    raise ValueError(f"buffer of {len(out[0])} bytes for {info.size_bytes}")
-            out[0][offset:offset + len(data)] = data
-
-        info = self._fetch_stream(version, tag, precision, verify, timeout, stop, sink)
-        return info, out[0] if out else buffer(0)
-
-    def fetch(self, version: int = 0, tag: str = "", timeout: float = 300.0,
-              precision: str = "") -> tuple[pb.VersionInfo, bytes]:
-        """Fetch a whole version as bytes (sha256-verified), resuming if the stream breaks."""
+        inconsistent (size, offsets, sha256 when `verify`)."""
         pieces: list[memoryview] = []
-        try:
-            info = self._fetch_stream(version, tag, precision, True, timeout, None,
-                                      lambda info, offset, data: pieces.append(data))
-        except FetchBroken as err:
-            raise ValueError(str(err)) from None
+        info = self._fetch_stream(version, tag, precision, verify, timeout, stop,
+                                  lambda info, offset, data: pieces.append(data))
         return info, b"".join(pieces)
 
-    def fetch_pieces(self, version: int = 0, tag: str = "", precision: str = "", verify: bool = True,
-                     timeout: float = 300.0, stop: Callable[[], bool] | None = None
-                     ) -> tuple[pb.VersionInfo, list[tuple[int, memoryview]]]:
-        """Fetch a version as the pieces (offset, view into the received message) it arrived in: no copy."""
+    def fetch_state(self, version: int = 0, tag: str = "", *, like: dict | None = None, precision: str = "",
+                    verify: bool = True, stop: Callable[[], bool] | None = None,
+                    timeout: float = 300.0) -> tuple[pb.VersionInfo, dict]:
+        """A version as a state dict, fetched as `fetch` does. The registry cuts its messages at tensor
+        boundaries, so a tensor is a view into the message it arrived in (no copy; treat it as
+        read-only); tensors are cast to like's dtypes where they differ."""
+        from overworld.core import weights  # torch: the learners' and workers' side only
+
         pieces: list[tuple[int, memoryview]] = []
         info = self._fetch_stream(version, tag, precision, verify, timeout, stop,
                                   lambda info, offset, data: pieces.append((offset, data)))
-        return info, pieces
-
-    def fetch_state(self, version: int = 0, tag: str = "", like: dict | None = None, precision: str = "",
-                    verify: bool = True, timeout: float = 300.0,
-                    stop: Callable[[], bool] | None = None) -> tuple[pb.VersionInfo, dict]:
-        """Fetch a version as a state dict. The registry cuts its messages at tensor boundaries, so a
-        tensor is a view into the message it arrived in (no copy; treat it as read-only); tensors
-        are cast to like's dtypes where they differ."""
-        from overworld.core import weights  # torch: the learners' and workers' side only
-
-        info, pieces = self.fetch_pieces(version, tag, precision, verify, timeout, stop)
         return info, weights.from_pieces(pieces, like)
 
     # -- the rest --------------------------------------------------------------------------------
-    def list_versions(self, timeout: float = 30.0) -> list[pb.VersionInfo]:
-        return list(Retry(timeout).unary(self.stub.ListVersions, pb.ListVersionsRequest(), "registry.ListVersions")
+    def list_versions(self, *, timeout: float = 30.0) -> list[pb.VersionInfo]:
+        """The versions held, oldest first. Retried."""
+        return list(Retry(timeout).unary(self._stub.ListVersions, pb.ListVersionsRequest(), "registry.ListVersions")
                     .versions)
 
-    def set_tag(self, tag: str, version: int = 0, timeout: float = 30.0) -> pb.VersionInfo:
-        return Retry(timeout).unary(self.stub.SetTag, pb.SetTagRequest(tag=tag, version=version), "registry.SetTag")
+    def set_tag(self, tag: str, version: int = 0, *, timeout: float = 30.0) -> pb.VersionInfo:
+        """Tag `version` (0: the latest). Retried (idempotent)."""
+        return Retry(timeout).unary(self._stub.SetTag, pb.SetTagRequest(tag=tag, version=version), "registry.SetTag")
 
-    def remove_tag(self, tag: str, timeout: float = 30.0) -> pb.VersionInfo:
-        return Retry(timeout).unary(self.stub.SetTag, pb.SetTagRequest(tag=tag, remove=True), "registry.SetTag")
+    def remove_tag(self, tag: str, *, timeout: float = 30.0) -> pb.VersionInfo:
+        """Remove `tag`. Retried (idempotent)."""
+        return Retry(timeout).unary(self._stub.SetTag, pb.SetTagRequest(tag=tag, remove=True), "registry.SetTag")
 
-    def watch(self, watcher_id: str, known_version: int = 0, timeout: float = WATCH_SECONDS, relay_port: int = 0,
-              precision: str = "", relay_host: str = "") -> Iterator[pb.Announcement]:
-        """The Watch stream of announcements (cancel it with .cancel()). It ends with DEADLINE_EXCEEDED
-        after `timeout` seconds, like every call: open the next one with the version held (the registry
-        announces its latest version at once when it differs from `known_version`). `relay_port`: this
-        watcher relays what it receives (the RolloutWorker service on that port, at `relay_host`, or the
-        address the registry sees it at), in `precision`."""
-        return self.stub.WatchAnnouncements(pb.WatchRequest(watcher_id=watcher_id, known_version=known_version,
-                                                            relay_port=relay_port, precision=precision,
-                                                            relay_host=relay_host), timeout=timeout)
+    def watch(self, watcher_id: str, known_version: int = 0, relay_port: int = 0, precision: str = "",
+              relay_host: str = "", *, timeout: float = WATCH_SECONDS) -> Iterator[pb.Announcement]:
+        """The Watch stream of announcements (cancel it with .cancel()); one attempt. It ends with
+        DEADLINE_EXCEEDED after `timeout` seconds, like every call: open the next one with the version held
+        (the registry announces its latest version at once when it differs from `known_version`).
+        `relay_port`: this watcher relays what it receives (the RolloutWorker service on that port, at
+        `relay_host`, or the address the registry sees it at), in `precision`."""
+        return self._stub.WatchAnnouncements(pb.WatchRequest(watcher_id=watcher_id, known_version=known_version,
+                                                             relay_port=relay_port, precision=precision,
+                                                             relay_host=relay_host), timeout=timeout)
 
-    def ack(self, watcher_id: str, version: int, relay_faults: list[pb.RelayFault] | None = None,
+    def ack(self, watcher_id: str, version: int, relay_faults: list[pb.RelayFault] | None = None, *,
             timeout: float = 5.0) -> grpc.Future:
         """Acknowledge a swapped-in version without waiting for the reply (with the relays that failed
-        this watcher since the last one)."""
-        future = self.stub.AckVersion.future(pb.AckVersionRequest(watcher_id=watcher_id, version=version,
-                                                                  relay_faults=relay_faults or []),
-                                             timeout=timeout)
+        this watcher since the last one); one attempt (the next version's ack says as much)."""
+        future = self._stub.AckVersion.future(pb.AckVersionRequest(watcher_id=watcher_id, version=version,
+                                                                   relay_faults=relay_faults or []),
+                                              timeout=timeout)
         # a call future that is garbage-collected before it completes cancels its RPC: hold it until then
         with self._acks_lock:
             self._acks.add(future)
@@ -213,10 +181,9 @@ class ModelRegistryClient:
         with self._acks_lock:
             self._acks.discard(future)
 
-    def push_status(self, version: int = 0, wait: float = 0.0, timeout: float | None = None) -> pb.PushStatus:
-        return self.stub.GetPushStatus(pb.PushStatusRequest(version=version, wait_seconds=wait),
-                                       timeout=timeout if timeout is not None else wait + 30)
-
-    def close(self) -> None:
-        if self._owns_channel:
-            self._channel.close()
+    def push_status(self, version: int = 0, *, wait: float = 0.0, timeout: float | None = None) -> pb.PushStatus:
+        """How the push of `version` (0: the latest) to the watchers goes; the registry holds the call up
+        to `wait` seconds for the push to complete. One attempt (its callers poll); `timeout` defaults
+        to wait + 30 s."""
+        return self._stub.GetPushStatus(pb.PushStatusRequest(version=version, wait_seconds=wait),
+                                        timeout=timeout if timeout is not None else wait + 30)
