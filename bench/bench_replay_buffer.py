@@ -289,7 +289,7 @@ def run_sample_refs(clients: list[Any], total: int, fragment_bytes: int, fetch: 
         while got < n and not stop.is_set():
             request = replay_buffer_pb2.SampleRequest(num_chunks=n - got, timeout_seconds=0.2, allow_partial=True,
                                                       blob_refs=True)
-            refs = list(client.stub.Sample(request, timeout=60))
+            refs = list(client.call("Sample", request, timeout=60))  # the claims, as the front sends them
             gets = [pool.submit(store.get, key) for ref in refs for key in ref.blob_keys]
             for get in gets:  # one fragment per chunk here
                 assert len(get.result()) > fragment_bytes - 4096
@@ -297,7 +297,7 @@ def run_sample_refs(clients: list[Any], total: int, fragment_bytes: int, fetch: 
         return got
 
     def reader(i: int, client: Any, n: int, stop: threading.Event) -> int:
-        chunks = client.sample(n, 0.2, f"bench-r{i}", stop, blob_refs=True)
+        chunks = client.sample(n, f"bench-r{i}", wait=0.2, stop=stop, blob_refs=True)
         for chunk in chunks:  # one fragment per chunk here
             # (reading .tensors would copy 3 MB, and upb's ByteSize() serializes the message)
             assert not chunk.blob_keys and len(chunk.fragments) == 1 and chunk.fragments[0].header.length
@@ -392,9 +392,7 @@ def measure(name: str, index_url: str, blobs_url: str, fronts: int, count: int, 
     requests the service itself keeps in flight (4 per stream: ingest_window; 4 per reader: prefetch
     in-band, CHUNKS_PER_SAMPLE by reference)."""
     from overworld.core.blob_stores import open_blob_store
-    from overworld.core.grpc_util import channel
     from overworld.replay_buffer.client import ReplayBufferClient
-    from overworld.v1 import replay_buffer_pb2, replay_buffer_pb2_grpc
 
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
     template = template_fragment(run_id)
@@ -408,10 +406,10 @@ def measure(name: str, index_url: str, blobs_url: str, fronts: int, count: int, 
     streams, readers = fronts * STREAMS_PER_FRONT, fronts * READERS_PER_FRONT
     meter = CpuMeter({"fronts": [p.pid for p in procs], "clients": [os.getpid()], **servers})
     rounds_out = []
-    # The by-reference readers' clients live across rounds, as a trainer's does (GetStoreInfo once per client).
-    channels = [channel(a) for a in addresses for _ in range(READERS_PER_FRONT)]
-    ref_clients = [ReplayBufferClient(replay_buffer_pb2_grpc.ReplayBufferStub(ch)) for ch in channels]
-    info = ref_clients[0].stub.GetStoreInfo(replay_buffer_pb2.GetStoreInfoRequest(), timeout=30)
+    # The by-reference readers' clients (a channel each) live across rounds, as a trainer's does (GetStoreInfo
+    # once per client).
+    ref_clients = [ReplayBufferClient(a) for a in addresses for _ in range(READERS_PER_FRONT)]
+    info = ref_clients[0].store_info(timeout=30)
     fetch = (open_blob_store(info.blob_store_url), ThreadPoolExecutor(readers * CHUNKS_PER_SAMPLE))
     # (phase, its raw get's key suffix, how it samples `count` chunks)
     parts = [("sample", "", lambda: run_sample(addresses, count, nbytes)),
@@ -454,8 +452,8 @@ def measure(name: str, index_url: str, blobs_url: str, fronts: int, count: int, 
             rounds_out.append(one)
     finally:
         fetch[1].shutdown()
-        for ch in channels:
-            ch.close()
+        for client in ref_clients:
+            client.close()
         for p in procs:
             stop(p)
     mb = nbytes / 1e6

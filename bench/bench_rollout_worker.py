@@ -116,20 +116,16 @@ class WorkerBench:
         (bench/gpu/check.py: crafter_resnet.yaml's ResNet on CUDA and on the CPU)."""
         from overworld.core.blobs import LocalBlobStore
         from overworld.core.config import load_config
-        from overworld.core.grpc_util import channel, serve
+        from overworld.core.grpc_util import serve
         from overworld.core.weights import to_bytes
         from overworld.model_registry.client import ModelRegistryClient
         from overworld.model_registry.server import ModelRegistryService
+        from overworld.replay_buffer.client import ReplayBufferClient
         from overworld.replay_buffer.index import MemoryIndex
         from overworld.replay_buffer.server import ReplayBufferService
         from overworld.rollout_manager.server import RolloutManagerService
         from overworld.rollout_worker.worker import RolloutWorker, run_spaces
-        from overworld.v1 import (
-            model_registry_pb2_grpc,
-            replay_buffer_pb2,
-            replay_buffer_pb2_grpc,
-            rollout_manager_pb2_grpc,
-        )
+        from overworld.v1 import model_registry_pb2_grpc, replay_buffer_pb2_grpc, rollout_manager_pb2_grpc
 
         config = load_config(ROOT / config_path, [
             "run_id=bench", f"rollout_config.worker_config.num_envs={num_envs}",
@@ -152,9 +148,10 @@ class WorkerBench:
         self.closers = [registry.stop, buffer.stop]
         ms, rs, bs = (s.address for s in self.servers)
         _, policy, _, _ = run_spaces(config)
-        ModelRegistryClient(rs).publish(1, to_bytes(policy.state_dict()))
-        replay_buffer_pb2_grpc.ReplayBufferStub(channel(bs)).SetModelVersion(
-            replay_buffer_pb2.SetModelVersionRequest(model_version=1))
+        with ModelRegistryClient(rs) as registry_client:
+            registry_client.publish(1, to_bytes(policy.state_dict()))
+        with ReplayBufferClient(bs) as buffer_client:
+            buffer_client.set_model_version(1)
         self.worker = RolloutWorker(ms, bs, rs)
         self.thread = threading.Thread(target=self.worker.run, daemon=True)
         if not start:

@@ -13,14 +13,14 @@ from pathlib import Path
 
 import pytest
 
-from overworld.core.grpc_util import channel, wait_healthy
+from overworld.core.grpc_util import wait_healthy
 from overworld.core.s3_blobs import S3BlobStore
 from overworld.core.weights import to_bytes
 from overworld.model_registry.client import ModelRegistryClient
 from overworld.model_registry.server import ModelRegistryService
+from overworld.replay_buffer.client import ReplayBufferClient
 from overworld.rollout_manager.server import RolloutManagerService
 from overworld.rollout_manager.state import open_state_store
-from overworld.v1 import replay_buffer_pb2, replay_buffer_pb2_grpc
 from tests.replay_buffer.rb_support import start_front_process
 from tests.rollout_worker.conftest import Cluster
 from tests.rollout_worker.test_worker import Running, wait_for
@@ -79,9 +79,8 @@ def test_redis_restart_and_s3_outage_lose_nothing_acknowledged(tmp_path: Path, m
         wait_for(lambda: w.sender.sent >= stalled + 10, 90, "fragments after S3 came back")
         publisher.close()
         run.stop()  # flushes every complete fragment and the last episodes
-        with channel(front_address) as ch:
-            stats = replay_buffer_pb2_grpc.ReplayBufferStub(ch).GetStats(replay_buffer_pb2.GetStatsRequest(),
-                                                                         timeout=10)
+        with ReplayBufferClient(front_address) as buffer:
+            stats = buffer.stats(timeout=10)
         assert stats.inserted_fragments == stats.fragments == w.sender.sent == w.fragments_completed
         # the manager's state in Redis: every episode once (those reported during the outage were sent
         # again), every env step once

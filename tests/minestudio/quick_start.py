@@ -9,7 +9,6 @@ import time
 from pathlib import Path
 
 from overworld.core.fragment import Fragment, validate
-from overworld.v1 import replay_buffer_pb2
 
 HERE = Path(__file__).resolve().parent
 
@@ -66,8 +65,7 @@ def _run(make_cluster_from_file, quick_start: Path) -> None:  # type: ignore[no-
         worker.shutdown()
     assert worker.sender.sent >= 8 and cluster.manager._episodes > 0
     stats = cluster.stats()
-    chunks = list(cluster.buffer_stub.Sample(replay_buffer_pb2.SampleRequest(num_chunks=stats.chunks,
-                                                                             timeout_seconds=5)))
+    chunks = cluster.take(stats.chunks)
     for chunk in chunks:
         fragment = Fragment.from_proto(chunk.fragments[0])
         validate(fragment, cluster.spaces, 16, "wtest")

@@ -622,17 +622,19 @@ def insert_malformed_fragment(rehearsal: Rehearsal) -> None:
     import grpc
 
     from overworld.core import tls
-    from overworld.v1 import common_pb2, replay_buffer_pb2, replay_buffer_pb2_grpc
+    from overworld.replay_buffer.client import ReplayBufferClient
+    from overworld.v1 import common_pb2, replay_buffer_pb2
 
     cert, key, ca = tls.CredentialFiles(rehearsal.identity("rollout-worker")).pems
     front = rehearsal.cluster.pod(BUFFER)
-    with grpc.secure_channel(rehearsal.cluster.forward(front.ip, SERVICE_PORTS["replay-buffer"]),
-                             grpc.ssl_channel_credentials(ca, key, cert),
+    address = rehearsal.cluster.forward(front.ip, SERVICE_PORTS["replay-buffer"])
+    with grpc.secure_channel(address, grpc.ssl_channel_credentials(ca, key, cert),
                              options=[("grpc.ssl_target_name_override", tls.SERVER_NAME)]) as channel:
+        buffer = ReplayBufferClient(address, channel=channel)  # through the port-forward, as that worker
         header = common_pb2.FragmentHeader(worker_id="rehearsal-faulty-worker", length=1)
         request = replay_buffer_pb2.InsertRequest(fragment=common_pb2.Fragment(header=header))
         with pytest.raises(grpc.RpcError) as refused:
-            list(replay_buffer_pb2_grpc.ReplayBufferStub(channel).Insert(iter([request]), timeout=30))
+            list(buffer.call("Insert", iter([request]), timeout=30))
     assert refused.value.code() == grpc.StatusCode.INVALID_ARGUMENT, refused.value
 
 

@@ -1,4 +1,8 @@
-"""Helpers for the replay-buffer tests: fragments, backends, fronts on real gRPC sockets, clients."""
+"""Helpers for the replay-buffer tests: fragments, backends, fronts on real gRPC sockets, clients.
+
+The wire-level helpers (`insert`, `insert_until_error`, `sample`, `stats`) take a front's
+ReplayBufferClient: `sample` sends its SampleRequest as built here (`ServiceClient.call`, one attempt),
+so that tests see the front's own answers (a partial sample, DEADLINE_EXCEEDED)."""
 
 from __future__ import annotations
 
@@ -19,9 +23,10 @@ import numpy as np
 from overworld.core.blobs import BlobStore, LocalBlobStore
 from overworld.core.config import ReplayBufferConfig
 from overworld.core.fragment import Fragment, expected_tensors
-from overworld.core.grpc_util import Server, channel, serve
+from overworld.core.grpc_util import Server, serve
 from overworld.core.net import free_port  # noqa: F401 (used by the tests)
 from overworld.core.specs import Spaces, TensorSpec
+from overworld.replay_buffer.client import ReplayBufferClient
 from overworld.replay_buffer.index import MemoryIndex, ReplayIndex
 from overworld.replay_buffer.rate_limiter import RateLimiter
 from overworld.replay_buffer.server import ReplayBufferService, add_to_server
@@ -68,31 +73,33 @@ def requests(fragments: Iterable[common_pb2.Fragment]) -> Iterator[replay_buffer
         yield replay_buffer_pb2.InsertRequest(fragment=f)
 
 
-def insert(stub: Any, fragments: Iterable[common_pb2.Fragment], timeout: float = 20.0
+def insert(client: ReplayBufferClient, fragments: Iterable[common_pb2.Fragment], timeout: float = 20.0
            ) -> list[replay_buffer_pb2.InsertResponse]:
-    return list(stub.Insert(requests(fragments), timeout=timeout))
+    return list(client.insert(requests(fragments), timeout=timeout))
 
 
-def insert_until_error(stub: Any, fragments: Iterable[common_pb2.Fragment], timeout: float = 20.0
+def insert_until_error(client: ReplayBufferClient, fragments: Iterable[common_pb2.Fragment], timeout: float = 20.0
                        ) -> tuple[list[replay_buffer_pb2.InsertResponse], grpc.RpcError | None]:
     acks = []
     try:
-        for ack in stub.Insert(requests(fragments), timeout=timeout):
+        for ack in client.insert(requests(fragments), timeout=timeout):
             acks.append(ack)
     except grpc.RpcError as err:
         return acks, err
     return acks, None
 
 
-def sample(stub: Any, n: int, timeout: float = 2.0, allow_partial: bool = False, reader: str = "test"
-           ) -> list[replay_buffer_pb2.SampledChunk]:
+def sample(client: ReplayBufferClient, n: int, timeout: float = 2.0, allow_partial: bool = False,
+           reader: str = "test", blob_refs: bool = False) -> list[replay_buffer_pb2.SampledChunk]:
+    """One Sample call as sent (the front waits up to `timeout` for the chunks; not retried)."""
     request = replay_buffer_pb2.SampleRequest(num_chunks=n, timeout_seconds=timeout, allow_partial=allow_partial,
-                                              reader_id=reader)
-    return list(stub.Sample(request, timeout=timeout + 30))
+                                              reader_id=reader, blob_refs=blob_refs)
+    return list(client.call("Sample", request, timeout=timeout + 30))
 
 
-def stats(stub: Any) -> replay_buffer_pb2.BufferStats:
-    return stub.GetStats(replay_buffer_pb2.GetStatsRequest(), timeout=10)
+def stats(client: ReplayBufferClient) -> replay_buffer_pb2.BufferStats:
+    """The front's counters, one attempt (a test that stops a backend sees the front's answer)."""
+    return client.call("GetStats", replay_buffer_pb2.GetStatsRequest(), timeout=10)
 
 
 def wait_until(predicate: Any, timeout: float = 10.0, what: str = "condition") -> None:
@@ -153,15 +160,14 @@ class Front:
     server: Server
     index: ReplayIndex
     blobs: BlobStore
-    channel: grpc.Channel
-    stub: Any
+    client: ReplayBufferClient
 
     @property
     def address(self) -> str:
         return self.server.address
 
     def stop(self) -> None:
-        self.channel.close()
+        self.client.close()
         self.service.stop()
         self.server.stop(0.5)
         if not isinstance(self.index, MemoryIndex):
@@ -190,8 +196,7 @@ class Buffer:
                                       self.rb.max_chunks, lambda: self.spaces, self.rb.max_fragment_bytes, **kwargs)
         add = replay_buffer_pb2_grpc.add_ReplayBufferServicer_to_server if generated else add_to_server
         server = serve([(add, service, "overworld.v1.ReplayBuffer")], "127.0.0.1", 0)
-        ch = channel(server.address)
-        front = Front(service, server, index, blobs, ch, replay_buffer_pb2_grpc.ReplayBufferStub(ch))
+        front = Front(service, server, index, blobs, ReplayBufferClient(server.address))
         self.fronts.append(front)
         return front
 
@@ -200,8 +205,8 @@ class Buffer:
         return self.fronts[0]
 
     @property
-    def stub(self) -> Any:
-        return self.fronts[0].stub
+    def client(self) -> ReplayBufferClient:
+        return self.fronts[0].client
 
     def fragment(self, **kwargs: Any) -> common_pb2.Fragment:
         kwargs.setdefault("length", self.fragment_length)

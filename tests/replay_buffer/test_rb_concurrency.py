@@ -9,8 +9,6 @@ from collections import defaultdict
 import grpc
 from rb_support import insert, sample, stats
 
-from overworld.v1 import replay_buffer_pb2
-
 FRAGMENTS_PER_WRITER = 30
 
 
@@ -28,19 +26,19 @@ def _run(buf, writers_per_front: int = 1, readers_per_front: int = 2):
             # Interleave two env slots so that fronts race on the same index structures.
             frags = [buf.fragment(worker=worker, slot=q % 2, seq=q // 2) for q in range(FRAGMENTS_PER_WRITER)]
             for start in range(0, len(frags), 5):
-                insert(front.stub, frags[start:start + 5])
+                insert(front.client, frags[start:start + 5])
         except BaseException as err:
             errors.append(err)
 
     def read(front, reader: str):
         try:
             while True:
-                got = sample(front.stub, 3, timeout=0.2, allow_partial=True, reader=reader)
+                got = sample(front.client, 3, timeout=0.2, allow_partial=True, reader=reader)
                 with lock:
                     for c in got:
                         first = c.fragments[0].header
                         seen.append((c.chunk_id, c.times_sampled, (first.worker_id, first.env_slot, first.sequence)))
-                if not got and not writing.is_set() and stats(front.stub).chunks == 0:
+                if not got and not writing.is_set() and stats(front.client).chunks == 0:
                     return
         except BaseException as err:
             errors.append(err)
@@ -73,7 +71,7 @@ def test_two_fronts_four_readers_never_exceed_max_reuse(make_buffer):
     for chunk_id, times in by_chunk.items():
         # ...exactly max_reuse times, each claim with its own count: no lost update, no overshoot.
         assert sorted(times) == list(range(1, max_reuse + 1)), (chunk_id, times)
-    st = stats(buf.stub)
+    st = stats(buf.client)
     assert (st.chunks, st.sampled_chunks, st.dropped_chunks["reused"]) == (0, total * max_reuse, total)
     assert st.mean_reuse == max_reuse
 
@@ -111,7 +109,7 @@ def test_concurrent_version_moves_and_inserts(make_buffer):
     def bump(front):
         for v in range(1, 20):
             try:
-                front.stub.SetModelVersion(replay_buffer_pb2.SetModelVersionRequest(model_version=v))
+                front.client.set_model_version(v)
             except grpc.RpcError as err:  # the other front moved further already: refused, never applied
                 if err.code() != grpc.StatusCode.FAILED_PRECONDITION:
                     errors.append(err)
@@ -122,7 +120,7 @@ def test_concurrent_version_moves_and_inserts(make_buffer):
     for t in threads:
         t.join(30)
     assert not errors
-    st = stats(buf.stub)
+    st = stats(buf.client)
     assert st.model_version == 19
-    acks = insert(buf.stub, [buf.fragment(seq=0, version=18), buf.fragment(seq=1, version=19)])
+    acks = insert(buf.client, [buf.fragment(seq=0, version=18), buf.fragment(seq=1, version=19)])
     assert [a.stored for a in acks] == [False, True]

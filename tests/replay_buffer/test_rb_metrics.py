@@ -6,8 +6,6 @@ from prometheus_client import REGISTRY, generate_latest
 from prometheus_client.parser import text_string_to_metric_families
 from rb_support import insert, sample, stats, wait_until
 
-from overworld.v1 import replay_buffer_pb2
-
 
 def _scrape() -> dict[tuple[str, tuple], float]:
     out = {}
@@ -20,11 +18,11 @@ def _scrape() -> dict[tuple[str, tuple], float]:
 def test_metrics_after_traffic(make_buffer):
     before = _scrape()
     buf = make_buffer(max_chunks=3, max_reuse=2, max_staleness=1, service={"metrics_interval": 0.05})
-    insert(buf.stub, [buf.fragment(seq=q, version=2) for q in range(5)])  # 2 evicted
-    sample(buf.stub, 2)
-    sample(buf.stub, 3)  # at least one chunk sampled twice: reused
-    buf.stub.SetModelVersion(replay_buffer_pb2.SetModelVersionRequest(model_version=3))
-    st = stats(buf.stub)
+    insert(buf.client, [buf.fragment(seq=q, version=2) for q in range(5)])  # 2 evicted
+    sample(buf.client, 2)
+    sample(buf.client, 3)  # at least one chunk sampled twice: reused
+    buf.client.set_model_version(3)
+    st = stats(buf.client)
     assert st.chunks >= 1
 
     def delta(name: str, **labels: str) -> float:
@@ -46,7 +44,7 @@ def test_metrics_after_traffic(make_buffer):
     assert gauge("overworld_replay_buffer_staleness", stat="max") == st.max_staleness == 1
     assert delta("overworld_replay_buffer_sample_wait_seconds_count") == 2
     assert delta("overworld_replay_buffer_ingest_latency_seconds_count") == 5
-    buf.stub.SetModelVersion(replay_buffer_pb2.SetModelVersionRequest(model_version=4))
+    buf.client.set_model_version(4)
     assert delta("overworld_replay_buffer_drops_total", reason="stale") == st.chunks
 
 
@@ -54,10 +52,10 @@ def test_sampled_chunks_record_their_policy_lag(make_buffer):
     """overworld_replay_buffer_sample_policy_lag: versions between the learner's (SetModelVersion) and
     the one that acted, once per chunk sampled (bench/bench_scale.py reads its median and p95)."""
     buf = make_buffer(max_chunks=8, max_reuse=1, max_staleness=10)
-    insert(buf.stub, [buf.fragment(seq=q, version=2) for q in range(3)])
-    buf.stub.SetModelVersion(replay_buffer_pb2.SetModelVersionRequest(model_version=5))
+    insert(buf.client, [buf.fragment(seq=q, version=2) for q in range(3)])
+    buf.client.set_model_version(5)
     before = _scrape()
-    sample(buf.stub, 3)
+    sample(buf.client, 3)
     after = _scrape()
 
     def bucket(le: str) -> float:

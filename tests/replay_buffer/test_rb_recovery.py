@@ -18,7 +18,6 @@ from rb_support import (
     insert_until_error,
     make_fragment,
     new_run_id,
-    requests,
     sample,
     start_front_process,
     stats,
@@ -26,17 +25,14 @@ from rb_support import (
 )
 
 from overworld.core.config import RunConfig
-from overworld.core.grpc_util import channel, serve, wait_healthy
+from overworld.core.grpc_util import serve, wait_healthy
+from overworld.replay_buffer.client import ReplayBufferClient
 from overworld.replay_buffer.index import SWEPT, FragmentMeta
 from overworld.replay_buffer.server import fragments_prefix
 from overworld.replay_buffer.sweeper import OrphanSweeper
+from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.rollout_manager.server import RolloutManagerService
-from overworld.v1 import (
-    replay_buffer_pb2,
-    replay_buffer_pb2_grpc,
-    rollout_manager_pb2,
-    rollout_manager_pb2_grpc,
-)
+from overworld.v1 import replay_buffer_pb2, rollout_manager_pb2, rollout_manager_pb2_grpc
 
 
 def _durable(backend) -> None:
@@ -59,9 +55,9 @@ class Manager:
         rb.database_config.index, rb.database_config.blobs = index_url, blobs_url
         self.server = serve([(rollout_manager_pb2_grpc.add_RolloutManagerServicer_to_server,
                               RolloutManagerService(config), "overworld.v1.RolloutManager")], "127.0.0.1", 0)
-        with channel(self.server.address) as ch:
-            rollout_manager_pb2_grpc.RolloutManagerStub(ch).Register(
-                rollout_manager_pb2.RegisterRequest(hostname="test", num_envs=2, spaces=SPACES.to_proto()), timeout=10)
+        with RolloutManagerClient(self.server.address) as client:
+            client.register(rollout_manager_pb2.RegisterRequest(hostname="test", num_envs=2, spaces=SPACES.to_proto()),
+                            timeout=10)
 
     def stop(self) -> None:
         self.server.stop(0.5)
@@ -99,9 +95,9 @@ def test_kill_9_of_a_front_mid_ingest_loses_no_acknowledged_fragment(backend, tm
                 time.sleep(0.003)
 
         def stream():
-            with channel(address) as ch:
+            with ReplayBufferClient(address) as client:
                 try:
-                    for ack in replay_buffer_pb2_grpc.ReplayBufferStub(ch).Insert(produce(), timeout=60):
+                    for ack in client.insert(produce(), timeout=60):
                         assert ack.stored
                         acked.add((ack.env_slot, ack.sequence))
                         if len(acked) >= 40:
@@ -127,15 +123,14 @@ def test_kill_9_of_a_front_mid_ingest_loses_no_acknowledged_fragment(backend, tm
         # A restarted front serves the same index: everything acknowledged is there.
         proc, address, _ = _start_front(manager, backend, run_id, tmp_path)
         procs.append(proc)
-        with channel(address) as ch:
-            stub = replay_buffer_pb2_grpc.ReplayBufferStub(ch)
-            held = stats(stub).fragments
+        with ReplayBufferClient(address) as client:
+            held = stats(client).fragments
             assert held >= len(acked_now)
             # The worker resends what was never acknowledged; duplicates are recognised.
             unacked = [f for f in sent if (f.header.env_slot, f.header.sequence) not in acked_now]
-            acks = list(stub.Insert(requests(unacked), timeout=60))
+            acks = insert(client, unacked, timeout=60)
             assert all(a.stored for a in acks) and len(acks) == len(unacked)
-            st = stats(stub)
+            st = stats(client)
             assert st.fragments == len(sent)  # each fragment exactly once
 
             # No index entry without its blob; the sweeper removes what the kill orphaned.
@@ -146,7 +141,7 @@ def test_kill_9_of_a_front_mid_ingest_loses_no_acknowledged_fragment(backend, tm
             assert set(blobs.keys(fragments_prefix(run_id))) == live
             assert len(live) == len(sent)
 
-            chunks = sample(stub, st.chunks, timeout=10)
+            chunks = sample(client, st.chunks, timeout=10)
             got = [(f.header.env_slot, f.header.sequence) for c in chunks for f in c.fragments]
             assert len(got) == len(set(got))
             leftover = {(f.header.env_slot, f.header.sequence) for f in sent} - set(got)
@@ -168,46 +163,46 @@ def test_redis_restart_with_persistence_keeps_the_index(make_buffer, backend, re
     _durable(backend)
     redis_server = request.getfixturevalue("redis_server")
     buf = make_buffer(fragments_per_chunk=2, max_reuse=2)
-    insert(buf.stub, [buf.fragment(seq=q) for q in range(5)])
-    sample(buf.stub, 1)
-    before = stats(buf.stub)
+    insert(buf.client, [buf.fragment(seq=q) for q in range(5)])
+    sample(buf.client, 1)
+    before = stats(buf.client)
     redis_server.stop(kill=True)
     try:
         with pytest.raises(grpc.RpcError) as err:
-            stats(buf.stub)
+            stats(buf.client)
         assert err.value.code() == grpc.StatusCode.UNAVAILABLE
-        acks, err2 = insert_until_error(buf.stub, [buf.fragment(seq=5)])
+        acks, err2 = insert_until_error(buf.client, [buf.fragment(seq=5)])
         assert acks == [] and err2.code() == grpc.StatusCode.UNAVAILABLE
     finally:
         redis_server.start()
 
     def reachable():
         try:
-            stats(buf.stub)
+            stats(buf.client)
             return True
         except grpc.RpcError:
             return False
 
     wait_until(reachable, 20, "the index back after the Redis restart")
-    after = stats(buf.stub)
+    after = stats(buf.client)
     assert after == before
     # The same front keeps working on the restored index (the resent fragment 5 completes a chunk).
-    insert(buf.stub, [buf.fragment(seq=5)])
-    chunks = sample(buf.stub, 3)
+    insert(buf.client, [buf.fragment(seq=5)])
+    chunks = sample(buf.client, 3)
     assert sorted(c.times_sampled for c in chunks) == [1, 1, 2]
 
 
 def test_a_new_front_serves_the_same_index(make_buffer, backend):
     _durable(backend)
     buf = make_buffer(fragments_per_chunk=2, max_reuse=2)
-    insert(buf.stub, [buf.fragment(seq=q) for q in range(5)])
-    before = stats(buf.stub)
+    insert(buf.client, [buf.fragment(seq=q) for q in range(5)])
+    before = stats(buf.client)
     buf.front.stop()
     buf.fronts.pop(0)
     front = buf.add_front()
-    assert stats(front.stub) == before
-    insert(front.stub, [buf.fragment(seq=5)])  # completes the chunk the old front started
-    assert sorted(len(c.fragments) for c in sample(front.stub, 3)) == [2, 2, 2]
+    assert stats(front.client) == before
+    insert(front.client, [buf.fragment(seq=5)])  # completes the chunk the old front started
+    assert sorted(len(c.fragments) for c in sample(front.client, 3)) == [2, 2, 2]
 
 
 def test_reuse_and_staleness_stay_exact_across_a_new_front(make_buffer, backend):
@@ -215,16 +210,16 @@ def test_reuse_and_staleness_stay_exact_across_a_new_front(make_buffer, backend)
     chunk's times sampled (reuse) are where the last front left them."""
     _durable(backend)
     buf = make_buffer(max_reuse=2, max_staleness=1)
-    insert(buf.stub, [buf.fragment(seq=q, version=5) for q in range(2)])
-    buf.stub.SetModelVersion(replay_buffer_pb2.SetModelVersionRequest(model_version=6), timeout=10)
-    assert sorted(c.times_sampled for c in sample(buf.stub, 2)) == [1, 1]
+    insert(buf.client, [buf.fragment(seq=q, version=5) for q in range(2)])
+    buf.client.set_model_version(6, timeout=10)
+    assert sorted(c.times_sampled for c in sample(buf.client, 2)) == [1, 1]
     buf.front.stop()
     buf.fronts.pop(0)
     front = buf.add_front()
-    insert(front.stub, [buf.fragment(seq=2, version=4)])  # 6 - 1 > 4: stale on arrival at the new front
-    assert stats(front.stub).dropped_chunks == {"stale": 1}
-    assert sorted(c.times_sampled for c in sample(front.stub, 2)) == [2, 2]  # the second and last use
-    assert stats(front.stub).chunks == 0
+    insert(front.client, [buf.fragment(seq=2, version=4)])  # 6 - 1 > 4: stale on arrival at the new front
+    assert stats(front.client).dropped_chunks == {"stale": 1}
+    assert sorted(c.times_sampled for c in sample(front.client, 2)) == [2, 2]  # the second and last use
+    assert stats(front.client).chunks == 0
 
 
 # ---------------------------------------------------------------------------------------------- isolation, resume
@@ -233,31 +228,31 @@ def test_reuse_and_staleness_stay_exact_across_a_new_front(make_buffer, backend)
 def test_a_new_run_never_sees_another_runs_data(make_buffer):
     a = make_buffer()
     b = make_buffer()
-    insert(a.stub, [a.fragment(seq=q) for q in range(3)])
-    assert stats(b.stub).fragments == 0
-    assert sample(b.stub, 1, timeout=0.2, allow_partial=True) == []
+    insert(a.client, [a.fragment(seq=q) for q in range(3)])
+    assert stats(b.client).fragments == 0
+    assert sample(b.client, 1, timeout=0.2, allow_partial=True) == []
     assert b.blob_keys() == []
     # And a fragment of run a sent to run b's buffer is refused.
-    _, err = insert_until_error(b.stub, [a.fragment(seq=3)])
+    _, err = insert_until_error(b.client, [a.fragment(seq=3)])
     assert err.code() == grpc.StatusCode.INVALID_ARGUMENT
 
 
 def test_discard_on_resume_clears_once_per_attempt(make_buffer):
     buf = make_buffer(fronts=2, fragments_per_chunk=2)
-    insert(buf.stub, [buf.fragment(seq=q) for q in range(5)])
-    buf.stub.SetModelVersion(replay_buffer_pb2.SetModelVersionRequest(model_version=7))
+    insert(buf.client, [buf.fragment(seq=q) for q in range(5)])
+    buf.client.set_model_version(7)
     assert len(buf.blob_keys()) == 5
     assert buf.front.service.discard_buffered("attempt-2") == 5
-    st = stats(buf.stub)
+    st = stats(buf.client)
     assert (st.fragments, st.chunks, st.model_version, st.inserted_fragments) == (0, 0, 0, 0)
     assert buf.blob_keys() == []
-    insert(buf.stub, [buf.fragment(worker="w2", seq=0), buf.fragment(worker="w2", seq=1)])
+    insert(buf.client, [buf.fragment(worker="w2", seq=0), buf.fragment(worker="w2", seq=1)])
     # The second front starting for the same attempt does not wipe what arrived meanwhile.
     assert buf.fronts[1].service.discard_buffered("attempt-2") == 0
-    assert stats(buf.stub).chunks == 1
+    assert stats(buf.client).chunks == 1
     # keep_on_resume: simply never call it; a later attempt discards again.
     assert buf.fronts[1].service.discard_buffered("attempt-3") == 2
-    assert stats(buf.stub).fragments == 0
+    assert stats(buf.client).fragments == 0
 
 
 # ---------------------------------------------------------------------------------------------- orphans
@@ -265,7 +260,7 @@ def test_discard_on_resume_clears_once_per_attempt(make_buffer):
 
 def test_sweeper_deletes_orphans_only_and_tombstones_them(make_buffer, backend):
     buf = make_buffer()
-    insert(buf.stub, [buf.fragment(seq=q) for q in range(3)])
+    insert(buf.client, [buf.fragment(seq=q) for q in range(3)])
     blobs = buf.front.blobs
     prefix = fragments_prefix(buf.run_id)
     orphan = f"{prefix}w1/0/000000000099-deadbeef"
@@ -281,7 +276,7 @@ def test_sweeper_deletes_orphans_only_and_tombstones_them(make_buffer, backend):
     # A front that stalled past the grace period can no longer index the swept key.
     result = buf.front.index.add(FragmentMeta("w1/0", 99, 0, 12, orphan))
     assert result.status == SWEPT
-    assert len(sample(buf.stub, 3)) == 3
+    assert len(sample(buf.client, 3)) == 3
 
 
 class SweepsAfterPut:
@@ -306,9 +301,9 @@ def test_a_swept_blob_is_written_again_so_no_entry_lacks_its_blob(make_buffer):
     front.service.blobs = wrapped
     wrapped.sweeper = OrphanSweeper(front.index, wrapped.inner, fragments_prefix(buf.run_id), 0)
     front.service.sweeper = wrapped.sweeper
-    acks = insert(buf.stub, [buf.fragment(seq=0)])
+    acks = insert(buf.client, [buf.fragment(seq=0)])
     assert wrapped.swept == 1 and acks[0].stored
-    (chunk,) = sample(buf.stub, 1)
+    (chunk,) = sample(buf.client, 1)
     assert chunk.fragments[0].header.sequence == 0
 
 
@@ -326,9 +321,9 @@ class FailingPuts:
 def test_a_failed_blob_write_is_not_acknowledged_and_not_indexed(make_buffer):
     buf = make_buffer()
     buf.front.service.blobs = FailingPuts(buf.front.blobs)
-    acks, err = insert_until_error(buf.stub, [buf.fragment(seq=0)])
+    acks, err = insert_until_error(buf.client, [buf.fragment(seq=0)])
     assert acks == [] and err.code() == grpc.StatusCode.UNAVAILABLE and "S3 is down" in err.details()
-    assert stats(buf.stub).fragments == 0
+    assert stats(buf.client).fragments == 0
 
 
 def test_s3_blob_store_from_url(s3_env):

@@ -18,11 +18,11 @@ def test_malformed_tensors_are_refused_as_decode_errors(make_buffer) -> None:
     for sequence, (case, make) in enumerate(CASES.items()):
         frag = buf.fragment(seq=sequence)
         frag.tensors = make(frag.tensors)
-        acks, err = insert_until_error(buf.stub, [frag])
+        acks, err = insert_until_error(buf.client, [frag])
         if acks or err is None:
             wrong.append(f"{case}: accepted")
         elif err.code() != grpc.StatusCode.INVALID_ARGUMENT or "fragment rejected (decode)" not in err.details():
             wrong.append(f"{case}: {err.code()} {err.details()}")
     assert not wrong, "\n".join(wrong)
-    assert stats(buf.stub).rejected_fragments["decode"] == len(CASES)
-    assert [a.stored for a in insert(buf.stub, [buf.fragment(seq=len(CASES))])] == [True]
+    assert stats(buf.client).rejected_fragments["decode"] == len(CASES)
+    assert [a.stored for a in insert(buf.client, [buf.fragment(seq=len(CASES))])] == [True]

@@ -24,7 +24,7 @@ def test_stop_ends_streams_with_unavailable_and_keeps_acknowledged_data(make_buf
 
     def consume():
         try:
-            for ack in buf.fronts[1].stub.Insert(gen(), timeout=30):
+            for ack in buf.fronts[1].client.insert(gen(), timeout=30):
                 acks.append(ack.sequence)
         except grpc.RpcError as err:
             errors.append(err)
@@ -49,14 +49,14 @@ def test_stop_ends_streams_with_unavailable_and_keeps_acknowledged_data(make_buf
     assert errors and errors[0].code() == grpc.StatusCode.UNAVAILABLE
     assert reader_result.get(timeout=1) == grpc.StatusCode.UNAVAILABLE
     # The other front serves everything acknowledged.
-    assert stats(buf.stub).chunks == 2
-    assert len(sample(buf.stub, 2)) == 2
-    assert [a.stored for a in insert(buf.stub, [buf.fragment(seq=2)])] == [True]
+    assert stats(buf.client).chunks == 2
+    assert len(sample(buf.client, 2)) == 2
+    assert [a.stored for a in insert(buf.client, [buf.fragment(seq=2)])] == [True]
 
 
 def _sample_error(buf):
     try:
-        sample(buf.stub, 1, timeout=20)
+        sample(buf.client, 1, timeout=20)
     except grpc.RpcError as err:
         return err.code()
     return None

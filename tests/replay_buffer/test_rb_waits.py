@@ -10,14 +10,14 @@ from pathlib import Path
 from typing import Any
 
 import pytest
-from rb_support import LENGTH, SPACES, make_fragment, new_run_id, requests, sample
+from rb_support import LENGTH, SPACES, insert, make_fragment, new_run_id, sample
 
 from overworld.core.blobs import LocalBlobStore
-from overworld.core.grpc_util import channel, serve
+from overworld.core.grpc_util import serve
+from overworld.replay_buffer.client import ReplayBufferClient
 from overworld.replay_buffer.index import MemoryIndex
 from overworld.replay_buffer.rate_limiter import RateLimiter
 from overworld.replay_buffer.server import ReplayBufferService, add_to_server
-from overworld.v1 import replay_buffer_pb2_grpc
 
 
 class CountingIndex(MemoryIndex):
@@ -42,30 +42,30 @@ def front(tmp_path: Path) -> Iterator[tuple[Any, CountingIndex, str]]:
     index = CountingIndex(100, 1, 100, 1, limiter)
     service = ReplayBufferService(index, LocalBlobStore(tmp_path), run_id, LENGTH, 1, 100, lambda: SPACES)
     server = serve([(add_to_server, service, "overworld.v1.ReplayBuffer")])
-    ch = channel(server.address)
-    yield replay_buffer_pb2_grpc.ReplayBufferStub(ch), index, run_id
-    ch.close()
+    client = ReplayBufferClient(server.address)
+    yield client, index, run_id
+    client.close()
     service.stop()
     server.stop(0)
 
 
 def test_a_waiting_sample_sleeps_until_an_insert(front) -> None:
-    stub, index, run_id = front
+    client, index, run_id = front
     got: list[Any] = []
-    waiting = threading.Thread(target=lambda: got.extend(sample(stub, 1, timeout=20.0)))
+    waiting = threading.Thread(target=lambda: got.extend(sample(client, 1, timeout=20.0)))
     waiting.start()
     time.sleep(2.0)
     assert index.claims <= 2, f"a waiting sample asked the index {index.claims} times in 2 s"
-    list(stub.Insert(requests([make_fragment(run_id, seq=0)]), timeout=20))
+    insert(client, [make_fragment(run_id, seq=0)], timeout=20)
     waiting.join(10)
     assert len(got) == 1
 
 
 def test_an_insert_held_by_the_rate_limiter_sleeps_until_a_sample(front) -> None:
-    stub, index, run_id = front
+    client, index, run_id = front
     acks: list[Any] = []
-    inserting = threading.Thread(target=lambda: acks.extend(stub.Insert(
-        requests([make_fragment(run_id, seq=i) for i in range(4)]), timeout=30)))
+    inserting = threading.Thread(target=lambda: acks.extend(insert(
+        client, [make_fragment(run_id, seq=i) for i in range(4)], timeout=30)))
     inserting.start()
     deadline = time.monotonic() + 10
     while index.adds < 3 and time.monotonic() < deadline:  # two admitted, the third held
@@ -73,6 +73,6 @@ def test_an_insert_held_by_the_rate_limiter_sleeps_until_a_sample(front) -> None
     held = index.adds
     time.sleep(2.0)
     assert index.adds - held <= 3, f"a held insert asked the index {index.adds - held} times in 2 s"
-    assert len(sample(stub, 2, timeout=10.0)) == 2  # room for the other two
+    assert len(sample(client, 2, timeout=10.0)) == 2  # room for the other two
     inserting.join(10)
     assert len(acks) == 4

@@ -11,11 +11,12 @@ import pytest
 
 from overworld.core.blobs import BlobStore, LocalBlobStore
 from overworld.core.config import load_config
-from overworld.core.grpc_util import channel, serve
+from overworld.core.grpc_util import serve
 from overworld.core.weights import to_bytes
 from overworld.model_registry.client import ModelRegistryClient
 from overworld.model_registry.server import ModelRegistryService
 from overworld.policies.factory import run_spaces
+from overworld.replay_buffer.client import ReplayBufferClient
 from overworld.replay_buffer.index import MemoryIndex
 from overworld.replay_buffer.rate_limiter import RateLimiter
 from overworld.replay_buffer.server import ReplayBufferService
@@ -69,17 +70,23 @@ class Cluster:
                           "overworld.v1.ReplayBuffer")])
         self.spaces, self.policy, _, _ = run_spaces(self.config)
         self.publish(1)
-        self.buffer_stub = replay_buffer_pb2_grpc.ReplayBufferStub(channel(self.bs.address))
-        self.buffer_stub.SetModelVersion(replay_buffer_pb2.SetModelVersionRequest(model_version=1))
+        self.buffer_client = ReplayBufferClient(self.bs.address)
+        self.buffer_client.set_model_version(1)
         self.addresses = (self.ms.address, self.bs.address, self.rs.address)
 
     def publish(self, version: int) -> None:
-        ModelRegistryClient(self.rs.address).publish(version, to_bytes(self.policy.state_dict()))
+        with ModelRegistryClient(self.rs.address) as registry:
+            registry.publish(version, to_bytes(self.policy.state_dict()))
 
     def stats(self) -> replay_buffer_pb2.BufferStats:
-        return self.buffer_stub.GetStats(replay_buffer_pb2.GetStatsRequest())
+        return self.buffer_client.stats()
+
+    def take(self, n: int) -> list[replay_buffer_pb2.SampledChunk]:
+        """n chunks sampled from the buffer, as a trainer's reader samples them."""
+        return self.buffer_client.sample(n, "test", wait=5.0, data_timeout=30.0)
 
     def stop(self) -> None:
+        self.buffer_client.close()
         for s in (self.bs, self.rs, self.ms):
             s.stop(0)
         self.registry.stop()

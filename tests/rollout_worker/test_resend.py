@@ -10,8 +10,8 @@ from pathlib import Path
 
 import pytest
 
-from overworld.core.grpc_util import channel, wait_healthy
-from overworld.v1 import replay_buffer_pb2, replay_buffer_pb2_grpc
+from overworld.core.grpc_util import wait_healthy
+from overworld.replay_buffer.client import ReplayBufferClient
 from tests.replay_buffer.rb_support import start_front_process
 from tests.rollout_worker.test_worker import Running, wait_for
 from tests.support import free_port
@@ -51,12 +51,10 @@ def test_fragments_are_sent_again_and_indexed_once_across_a_killed_front(make_cl
             proc.wait(10)
     fronts = [start_front()]
     try:
-        with channel(address) as ch:
-            stub = replay_buffer_pb2_grpc.ReplayBufferStub(ch)
-            stats = stub.GetStats(replay_buffer_pb2.GetStatsRequest(), timeout=10)
+        with ReplayBufferClient(address) as client:
+            stats = client.stats(timeout=10)
             assert stats.inserted_fragments == stats.fragments == w.sender.sent == w.fragments_completed
-            chunks = list(stub.Sample(replay_buffer_pb2.SampleRequest(num_chunks=stats.chunks, timeout_seconds=10),
-                                      timeout=60))
+            chunks = client.sample(stats.chunks, "test", wait=10, blob_refs=False, data_timeout=60)
         ids = [(f.header.worker_id, f.header.env_slot, f.header.sequence) for c in chunks for f in c.fragments]
         assert len(ids) == len(set(ids)) == w.fragments_completed
         # the worker's durable record of what was acknowledged: each fragment once, exactly those indexed

@@ -6,7 +6,6 @@ from __future__ import annotations
 
 import time
 
-from overworld.v1 import replay_buffer_pb2
 from tests.rollout_worker.conftest import Cluster, T
 from tests.rollout_worker.test_worker import Running, wait_for
 
@@ -25,7 +24,7 @@ def test_a_worker_steps_only_the_fragments_the_buffer_has_room_for(make_cluster)
         time.sleep(0.5)
         assert worker.fragments_completed == 3 and worker.env_steps == 3 * T  # nothing stepped in vain
         assert cluster.stats().dropped_chunks == {}
-        taken = list(cluster.buffer_stub.Sample(replay_buffer_pb2.SampleRequest(num_chunks=2, timeout_seconds=5)))
+        taken = cluster.take(2)
         assert len(taken) == 2
         wait_for(lambda: worker.sender.sent == 5, 30, "two more fragments, one per sample")
         time.sleep(0.5)

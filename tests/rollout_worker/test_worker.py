@@ -13,8 +13,6 @@ import pytest
 from overworld.core.fragment import Fragment, validate
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.rollout_worker.worker import RolloutWorker
-from overworld.v1 import replay_buffer_pb2
-from overworld.v1 import rollout_manager_pb2 as mpb
 from tests.rollout_worker import faulty_envs
 from tests.rollout_worker.conftest import Cluster, T
 
@@ -43,8 +41,7 @@ class Running:
 
 def all_fragments(cluster: Cluster) -> list[Fragment]:
     stats = cluster.stats()
-    chunks = list(cluster.buffer_stub.Sample(replay_buffer_pb2.SampleRequest(num_chunks=stats.chunks,
-                                                                             timeout_seconds=5)))
+    chunks = cluster.take(stats.chunks)
     out = []
     for chunk in chunks:
         fragment = Fragment.from_proto(chunk.fragments[0])
@@ -121,15 +118,15 @@ def test_episode_statistics_and_video_arrive(make_cluster, tmp_path: Path) -> No
     run = Running(cluster)
     try:
         wait_for(lambda: cluster.manager._episodes >= 4, 60, "episode statistics")
-        request_id = client.stub.RequestVideo(mpb.RequestVideoRequest(iteration=3)).request_id
-        wait_for(lambda: len(client.stub.ListVideos(mpb.ListVideosRequest()).videos) == 1, 60, "a video")
+        request_id = client.request_video(3)
+        wait_for(lambda: len(client.list_videos()) == 1, 60, "a video")
     finally:
         run.stop()
     (task,) = client.fleet_status().tasks
     assert task.task == "count" and task.mean_return_last_100 == 30.0 and task.mean_length_last_100 == 30
     assert task.mean_extras_last_100["achievement_count"] == 30.0
     assert task.mean_discounted_return_last_100 == pytest.approx(sum(0.999**i for i in range(30)), rel=1e-6)
-    (video,) = client.stub.ListVideos(mpb.ListVideosRequest()).videos
+    (video,) = client.list_videos()
     assert video.request_id == request_id and video.iteration == 3 and video.length == 30 and video.fps == 10
     assert video.worker_id == run.worker.worker_id and video.task == "count"
     data = cluster.manager.videos.store.get(video.key)

@@ -10,7 +10,6 @@ from pathlib import Path
 
 import pytest
 
-from overworld.replay_buffer.client import ReplayBufferClient
 from overworld.replay_buffer.reader import NoDataError
 from tests.replay_buffer.rb_support import (
     LENGTH,
@@ -33,10 +32,10 @@ def empty_buffer(tmp_path: Path) -> Iterator[Buffer]:
 
 
 def test_sample_chunks_fails_after_data_timeout_naming_what_it_waited_for(empty_buffer: Buffer) -> None:
-    insert(empty_buffer.stub, [empty_buffer.fragment(seq=0)])  # one chunk of the three asked for
+    insert(empty_buffer.client, [empty_buffer.fragment(seq=0)])  # one chunk of the three asked for
     started = time.monotonic()
     with pytest.raises(NoDataError) as err:
-        ReplayBufferClient(empty_buffer.stub).sample(3, timeout=0.5, reader_id="rank-1-r0", data_timeout=1.5)
+        empty_buffer.client.sample(3, "rank-1-r0", wait=0.5, data_timeout=1.5)
     assert time.monotonic() - started < 10
     message = str(err.value)
     assert "rank-1-r0" in message and "train_config.data_timeout=1.5" in message
@@ -44,8 +43,8 @@ def test_sample_chunks_fails_after_data_timeout_naming_what_it_waited_for(empty_
 
 
 def test_the_prefetching_reader_hands_the_failure_to_the_learner(empty_buffer: Buffer) -> None:
-    reader = ReplayBufferClient(empty_buffer.stub).reader(chunks_per_batch=2, num_readers=2, prefetch_batches=1,
-                                                          timeout=0.5, name="rank-0", data_timeout=1.0)
+    reader = empty_buffer.client.reader(chunks_per_batch=2, num_readers=2, prefetch_batches=1, name="rank-0",
+                                        wait=0.5, data_timeout=1.0)
     try:
         with pytest.raises(NoDataError, match="rank-0-r"):
             reader.next()  # without data_timeout this would block forever

@@ -80,7 +80,7 @@ def test_the_driver_publishes_version_1_and_the_learner_adopts_it(services) -> N
     learner = learner_starts(services, "train_config.kl_divergence_coef_rho=0.1")
     assert learner.model_version == 1
     assert [v.version for v in client.list_versions()] == [1]  # not published twice
-    stats = services["buffer"].stats(5.0)
+    stats = services["buffer"].stats(timeout=5.0)
     assert stats.model_version == 1
     client.close()
 

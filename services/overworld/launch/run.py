@@ -201,7 +201,7 @@ class RunFollower:
     def buffer_stats(self) -> replay_buffer_pb2.BufferStats | None:
         try:
             with ReplayBufferClient(self.supervisor.addresses["replay-buffer"]) as buffer:
-                return buffer.stats(5.0, retried=True)
+                return buffer.stats(timeout=5.0)
         except (grpc.RpcError, KeyError):
             return None
 

@@ -2,7 +2,8 @@
 
 `sample_stream` runs one Sample call through a restart of the front: a stream that breaks keeps the
 chunks it delivered (they were claimed, and count as sampled) and the reader asks for the rest; a call
-that got nothing is retried with backoff. `sample_chunks` asks until it has all it wanted.
+that got nothing is retried with backoff. `sample_chunks` asks until it has all it wanted, each Sample
+asking the front to wait up to `wait` seconds for chunks.
 
 `ChunkReader`: `num_readers` Sample streams split each batch between them; `prefetch_batches` batches
 are fetched ahead in the background (0: fetch when asked, which keeps the policy lag of on-policy runs
@@ -21,12 +22,12 @@ import queue
 import threading
 import time
 from concurrent.futures import ThreadPoolExecutor
-from typing import TYPE_CHECKING, Protocol
+from typing import TYPE_CHECKING, Any, Protocol
 
 import grpc
 
 from overworld.core.grpc_util import Retry
-from overworld.v1 import replay_buffer_pb2, replay_buffer_pb2_grpc
+from overworld.v1 import replay_buffer_pb2
 
 if TYPE_CHECKING:
     from overworld.replay_buffer.refs import BlobRefReader
@@ -37,25 +38,26 @@ log = logging.getLogger("overworld.replay_buffer.reader")
 class SampleSource(Protocol):
     """What sampling needs of its ReplayBufferClient (declared here: the client imports this module)."""
 
-    stub: replay_buffer_pb2_grpc.ReplayBufferStub
     blob_refs: BlobRefReader
 
-    def stats(self, timeout: float = 10.0, *, retried: bool = False) -> replay_buffer_pb2.BufferStats: ...
+    def call(self, method: str, request: Any, *, timeout: float) -> Any: ...
+
+    def stats(self, *, timeout: float = 10.0) -> replay_buffer_pb2.BufferStats: ...
 
 
 class NoDataError(TimeoutError):
     """The replay buffer handed out no chunk for `train_config.data_timeout` seconds."""
 
 
-def sample_stream(stub: replay_buffer_pb2_grpc.ReplayBufferStub, request: replay_buffer_pb2.SampleRequest,
-                  timeout: float, deadline: float) -> list[replay_buffer_pb2.SampledChunk]:
-    """The chunks of one Sample call (each attempt `timeout` at most, all of them `deadline`). A stream
-    that breaks after delivering chunks returns them (fewer than asked: ask again for the rest)."""
+def sample_stream(client: SampleSource, request: replay_buffer_pb2.SampleRequest, attempt: float,
+                  timeout: float) -> list[replay_buffer_pb2.SampledChunk]:
+    """The chunks of one Sample call (each attempt `attempt` seconds at most, all of them `timeout`). A
+    stream that breaks after delivering chunks returns them (fewer than asked: ask again for the rest)."""
     got: list[replay_buffer_pb2.SampledChunk] = []
 
-    def attempt(left: float) -> None:
+    def sample(left: float) -> None:
         try:
-            for chunk in stub.Sample(request, timeout=min(left, timeout)):
+            for chunk in client.call("Sample", request, timeout=min(left, attempt)):
                 got.append(chunk)
         except grpc.RpcError as err:
             if not got:
@@ -63,23 +65,24 @@ def sample_stream(stub: replay_buffer_pb2_grpc.ReplayBufferStub, request: replay
             log.warning("%s: Sample stream broke after %d of %d chunks (%s); asking again for the rest",
                         request.reader_id, len(got), request.num_chunks, err.code().name)
 
-    Retry(deadline).run(attempt, "Sample")
+    Retry(timeout).run(sample, "Sample")
     return got
 
 
 def _buffer_state(client: SampleSource) -> str:
     try:
-        stats = client.stats(10.0)
+        stats = client.stats(timeout=10.0)
     except Exception as err:  # the message must be written even when the buffer is gone
         return f"its statistics are unavailable ({err.__class__.__name__})"
     return (f"it holds {stats.chunks} chunks ({stats.fragments} fragments), has accepted "
             f"{stats.inserted_fragments} fragments in all, model version {stats.model_version}")
 
 
-def sample_chunks(client: SampleSource, n: int, timeout: float, reader_id: str,
-                  stop: threading.Event | None = None, blob_refs: bool | None = None,
-                  data_timeout: float | None = None) -> list[replay_buffer_pb2.SampledChunk]:
-    """n chunks (fewer only when stopped), with their fragments. blob_refs (None: when the buffer's
+def sample_chunks(client: SampleSource, n: int, reader_id: str, wait: float, stop: threading.Event | None = None,
+                  blob_refs: bool | None = None, data_timeout: float | None = None
+                  ) -> list[replay_buffer_pb2.SampledChunk]:
+    """n chunks (fewer only when stopped), with their fragments; each Sample call asks the front to wait
+    up to `wait` seconds for chunks (and ends `wait` + 60 s later at most). blob_refs (None: when the buffer's
     blobs are in S3): the front hands out the claimed chunks' blob keys and the blobs are fetched from
     the store here; a chunk whose blob is gone is skipped and another one sampled in its place.
     data_timeout: raise NoDataError once no chunk has arrived for that many seconds."""
@@ -87,11 +90,11 @@ def sample_chunks(client: SampleSource, n: int, timeout: float, reader_id: str,
     last_data = time.monotonic()
     while len(chunks) < n and not (stop and stop.is_set()):
         store = client.blob_refs.store_for(blob_refs)
-        wait = timeout if data_timeout is None else max(0.1, min(timeout, last_data + data_timeout - time.monotonic()))
-        request = replay_buffer_pb2.SampleRequest(num_chunks=n - len(chunks), timeout_seconds=wait,
+        held = wait if data_timeout is None else max(0.1, min(wait, last_data + data_timeout - time.monotonic()))
+        request = replay_buffer_pb2.SampleRequest(num_chunks=n - len(chunks), timeout_seconds=held,
                                                   reader_id=reader_id, allow_partial=True,
                                                   blob_refs=store is not None)
-        got = sample_stream(client.stub, request, wait + 30, wait + 60)
+        got = sample_stream(client, request, held + 30, held + 60)
         if not got:
             log.info("%s waiting for data: %d of %d chunks", reader_id, len(chunks), n)
         elif store is not None:
@@ -113,11 +116,11 @@ class ChunkReader:
     `ReplayBufferClient.reader`)."""
 
     def __init__(self, client: SampleSource, chunks_per_batch: int, num_readers: int, prefetch_batches: int,
-                 timeout: float, name: str, data_timeout: float | None = None) -> None:
+                 name: str, wait: float, data_timeout: float | None = None) -> None:
         self.client = client
         self.n = chunks_per_batch
         self.readers = max(1, min(num_readers, chunks_per_batch))
-        self.timeout = timeout
+        self.wait = wait
         self.data_timeout = data_timeout
         self.name = name
         self.stop = threading.Event()
@@ -130,7 +133,7 @@ class ChunkReader:
 
     def _fetch(self) -> list[replay_buffer_pb2.SampledChunk]:
         shares = [self.n // self.readers + (i < self.n % self.readers) for i in range(self.readers)]
-        parts = self.pool.map(lambda i: sample_chunks(self.client, shares[i], self.timeout, f"{self.name}-r{i}",
+        parts = self.pool.map(lambda i: sample_chunks(self.client, shares[i], f"{self.name}-r{i}", self.wait,
                                                       self.stop, data_timeout=self.data_timeout), range(self.readers))
         return [c for part in parts for c in part]
 

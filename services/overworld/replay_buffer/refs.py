@@ -14,6 +14,7 @@ import logging
 import os
 import threading
 import time
+from collections.abc import Callable
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
@@ -22,7 +23,7 @@ from prometheus_client import Counter
 
 from overworld.core.blob_stores import open_blob_store
 from overworld.core.blobs import BlobStore
-from overworld.v1 import replay_buffer_pb2, replay_buffer_pb2_grpc
+from overworld.v1 import replay_buffer_pb2
 
 log = logging.getLogger("overworld.replay_buffer.refs")
 
@@ -34,10 +35,6 @@ REF_FETCH_THREADS = 32  # blob gets in flight per client (one S3 connection each
 REF_RETRY_SECONDS = 60.0  # after the store failed, sample in-band this long before trying again
 # Read buffers, reused: a fresh 3 MB object per blob costs more in page faults than the read itself.
 REF_BUFFERS_KEPT = 16
-
-
-class _NoRefs(Exception):
-    pass
 
 
 @dataclass
@@ -52,8 +49,9 @@ class _StoreChoice:
 class BlobRefReader:
     """Sampling by reference for one client (one buffer): the store, the fetch threads and the read buffers."""
 
-    def __init__(self, stub: replay_buffer_pb2_grpc.ReplayBufferStub) -> None:
-        self.stub = stub
+    def __init__(self, store_info: Callable[[], replay_buffer_pb2.StoreInfo]) -> None:
+        """`store_info`: the front's GetStoreInfo, one attempt (the client's `store_info`)."""
+        self._store_info = store_info
         self._lock = threading.Lock()
         self._choice: _StoreChoice | None = None
         self._opened: dict[str, BlobStore] = {}  # by URL: one store (one connection pool) per client
@@ -79,14 +77,10 @@ class BlobRefReader:
     def _ask_front(self) -> _StoreChoice:
         choice = _StoreChoice("", None, time.monotonic() + REF_RETRY_SECONDS)
         try:
-            if not hasattr(self.stub, "GetStoreInfo"):  # stubs generated before blob_refs
-                raise _NoRefs
-            choice.url = self.stub.GetStoreInfo(replay_buffer_pb2.GetStoreInfoRequest(), timeout=10).blob_store_url
+            choice.url = self._store_info().blob_store_url
             url = choice.url
             if url.startswith("s3://") or os.path.isdir(url):
                 choice.store = self._opened.get(url) or self._opened.setdefault(url, open_blob_store(url))
-        except _NoRefs:
-            choice.retry_at = float("inf")
         except grpc.RpcError as err:
             if err.code() == grpc.StatusCode.UNIMPLEMENTED:  # a front without blob_refs: in-band for good
                 choice.retry_at = float("inf")

@@ -28,7 +28,7 @@ CALL_TIMEOUT = 5.0  # beyond the wait: a buffer that does not answer is asked ag
 class ReserveCalls(Protocol):
     """What reservations need of their ReplayBufferClient (declared here: the client imports this module)."""
 
-    def reserve(self, worker_id: str, fragments: int, wait: float = 0.0, give_back: int = 0,
+    def reserve(self, worker_id: str, fragments: int, *, wait: float = 0.0, give_back: int = 0,
                 timeout: float = 10.0) -> replay_buffer_pb2.ReserveResponse: ...
 
 

@@ -37,9 +37,10 @@ WAITING_CALL_SECONDS = 0.25
 class InsertStreams(Protocol):
     """What the writer needs of its ReplayBufferClient (declared here: the client imports this module)."""
 
-    address: str | None
+    @property
+    def address(self) -> str: ...
 
-    def insert(self, requests: Iterator[replay_buffer_pb2.InsertRequest]
+    def insert(self, requests: Iterator[replay_buffer_pb2.InsertRequest], *, timeout: float | None = None
                ) -> Iterator[replay_buffer_pb2.InsertResponse]: ...
 
 

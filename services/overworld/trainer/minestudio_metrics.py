@@ -48,7 +48,7 @@ class MineStudioMetrics:
             return
         try:
             fleet = trainer.manager.fleet_status(timeout=5)
-            stats = trainer.buffer.stats(5.0)
+            stats = trainer.buffer.stats(timeout=5.0)
         except Exception as err:  # statistics only: never stall training on them
             log.warning("MineStudio metrics skipped this iteration: %s", err)
             return

@@ -274,7 +274,8 @@ class TrainerRuntime:
         self.buffer = ReplayBufferClient(self.replay_buffer)
         self._status = TrainerClient(self.status_address) if self.status_address else None
         self.reader = self.buffer.reader(t.batch_size_per_gpu * t.batches_per_iteration, t.num_readers,
-                                         t.prefetch_batches, t.sample_timeout, f"rank-{self.rank}", t.data_timeout)
+                                         t.prefetch_batches, f"rank-{self.rank}", wait=t.sample_timeout,
+                                         data_timeout=t.data_timeout)
         self.checkpoints = checkpoint.checkpoint_store(self.config, self.workdir)
 
     # -- the model -------------------------------------------------------------------------------
