@@ -5,33 +5,29 @@ from __future__ import annotations
 import functools
 import uuid
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 import numpy as np
 
-from overworld.core import tensors, tls, weights
-from overworld.core.config import from_yaml
+from overworld.core import tls, weights
+from overworld.core.client import ServiceClient
 from overworld.core.fragment import Fragment, expected_tensors
-from overworld.core.grpc_util import channel
-from overworld.v1 import (
-    gae_pb2,
-    gae_pb2_grpc,
-    replay_buffer_pb2,
-    replay_buffer_pb2_grpc,
-    rollout_manager_pb2,
-    rollout_manager_pb2_grpc,
-    rollout_worker_pb2,
-    rollout_worker_pb2_grpc,
-    trainer_pb2,
-    trainer_pb2_grpc,
-)
+from overworld.gae.client import GaeClient
+from overworld.replay_buffer.client import ReplayBufferClient
+from overworld.rollout_manager.client import RolloutManagerClient
+from overworld.rollout_worker.client import RolloutWorkerClient
+from overworld.trainer.client import TrainerClient
+from overworld.v1 import replay_buffer_pb2, rollout_manager_pb2, trainer_pb2
 from tests.security.services_in_one_process import Fleet
 
+C = TypeVar("C", bound=ServiceClient)
 
-def _as(fleet: Fleet, identity: str, service: str) -> Any:
+
+def _as(fleet: Fleet, identity: str, client: type[C], service: str) -> C:
+    """A client of `service`, with the credentials of `identity`."""
     assert fleet.credentials is not None
     tls.use(fleet.credentials[identity])
-    return channel(fleet.addresses[service])
+    return client(fleet.addresses[service])
 
 
 @functools.cache
@@ -40,10 +36,8 @@ def _run(address: str, tls_dir: str) -> tuple[Any, Any]:
     from overworld.policies.factory import run_spaces
 
     tls.use(tls_dir)
-    with channel(address) as ch:
-        reply = rollout_manager_pb2_grpc.RolloutManagerStub(ch).GetRunConfig(rollout_manager_pb2.GetRunConfigRequest(),
-                                                                             timeout=10)
-    config = from_yaml(reply.config_yaml)
+    with RolloutManagerClient(address) as manager:
+        config = manager.run_config(timeout=10)
     spaces, policy, _, _ = run_spaces(config)
     return config, (spaces, weights.to_bytes(policy.state_dict()))
 
@@ -62,13 +56,13 @@ def policy_weights(fleet: Fleet) -> bytes:
 
 def rollout_manager(fleet: Fleet) -> None:
     config, spaces = run_of(fleet)
-    with _as(fleet, "rollout-worker", "rollout-manager") as ch:
-        stub = rollout_manager_pb2_grpc.RolloutManagerStub(ch)
-        reply = stub.Register(rollout_manager_pb2.RegisterRequest(hostname="fuzz", num_envs=1,
-                                                                  spaces=spaces.to_proto()), timeout=10)
+    with _as(fleet, "rollout-worker", RolloutManagerClient, "rollout-manager") as manager:
+        reply = manager.register(rollout_manager_pb2.RegisterRequest(hostname="fuzz", num_envs=1,
+                                                                     spaces=spaces.to_proto()), timeout=10)
         assert reply.worker_id and reply.run_id == config.run_id
-        assert stub.Heartbeat(rollout_manager_pb2.HeartbeatRequest(worker_id=reply.worker_id), timeout=10).lease_valid
-        stub.Deregister(rollout_manager_pb2.DeregisterRequest(worker_id=reply.worker_id), timeout=10)
+        assert manager.heartbeat(rollout_manager_pb2.HeartbeatRequest(worker_id=reply.worker_id),
+                                 timeout=10).lease_valid
+        manager.deregister(reply.worker_id, timeout=10)
 
 
 def replay_buffer(fleet: Fleet) -> None:
@@ -76,9 +70,8 @@ def replay_buffer(fleet: Fleet) -> None:
     length = config.rollout_config.fragment_length
     data = {name: np.zeros(shape, dtype=dtype) for name, (shape, dtype) in expected_tensors(spaces, length).items()}
     fragment = Fragment(config.run_id, f"fuzz-{uuid.uuid4().hex[:8]}", 0, 0, data).to_proto()
-    with _as(fleet, "rollout-worker", "replay-buffer") as ch:
-        stub = replay_buffer_pb2_grpc.ReplayBufferStub(ch)
-        (ack,) = stub.Insert(iter([replay_buffer_pb2.InsertRequest(fragment=fragment)]), timeout=30)
+    with _as(fleet, "rollout-worker", ReplayBufferClient, "replay-buffer") as buffer:
+        (ack,) = buffer.insert(iter([replay_buffer_pb2.InsertRequest(fragment=fragment)]), timeout=30)
         assert ack.worker_id == fragment.header.worker_id and ack.sequence == 0
 
 
@@ -88,11 +81,9 @@ def gae(fleet: Fleet) -> None:
     batch |= {k: np.zeros((B, T), np.bool_) for k in ("terminated", "truncated")}
     batch["next_value"] = np.zeros((B,), np.float32)
     batch["reward"][:, -1] = 1.0
-    with _as(fleet, "trainer", "gae") as ch:
-        reply = gae_pb2_grpc.GaeStub(ch).Estimate(gae_pb2.EstimateRequest(discount=0.9, gae_lambda=0.95,
-                                                                         tensors=tensors.encode(batch)), timeout=30)
-    out = tensors.decode(reply.tensors)
-    assert out["advantage"].shape == (B, T) and out["advantage"][0, -1] == 1.0
+    with _as(fleet, "trainer", GaeClient, "gae") as client:
+        advantage, _ = client.estimate(batch, 0.9, 0.95, timeout=30)
+    assert advantage.shape == (B, T) and advantage[0, -1] == 1.0
 
 
 def model_registry(fleet: Fleet) -> None:
@@ -117,18 +108,16 @@ def model_registry(fleet: Fleet) -> None:
 
 
 def trainer(fleet: Fleet) -> None:
-    with _as(fleet, "trainer", "trainer") as ch:
-        trainer_pb2_grpc.TrainerStub(ch).ReportProgress(trainer_pb2.TrainerStatus(state="running", iteration=3),
-                                                        timeout=10)
-    with _as(fleet, "operator", "trainer") as ch:
-        status = trainer_pb2_grpc.TrainerStub(ch).GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=10)
+    with _as(fleet, "trainer", TrainerClient, "trainer") as client:
+        client.report(trainer_pb2.TrainerStatus(state="running", iteration=3), timeout=10)
+    with _as(fleet, "operator", TrainerClient, "trainer") as client:
+        status = client.status(timeout=10)
     assert status.state == "running" and status.iteration == 3
 
 
 def rollout_worker(fleet: Fleet) -> None:
-    with _as(fleet, "operator", "rollout-worker") as ch:
-        status = rollout_worker_pb2_grpc.RolloutWorkerStub(ch).GetStatus(rollout_worker_pb2.GetWorkerStatusRequest(),
-                                                                         timeout=10)
+    with _as(fleet, "operator", RolloutWorkerClient, "rollout-worker") as client:
+        status = client.status(timeout=10)
     assert status.worker_id and status.num_envs > 0
 
 
