@@ -26,9 +26,6 @@ CLIENTS = {
 EXEMPT = {
     # this file: it spells the patterns it looks for
     "tests/test_client_shape.py",
-    # TEMPORARY: the scale rehearsal's harness is being moved (tests/cluster, tests/scale -> rehearsal/,
-    # tests/bench) by another change; hold them to the rule once it has landed.
-    "tests/cluster", "tests/scale", "tests/bench",
 }
 BUILDS_A_STUB = re.compile(r"\b\w*Stub\(")  # ReplayBufferStub(channel), HealthStub(ch), ...
 REACHES_A_STUB = re.compile(r"\.\w*stub\b")  # client.stub, cluster.buffer_stub, client._stub
