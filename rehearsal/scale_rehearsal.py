@@ -232,7 +232,7 @@ class Fleet:
 
     def publish(self, version: int, state: dict[str, Any]) -> None:
         """Publish a version as the trainer would (its identity, through a forward to the registry)."""
-        client = ModelRegistryClient(REGISTRY, through=self._channel(REGISTRY, 50054, identity="trainer"))
+        client = ModelRegistryClient(REGISTRY, channel=self._channel(REGISTRY, 50054, identity="trainer"))
         client.publish(version, weights.to_bytes(state), timeout=300)
 
     # --- what Prometheus and the kernel would tell ----------------------------------------------------
