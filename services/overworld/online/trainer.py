@@ -136,7 +136,6 @@ class PPOTrainer(BaseTrainer, PPOLearner):
             return self.update(batch)
         with self.timed("fetch"):
             r = self.fetch_fragments_and_estimate_advantages(num_fragments=self.fragments_per_iteration)
-        self.hooks.run("post_collect", self, batch=r["records"])
         metrics = self.ppo_update(records=r["records"], td_targets=r["td_targets"], advantages=r["advantages"],
                                   old_logps=r["old_logps"], old_vpreds=r["old_vpreds"], rewards=r["rewards"])
         self.kl_divergence_coef_rho *= self.config.train_config.coef_rho_decay

@@ -3,13 +3,18 @@
 The built-in behaviours — learning-rate annealing, KL-coefficient decay, publishing weights,
 checkpoints, evaluation, logging — are hooks themselves (trainer/builtin_hooks.py), so a custom
 trainer can replace or extend any of them. A hook is a callable `hook(trainer, **context)`.
+
+The runtime's loop runs the points around an iteration; the points inside the algorithm are
+declared on the learner's method they surround (`@around`), so the algorithm's body calls no hook.
 """
 
 from __future__ import annotations
 
+import functools
+import inspect
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any
+from typing import Any, TypeVar
 
 POINTS = (
     "pre_collect",       # before fetching an iteration's batch
@@ -41,3 +46,40 @@ class Hooks:
 
     def registered(self, point: str) -> list[Hook]:
         return list(self._hooks[point])
+
+
+Method = TypeVar("Method", bound=Callable[..., Any])
+
+
+def around(after: str, *, before: str | None = None, result: str | None = None,
+           arguments: tuple[str, ...] = ()) -> Callable[[Method], Method]:
+    """Declares a learner method as a hook point: the trainer's `before` hooks run when it is called,
+    its `after` hooks when it returns, given its return value as `result` and the named `arguments`."""
+    for point in (after, before):
+        if point is not None and point not in POINTS:
+            raise ValueError(f"unknown hook point {point!r}; one of {', '.join(POINTS)}")
+
+    def declare(method: Method) -> Method:
+        signature = inspect.signature(method)
+        missing = [name for name in arguments if name not in signature.parameters]
+        if missing:
+            raise TypeError(f"{method.__qualname__} has no argument {', '.join(missing)} to give the {after} hooks")
+
+        @functools.wraps(method)
+        def run(trainer: Any, *args: Any, **kwargs: Any) -> Any:
+            if before is not None:
+                trainer.hooks.run(before, trainer)
+            value = method(trainer, *args, **kwargs)
+            context = {}
+            if arguments:
+                given = signature.bind(trainer, *args, **kwargs)
+                given.apply_defaults()
+                context = {name: given.arguments[name] for name in arguments}
+            if result is not None:
+                context[result] = value
+            trainer.hooks.run(after, trainer, **context)
+            return value
+
+        return run  # type: ignore[return-value]
+
+    return declare

@@ -30,11 +30,11 @@ import torch
 
 from overworld.core.config import RunConfig
 from overworld.gae.client import GaeClient
-from overworld.policies.base import Policy, log_prob
+from overworld.policies.base import Policy, PolicyOutput, log_prob
 from overworld.replay_buffer.reader import ChunkReader
 from overworld.trainer.data import Batch, chains_from_chunks, to_device
-from overworld.trainer.hooks import Hooks
-from overworld.trainer.loss import LOSS_TERMS, LossConfig, LossTerms, ppo_loss
+from overworld.trainer.hooks import Hooks, around
+from overworld.trainer.loss import LossConfig, LossMeans, LossTerms, ppo_loss
 from overworld.trainer.runtime import TrainerRuntime
 
 log = logging.getLogger("overworld.trainer.learner")
@@ -107,7 +107,6 @@ class PPOLearner(TrainerRuntime):
             return self.update(batch)
         with self.timed("fetch"):
             batch = self.estimate_advantages(self.sample())
-        self.hooks.run("post_collect", self, batch=batch)
         metrics = self.update(batch)
         self.rho *= self.config.train_config.coef_rho_decay
         return metrics
@@ -118,6 +117,7 @@ class PPOLearner(TrainerRuntime):
             return chains_from_chunks(self.reader.next())
 
     # -- values and advantages -------------------------------------------------------------------------
+    @around("post_collect", result="batch")
     def estimate_advantages(self, batch: Batch) -> Batch:
         """Fills in the batch's advantages and value targets (the gae service; V-trace if configured)
         and the learner's value predictions before the update (`old_vpred`)."""
@@ -192,29 +192,11 @@ class PPOLearner(TrainerRuntime):
         # with those, normalised again with the new ones, so clip_vloss compares like with like.
         old_value = normalizer.denormalize(batch.old_vpred.to(self.device)).cpu()
         self._update_value_normalizer(batch.value_target)
-        sums = dict.fromkeys(LOSS_TERMS, 0.0)
-        windows = 0
-        skipped = 0
-        for epoch in range(t.epochs_per_iteration):
-            for b, idx in self._minibatches(batch):
-                mb = batch.select(idx).to(self.device)
-                assert mb.advantage is not None and mb.value_target is not None
-                if not t.normalize_advantage_full_batch:
-                    mb.advantage = self._normalize(mb.advantage, global_batch=False)
-                target_vpred = normalizer.normalize(mb.value_target)
-                old_vpred = normalizer.normalize(old_value[idx].to(self.device))
-                step = (b + 1) % t.gradient_accumulation == 0
-                for _ in range(t.optim_steps_per_batch if step else 1):
-                    for terms in self._backward_windows(mb, target_vpred, old_vpred, sync=step):
-                        for name in LOSS_TERMS:
-                            sums[name] += float(getattr(terms, name).detach())
-                        windows += 1
-                    if step:
-                        skipped += self._optimizer_step()
-            self.hooks.run("post_epoch", self, epoch=epoch)
+        losses = LossMeans()
+        skipped = sum(self._epoch(epoch, batch, old_value, losses) for epoch in range(t.epochs_per_iteration))
         self.samples_trained += batch.size * batch.length
         return {
-            **{f"trainer/{name}": total / max(windows, 1) for name, total in sums.items()},
+            **losses.metrics(),
             "trainer/learning_rate": self.optimizer.param_groups[0]["lr"], "trainer/rho": self.rho,
             "trainer/explained_var": explained_variance(old_value, batch.value_target),
             "trainer/abs_advantage": float(batch.advantage.abs().mean()),
@@ -223,6 +205,28 @@ class PPOLearner(TrainerRuntime):
             "trainer/skipped_steps": float(skipped),
             "trainer/policy_lag": float((self.model_version - batch.model_version.float()).mean()),
         }
+
+    @around("post_epoch", arguments=("epoch",))
+    def _epoch(self, epoch: int, batch: Batch, old_value: torch.Tensor, losses: LossMeans) -> int:
+        """One pass over the batch in minibatches, each loss term added to `losses`; returns how many
+        optimizer steps were skipped (a non-finite gradient)."""
+        t = self.config.train_config
+        normalizer = self.unwrapped_model.value_normalizer
+        skipped = 0
+        for b, idx in self._minibatches(batch):
+            mb = batch.select(idx).to(self.device)
+            assert mb.advantage is not None and mb.value_target is not None
+            if not t.normalize_advantage_full_batch:
+                mb.advantage = self._normalize(mb.advantage, global_batch=False)
+            target_vpred = normalizer.normalize(mb.value_target)
+            old_vpred = normalizer.normalize(old_value[idx].to(self.device))
+            step = (b + 1) % t.gradient_accumulation == 0
+            for _ in range(t.optim_steps_per_batch if step else 1):
+                for terms in self._backward_windows(mb, target_vpred, old_vpred, sync=step):
+                    losses.add(terms)
+                if step:
+                    skipped += self._optimizer_step()
+        return skipped
 
     def _normalize(self, adv: torch.Tensor, global_batch: bool) -> torch.Tensor:
         count = torch.tensor(float(adv.numel()), device=adv.device)
@@ -256,12 +260,10 @@ class PPOLearner(TrainerRuntime):
         window = min(t.context_length, L)
         warmup = self.in_vf_warmup()
         kl_coef = 1.0 if warmup else self.rho  # the KL term weighs 1 during the value warm-up
-        loss_config = self.loss_config
         state, ref_state = mb.state, mb.state
         for start in range(0, L, window):
             sl = slice(start, start + window)
             w = mb.select(slice(None), sl)
-            assert w.advantage is not None
             last = start + window >= L
             with self._sync_context(sync and last), self.autocast():
                 out, state = self.model(w.obs, state, w.first)
@@ -273,17 +275,23 @@ class PPOLearner(TrainerRuntime):
                 state = {k: v.detach() for k, v in state.items()}
                 out.vpred = out.vpred.float()
                 out.logits = {k: v.float() for k, v in out.logits.items()}
-                terms = ppo_loss(out, w.action, w.behaviour_logp, w.advantage, target_vpred[:, sl],
-                                 old_vpred[:, sl], ref_logits, kl_coef, loss_config, value_only=warmup)
-                self.hooks.run("post_loss", self, terms=terms)
+                terms = self._loss(out, w, target_vpred[:, sl], old_vpred[:, sl], ref_logits, kl_coef, value_only=warmup)
                 loss = terms.total_loss * (w.length / L) / t.gradient_accumulation
                 (self.scaler.scale(loss) if self.scaler is not None else loss).backward()
             yield terms
 
-    def _optimizer_step(self) -> int:
-        """Clip, step, zero. A non-finite gradient on any rank skips the step on every rank (returns 1)."""
+    @around("post_loss", result="terms")
+    def _loss(self, out: PolicyOutput, w: Batch, target_vpred: torch.Tensor, old_vpred: torch.Tensor,
+              ref_logits: dict[str, torch.Tensor] | None, kl_coef: float, value_only: bool) -> LossTerms:
+        """One window's loss terms (trainer/loss.py), before their backward."""
+        assert w.advantage is not None
+        return ppo_loss(out, w.action, w.behaviour_logp, w.advantage, target_vpred, old_vpred, ref_logits, kl_coef,
+                        self.loss_config, value_only=value_only)
+
+    @around("post_optim_step", before="pre_optim_step", result="skipped")
+    def _optimizer_step(self) -> bool:
+        """Clip, step, zero. A non-finite gradient on any rank skips the step on every rank (returns True)."""
         t = self.config.train_config
-        self.hooks.run("pre_optim_step", self)
         params = [p for p in self.model.parameters() if p.requires_grad]
         if self.scaler is not None:
             self.scaler.unscale_(self.optimizer)
@@ -296,8 +304,7 @@ class PPOLearner(TrainerRuntime):
             self.optimizer.zero_grad(set_to_none=True)
             if self.scaler is not None:
                 self.scaler.update()
-            self.hooks.run("post_optim_step", self, skipped=True)
-            return 1
+            return True
         if t.max_grad_value is not None:
             torch.nn.utils.clip_grad_value_(params, t.max_grad_value)
             norm = torch.nn.utils.get_total_norm(grads) if grads else norm  # the values changed
@@ -310,8 +317,7 @@ class PPOLearner(TrainerRuntime):
             self.optimizer.step()
         self.optimizer.zero_grad(set_to_none=True)
         self.updates += 1
-        self.hooks.run("post_optim_step", self, skipped=False)
-        return 0
+        return False
 
     # -- devices and precision ---------------------------------------------------------------------
     def autocast(self) -> contextlib.AbstractContextManager:

@@ -36,6 +36,22 @@ class LossTerms:
 LOSS_TERMS = tuple(f.name for f in fields(LossTerms))
 
 
+class LossMeans:
+    """Each loss term's mean over the windows of an iteration, as the logged `trainer/<name>`."""
+
+    def __init__(self) -> None:
+        self.sums = dict.fromkeys(LOSS_TERMS, 0.0)
+        self.windows = 0
+
+    def add(self, terms: LossTerms) -> None:
+        for name in LOSS_TERMS:
+            self.sums[name] += float(getattr(terms, name).detach())
+        self.windows += 1
+
+    def metrics(self) -> dict[str, float]:
+        return {f"trainer/{name}": total / max(self.windows, 1) for name, total in self.sums.items()}
+
+
 def ppo_loss(out: PolicyOutput, action: dict[str, torch.Tensor], behaviour_logp: torch.Tensor,
              advantage: torch.Tensor, target_vpred: torch.Tensor, old_vpred: torch.Tensor,
              ref_logits: dict[str, torch.Tensor] | None, kl_coef: float, cfg: LossConfig,
