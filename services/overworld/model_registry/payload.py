@@ -13,6 +13,7 @@ from collections.abc import Callable
 import grpc
 
 from overworld.core import safetensors_format
+from overworld.core.grpc_util import Refused
 from overworld.model_registry import chunks, wire
 from overworld.v1 import model_registry_pb2 as pb
 
@@ -25,10 +26,9 @@ ALIGN = 16  # tensor data starts at this alignment inside a message
 RECEIVING, VERIFIED, FAILED = "receiving", "verified", "failed"
 
 
-class PayloadFailed(Exception):
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(message)
-        self.code = code
+class PayloadFailed(Refused):
+    """A payload that cannot be had (a failed or broken publish, a version no longer retained): a handler
+    that meets it ends its call with this status (Refused)."""
 
 
 def message_bounds(head: bytes | bytearray | memoryview, size: int, target: int, largest: int) -> list[int] | None:

@@ -187,7 +187,7 @@ class Publishing(RegistryStore):
             PUBLISH_FAILURES.labels(failure.code.name.lower()).inc()
             log.warning("publish of version %d failed: %s", info.version, failure)
             if isinstance(err, Exception):
-                raise Refused(failure.code, str(failure)) from None
+                raise failure from None
             raise
         PUBLISH_SECONDS.observe(time.monotonic() - started)
         log.info("published version %d (%d bytes) in %.2fs", info.version, info.size_bytes, time.monotonic() - started)

@@ -127,8 +127,6 @@ class ModelRegistryService(Publishing, Watching, model_registry_pb2_grpc.ModelRe
                 payload = payload.variant(half, context.is_active)
         except ValueError as err:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
-        except PayloadFailed as err:
-            raise Refused(err.code, str(err)) from None
         FETCHES.labels(precision or "stored").inc()
         offset, size, step = request.offset, payload.size, payload.chunk_size
         end = offset + request.limit if request.limit else size
@@ -148,28 +146,25 @@ class ModelRegistryService(Publishing, Watching, model_registry_pb2_grpc.ModelRe
             info = payload.info
         sent_without_sha256 = not info.sha256
         yield wire.encode_info_chunk(info, offset)
-        try:
-            # the registry's own messages (cut at tensor boundaries) only when the caller left the size to
-            # it: a relay asks for messages of exactly chunk_size bytes, whatever the registry's size is
-            index = (payload.index_of(offset, context.is_active)
-                     if not request.chunk_size and not request.limit else None)
-            if index is not None:
-                while (message := payload.wait_chunk(index, context.is_active)) is not None:
-                    BYTES_PUSHED.inc(len(message) - payload.header_lens[index])
-                    yield message
-                    index += 1
-            else:  # an offset inside a message, another chunk size, a limit: from the complete payload
-                payload.wait_verified(context.is_active)
-                for start in range(offset, end, chunk):
-                    data = payload.raw(start, min(start + chunk, end))
-                    BYTES_PUSHED.inc(len(data))
-                    yield wire.encode_chunk(start, data, ALIGN)
-            # the stream ends OK only once the whole version is verified: a watcher swaps only then
+        # the registry's own messages (cut at tensor boundaries) only when the caller left the size to
+        # it: a relay asks for messages of exactly chunk_size bytes, whatever the registry's size is
+        index = (payload.index_of(offset, context.is_active)
+                 if not request.chunk_size and not request.limit else None)
+        if index is not None:
+            while (message := payload.wait_chunk(index, context.is_active)) is not None:
+                BYTES_PUSHED.inc(len(message) - payload.header_lens[index])
+                yield message
+                index += 1
+        else:  # an offset inside a message, another chunk size, a limit: from the complete payload
             payload.wait_verified(context.is_active)
-            if sent_without_sha256:  # the info went out before the publish ended (cut-through): all of it now
-                yield wire.encode_info_chunk(payload.info, size)
-        except PayloadFailed as err:
-            raise Refused(err.code, str(err)) from None
+            for start in range(offset, end, chunk):
+                data = payload.raw(start, min(start + chunk, end))
+                BYTES_PUSHED.inc(len(data))
+                yield wire.encode_chunk(start, data, ALIGN)
+        # the stream ends OK only once the whole version is verified: a watcher swaps only then
+        payload.wait_verified(context.is_active)
+        if sent_without_sha256:  # the info went out before the publish ended (cut-through): all of it now
+            yield wire.encode_info_chunk(payload.info, size)
 
     def Fetch(self, request: pb.FetchRequest, context: grpc.ServicerContext) -> Iterator[pb.WeightsChunk]:
         # Registered through the generated add_ModelRegistryServicer_to_server: the same stream, parsed
