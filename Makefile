@@ -86,7 +86,7 @@ $(SB3_STAMP):
 
 sb3: $(SB3_STAMP)
 
-# ruff, then mypy over services/overworld ([tool.mypy] in pyproject.toml): any error fails.
+# ruff, then mypy over services/overworld and rehearsal/ ([tool.mypy] in pyproject.toml): any error fails.
 lint: $(STAMP)
 	$(VENV)/bin/ruff check services tests bench docker rehearsal
 	$(PY) -m mypy

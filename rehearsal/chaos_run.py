@@ -32,23 +32,15 @@ from typing import Any
 import grpc
 import numpy as np
 
-from overworld.core import tensors, tls
+from overworld.core import tls
 from overworld.core.grpc_util import CHANNEL_OPTIONS
+from overworld.gae.client import GaeClient
 from overworld.launch.restarts import read_services
-from overworld.v1 import (
-    gae_pb2,
-    gae_pb2_grpc,
-    model_registry_pb2,
-    model_registry_pb2_grpc,
-    replay_buffer_pb2,
-    replay_buffer_pb2_grpc,
-    rollout_manager_pb2,
-    rollout_manager_pb2_grpc,
-    rollout_worker_pb2,
-    rollout_worker_pb2_grpc,
-    trainer_pb2,
-    trainer_pb2_grpc,
-)
+from overworld.model_registry.client import ModelRegistryClient
+from overworld.replay_buffer.client import ReplayBufferClient
+from overworld.rollout_manager.client import RolloutManagerClient
+from overworld.rollout_worker.client import RolloutWorkerClient
+from overworld.trainer.client import TrainerClient
 
 ROOT = Path(__file__).resolve().parents[1]
 KILL_ORDER = ("gae", "replay-buffer", "model-registry", "rollout-manager", "rollout-worker#0", "trainer")
@@ -75,22 +67,17 @@ def probe(service: str, address: str, tls_root: Path) -> None:
     name = service.split("#")[0]
     with identity_channel(address, tls_root, "trainer" if name == "gae" else "operator") as ch:
         if name == "gae":
-            gae_pb2_grpc.GaeStub(ch).Estimate(gae_pb2.EstimateRequest(
-                discount=0.9, gae_lambda=0.9, tensors=tensors.encode(PROBE_BATCH)), timeout=PROBE_TIMEOUT)
+            GaeClient(address, channel=ch).estimate(PROBE_BATCH, 0.9, 0.9, timeout=PROBE_TIMEOUT)
         elif name == "model-registry":
-            model_registry_pb2_grpc.ModelRegistryStub(ch).ListVersions(model_registry_pb2.ListVersionsRequest(),
-                                                                       timeout=PROBE_TIMEOUT)
+            ModelRegistryClient(address, channel=ch).list_versions(timeout=PROBE_TIMEOUT)
         elif name == "rollout-manager":
-            rollout_manager_pb2_grpc.RolloutManagerStub(ch).GetFleetStatus(
-                rollout_manager_pb2.GetFleetStatusRequest(), timeout=PROBE_TIMEOUT)
+            RolloutManagerClient(address, channel=ch).fleet_status(timeout=PROBE_TIMEOUT)
         elif name == "replay-buffer":
-            replay_buffer_pb2_grpc.ReplayBufferStub(ch).GetStats(replay_buffer_pb2.GetStatsRequest(),
-                                                                 timeout=PROBE_TIMEOUT)
+            ReplayBufferClient(address, channel=ch).stats(timeout=PROBE_TIMEOUT)
         elif name == "trainer":
-            trainer_pb2_grpc.TrainerStub(ch).GetStatus(trainer_pb2.GetTrainerStatusRequest(), timeout=PROBE_TIMEOUT)
+            TrainerClient(address, channel=ch).status(timeout=PROBE_TIMEOUT)
         elif name == "rollout-worker":
-            rollout_worker_pb2_grpc.RolloutWorkerStub(ch).GetStatus(rollout_worker_pb2.GetWorkerStatusRequest(),
-                                                                    timeout=PROBE_TIMEOUT)
+            RolloutWorkerClient(address, channel=ch).status(timeout=PROBE_TIMEOUT)
         else:
             raise ValueError(f"no probe for {service}")
 
@@ -132,8 +119,7 @@ class ChaosRun:
         self._latest = Observation(0.0, None, None, None)
         self._observe_lock = threading.Lock()
         self._channels: list[grpc.Channel] = []
-        self._stubs: tuple[rollout_manager_pb2_grpc.RolloutManagerStub, model_registry_pb2_grpc.ModelRegistryStub] \
-            | tuple[()] = ()
+        self._clients: tuple[RolloutManagerClient, ModelRegistryClient] | tuple[()] = ()
         self._watcher = threading.Thread(target=self._watch, name="chaos-watch", daemon=True)
         self._watcher.start()
 
@@ -150,22 +136,21 @@ class ChaosRun:
         `observations` is in the order things were seen."""
         with self._observe_lock:
             found = self.services()
-            if not self._stubs and "rollout-manager" in found and "model-registry" in found:
-                self._channels = [identity_channel(found[name]["address"], self.tls_root)
-                                  for name in ("rollout-manager", "model-registry")]
-                self._stubs = (rollout_manager_pb2_grpc.RolloutManagerStub(self._channels[0]),
-                               model_registry_pb2_grpc.ModelRegistryStub(self._channels[1]))
+            if not self._clients and "rollout-manager" in found and "model-registry" in found:
+                manager_at, registry_at = found["rollout-manager"]["address"], found["model-registry"]["address"]
+                self._channels = [identity_channel(manager_at, self.tls_root), identity_channel(registry_at, self.tls_root)]
+                self._clients = (RolloutManagerClient(manager_at, channel=self._channels[0]),
+                                 ModelRegistryClient(registry_at, channel=self._channels[1]))
             steps = episodes = version = None
-            if self._stubs:
-                manager, registry = self._stubs
+            if self._clients:
+                manager, registry = self._clients
                 with contextlib.suppress(grpc.RpcError):
-                    fleet = manager.GetFleetStatus(rollout_manager_pb2.GetFleetStatusRequest(), timeout=1)
+                    fleet = manager.fleet_status(timeout=1)
                     steps, episodes = fleet.env_steps, fleet.episodes
                 with contextlib.suppress(grpc.RpcError):
-                    version = max((v.version for v in registry.ListVersions(
-                        model_registry_pb2.ListVersionsRequest(), timeout=1).versions), default=0)
+                    version = max((v.version for v in registry.list_versions(timeout=1)), default=0)
             seen = Observation(round(time.monotonic() - self.started, 2), steps, episodes, version)
-            if self._stubs:
+            if self._clients:
                 self.observations.append(seen)
             last = self._latest
             self._latest = Observation(seen.seconds, last.env_steps if steps is None else steps,

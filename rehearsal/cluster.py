@@ -1161,16 +1161,12 @@ class Cluster:
         """The kubelet's gRPC probe: grpc.health.v1 Check, plaintext, no client certificate. Made on the
         home thread (netns.HomeThread), through a forward into the cluster."""
         import grpc
-        from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+        from overworld.core.grpc_util import serving
 
         def check() -> bool:
             with grpc.insecure_channel(self.forward(pod.ip, port)) as channel:
-                try:
-                    reply = health_pb2_grpc.HealthStub(channel).Check(
-                        health_pb2.HealthCheckRequest(service=service), timeout=timeout)
-                except grpc.RpcError:
-                    return False
-            return bool(reply.status == health_pb2.HealthCheckResponse.SERVING)
+                return serving(channel, service, timeout)
 
         assert self._home is not None
         return self._home.call(check, timeout=timeout + 10)

@@ -15,7 +15,6 @@ wrong one; Redis' answer to a command without its password.
 from __future__ import annotations
 
 import json
-import runpy
 import socket
 import sys
 import urllib.error
@@ -28,7 +27,8 @@ from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from overworld.core import authz, tls
 
-RPCS_MODULE = Path(__file__).resolve().parents[1] / "tests" / "security" / "rpcs.py"  # the services' methods, by identity
+sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the checkout's rehearsal package
+from rehearsal.rpcs import RPCS, call_raw  # noqa: E402 (the services' methods, by identity)
 
 
 def health(channel: grpc.Channel) -> str:
@@ -84,7 +84,6 @@ def main(spec_path: str) -> int:
     if "targets" not in spec:
         print(json.dumps(out))
         return 0
-    rpcs = runpy.run_path(str(RPCS_MODULE))
     out.update({"plaintext": {}, "other_ca": {}, "denied": {}})
     for pod, (_, address) in spec["targets"].items():
         with grpc.insecure_channel(address) as channel:
@@ -95,9 +94,9 @@ def main(spec_path: str) -> int:
         answers: dict[str, list[Any]] = {}
         for pod, (service, address) in spec["targets"].items():
             with secure(address, directory) as channel:
-                for rpc in rpcs["RPCS"]:
+                for rpc in RPCS:
                     if rpc.service == service and not authz.allowed(identity, rpc.path):
-                        code, details = rpcs["call_raw"](channel, rpc, [b""], 5)
+                        code, details = call_raw(channel, rpc, [b""], 5)
                         answers[f"{pod} {rpc.path}"] = [code.name, details]
         out["denied"][identity] = answers
     out["ray_jobs_api"] = {"no token": jobs_api(spec["ray_dashboard"], None),

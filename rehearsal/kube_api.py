@@ -41,6 +41,7 @@ class Emulator(kmock.KubernetesEmulator):
         if (
             request.action == kmock.action.DELETE
             and request.name
+            and request.resource is not None
             and isinstance(request.data, dict)
             and request.data.get("propagationPolicy") == "Foreground"
         ):
@@ -59,6 +60,7 @@ class Emulator(kmock.KubernetesEmulator):
 
     async def _serve_list(self, request: kmock.Request) -> Any:
         payload = await super()._serve_list(request)
+        assert isinstance(payload, dict)  # kmock's list answer
         resource = request.resource
         assert resource is not None
         info = self.resources[resource]

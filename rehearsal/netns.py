@@ -106,11 +106,11 @@ def grpc_threads_started() -> Any:
     """A channel that has made a call (to a closed port): gRPC's threads run, started from the calling
     thread, while it is open."""
     import grpc
-    from grpc_health.v1 import health_pb2, health_pb2_grpc
+
+    from overworld.core.grpc_util import serving
 
     channel = grpc.insecure_channel("127.0.0.1:9")
-    with contextlib.suppress(grpc.RpcError):
-        health_pb2_grpc.HealthStub(channel).Check(health_pb2.HealthCheckRequest(), timeout=0.5)
+    serving(channel, timeout=0.5)
     return channel
 
 
@@ -256,7 +256,7 @@ class Network:
             delete_netns(self.switch)
 
 
-def wait_until(probe, timeout: float, what: str, interval: float = 0.5):  # type: ignore[no-untyped-def]
+def wait_until(probe: Callable[[], T | None], timeout: float, what: str, interval: float = 0.5) -> T:
     """Poll `probe` until it returns something truthy; raise TimeoutError naming `what`."""
     deadline = time.monotonic() + timeout
     last_error: Exception | None = None

@@ -102,7 +102,7 @@ def _names(subject: dict[str, Any], binding: dict[str, Any]) -> str:
 
 
 def _any(allowed: list[str] | None, value: str) -> bool:
-    return bool(allowed) and ("*" in allowed or value in allowed)
+    return allowed is not None and ("*" in allowed or value in allowed)
 
 
 async def _validate(validator: Validator, request: Any, body: bytes, session: Any, upstream: str) -> Any:

@@ -34,15 +34,10 @@ import grpc
 
 from overworld.core import tls, weights
 from overworld.model_registry.client import ModelRegistryClient
+from overworld.replay_buffer.client import ReplayBufferClient
+from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.run_controller.rayjob import build_rayjob
-from overworld.v1 import (
-    model_registry_pb2,
-    model_registry_pb2_grpc,
-    replay_buffer_pb2,
-    replay_buffer_pb2_grpc,
-    rollout_manager_pb2,
-    rollout_manager_pb2_grpc,
-)
+from overworld.v1 import model_registry_pb2, replay_buffer_pb2, rollout_manager_pb2
 from rehearsal.chart import CHART, by_kind, render, values_from_files
 from rehearsal.cluster import NAMESPACE, RELEASE, Cluster, Pod, Workload
 from rehearsal.netns import netem_available, remove_leftovers, wait_until
@@ -209,25 +204,18 @@ class Fleet:
         return self._channels[key]
 
     def push_status(self, version: int, wait: float = 0.0) -> model_registry_pb2.PushStatus:
-        stub = model_registry_pb2_grpc.ModelRegistryStub(self._channel(REGISTRY, 50054))
-        status: model_registry_pb2.PushStatus = stub.GetPushStatus(
-            model_registry_pb2.PushStatusRequest(version=version, wait_seconds=wait), timeout=wait + 30)
-        return status
+        registry = ModelRegistryClient(REGISTRY, channel=self._channel(REGISTRY, 50054))
+        return registry.push_status(version, wait=wait, timeout=wait + 30)
 
     def fleet_status(self) -> rollout_manager_pb2.FleetStatus:
-        stub = rollout_manager_pb2_grpc.RolloutManagerStub(self._channel(f"{RELEASE}-rollout-manager", 50051))
-        fleet: rollout_manager_pb2.FleetStatus = stub.GetFleetStatus(rollout_manager_pb2.GetFleetStatusRequest(),
-                                                                     timeout=10)
-        return fleet
+        manager = f"{RELEASE}-rollout-manager"
+        return RolloutManagerClient(manager, channel=self._channel(manager, 50051)).fleet_status(timeout=10)
 
     def buffer_stats(self, pod: Pod) -> replay_buffer_pb2.BufferStats:
-        stub = replay_buffer_pb2_grpc.ReplayBufferStub(self._channel(pod.ip, 50052))
-        stats: replay_buffer_pb2.BufferStats = stub.GetStats(replay_buffer_pb2.GetStatsRequest(), timeout=10)
-        return stats
+        return ReplayBufferClient(pod.ip, channel=self._channel(pod.ip, 50052)).stats(timeout=10)
 
     def latest_version(self) -> int:
-        stub = model_registry_pb2_grpc.ModelRegistryStub(self._channel(REGISTRY, 50054))
-        versions = stub.ListVersions(model_registry_pb2.ListVersionsRequest(), timeout=10).versions
+        versions = ModelRegistryClient(REGISTRY, channel=self._channel(REGISTRY, 50054)).list_versions(timeout=10)
         return max((v.version for v in versions), default=0)
 
     def publish(self, version: int, state: dict[str, Any]) -> None:
@@ -241,7 +229,7 @@ class Fleet:
         """A pod's Prometheus metrics, as a scrape reads them: name{labels} -> value."""
         return self.cluster.scrape(pod, port)
 
-    def usage(self, owner: str) -> list[dict[str, float]]:
+    def usage(self, owner: str) -> list[dict[str, Any]]:
         """CPU seconds used so far, RSS and PSS bytes and open file descriptors of each pod of `owner`
         (every process in the pod)."""
         ticks = os.sysconf("SC_CLK_TCK")

@@ -267,12 +267,12 @@ def target_groups(job: ScrapeJob, pods: list[PodView], services: list[dict[str, 
         for port in spec.get("ports") or []:
             target = port.get("targetPort", port["port"])
             for pod in backends:
-                number = pod.ports.get(target) if isinstance(target, str) else int(target)
-                if number is None:
+                endpoint_port = pod.ports.get(target) if isinstance(target, str) else int(target)
+                if endpoint_port is None:
                     continue
-                port_name = next((n for n, v in pod.ports.items() if v == number), "")
-                groups.append({"targets": [f"{pod.ip}:{number}"], "labels": {
-                    **_pod_labels(pod), **(_port_labels(port_name, number) if port_name else {}),
+                port_name = next((n for n, v in pod.ports.items() if v == endpoint_port), "")
+                groups.append({"targets": [f"{pod.ip}:{endpoint_port}"], "labels": {
+                    **_pod_labels(pod), **(_port_labels(port_name, endpoint_port) if port_name else {}),
                     "__meta_kubernetes_endpoints_name": meta["name"], "__meta_kubernetes_service_name": meta["name"],
                     **_labels("__meta_kubernetes_service_", meta.get("labels") or {}),
                     "__meta_kubernetes_endpoint_port_name": port.get("name", ""),

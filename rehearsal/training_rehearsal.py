@@ -20,16 +20,11 @@ import grpc
 import yaml
 
 from overworld.core import tls
-from overworld.v1 import (
-    model_registry_pb2,
-    model_registry_pb2_grpc,
-    replay_buffer_pb2,
-    replay_buffer_pb2_grpc,
-    rollout_manager_pb2,
-    rollout_manager_pb2_grpc,
-    trainer_pb2,
-    trainer_pb2_grpc,
-)
+from overworld.model_registry.client import ModelRegistryClient
+from overworld.replay_buffer.client import ReplayBufferClient
+from overworld.rollout_manager.client import RolloutManagerClient
+from overworld.trainer.client import TrainerClient
+from overworld.v1 import replay_buffer_pb2, rollout_manager_pb2, trainer_pb2
 from rehearsal.chart import CHART, by_kind, render, values_from_files
 from rehearsal.cluster import NAMESPACE, RELEASE, REPO, Cluster, Pod, Volume, Workload
 from rehearsal.kuberay import KubeRay
@@ -175,18 +170,16 @@ class Rehearsal:
                 (directory / key).write_text(text)
         return directory
 
-    def _stub(self, target: str, port: int, stub_class: Any) -> tuple[grpc.Channel, Any]:
-        """A stub over mutual TLS as the operator (`overworld status`'s identity), through a forward."""
+    def _channel(self, target: str, port: int) -> grpc.Channel:
+        """A channel over mutual TLS as the operator (`overworld status`'s identity), through a forward."""
         cert, key, ca = tls.CredentialFiles(self.identity("operator")).pems
-        channel = grpc.secure_channel(self.cluster.forward(target, port),
-                                      grpc.ssl_channel_credentials(ca, key, cert),
-                                      options=[("grpc.ssl_target_name_override", tls.SERVER_NAME)])
-        return channel, stub_class(channel)
+        return grpc.secure_channel(self.cluster.forward(target, port), grpc.ssl_channel_credentials(ca, key, cert),
+                                   options=[("grpc.ssl_target_name_override", tls.SERVER_NAME)])
 
     def registry_version(self) -> int:
-        channel, stub = self._stub(f"{RELEASE}-model-registry", 50054, model_registry_pb2_grpc.ModelRegistryStub)
-        with channel:
-            versions = stub.ListVersions(model_registry_pb2.ListVersionsRequest(), timeout=5).versions
+        registry = f"{RELEASE}-model-registry"
+        with self._channel(registry, 50054) as channel:
+            versions = ModelRegistryClient(registry, channel=channel).list_versions(timeout=5)
         return max((v.version for v in versions), default=0)
 
     def trainer_status(self) -> trainer_pb2.TrainerStatus:
@@ -197,29 +190,23 @@ class Rehearsal:
             if attempt or not self._ray_cluster:
                 self._ray_cluster = (self.rayjob().get("status") or {}).get("rayClusterName") or ""
                 assert self._ray_cluster, "no RayCluster yet"
-            channel, stub = self._stub(f"{self._ray_cluster}-head-svc", 50055, trainer_pb2_grpc.TrainerStub)
+            head = f"{self._ray_cluster}-head-svc"
             try:
-                with channel:
-                    status: trainer_pb2.TrainerStatus = stub.GetStatus(trainer_pb2.GetTrainerStatusRequest(),
-                                                                       timeout=5)
-                return status
+                with self._channel(head, 50055) as channel:
+                    return TrainerClient(head, channel=channel).status(timeout=5)
             except grpc.RpcError:
                 if attempt:
                     raise
         raise AssertionError("unreachable")
 
     def fleet(self) -> rollout_manager_pb2.FleetStatus:
-        channel, stub = self._stub(f"{RELEASE}-rollout-manager", 50051, rollout_manager_pb2_grpc.RolloutManagerStub)
-        with channel:
-            fleet: rollout_manager_pb2.FleetStatus = stub.GetFleetStatus(
-                rollout_manager_pb2.GetFleetStatusRequest(), timeout=5)
-        return fleet
+        manager = f"{RELEASE}-rollout-manager"
+        with self._channel(manager, 50051) as channel:
+            return RolloutManagerClient(manager, channel=channel).fleet_status(timeout=5)
 
     def buffer_stats(self, pod: Pod) -> replay_buffer_pb2.BufferStats:
-        channel, stub = self._stub(pod.ip, 50052, replay_buffer_pb2_grpc.ReplayBufferStub)
-        with channel:
-            stats: replay_buffer_pb2.BufferStats = stub.GetStats(replay_buffer_pb2.GetStatsRequest(), timeout=5)
-        return stats
+        with self._channel(pod.ip, 50052) as channel:
+            return ReplayBufferClient(pod.ip, channel=channel).stats(timeout=5)
 
     def metrics(self, pod: Pod, port: int = 9090) -> dict[str, float]:
         """A pod's Prometheus metrics, as a scrape reads them: name{labels} -> value."""

@@ -1,5 +1,5 @@
 """One client shape (core/client.py): every service's client is a `ServiceClient`, its stub is private,
-"how long" is spelled `timeout=`, and tests and benchmarks reach a service through its client only:
+"how long" is spelled `timeout=`, and tests, benchmarks and the rehearsal reach a service through its client only:
 none builds a gRPC stub or reaches one (`ServiceClient.call` is their one way to send a request built by
 hand). core/grpc_util.py keeps one retry helper, `Retry`."""
 
@@ -26,6 +26,9 @@ CLIENTS = {
 EXEMPT = {
     # this file: it spells the patterns it looks for
     "tests/test_client_shape.py",
+    # an attacker's pod: it calls every method of a service with a stolen identity, health-checks without
+    # a client certificate, and must not lean on the clients it attacks
+    "rehearsal/intruder.py",
 }
 BUILDS_A_STUB = re.compile(r"\b\w*Stub\(")  # ReplayBufferStub(channel), HealthStub(ch), ...
 REACHES_A_STUB = re.compile(r"\.\w*stub\b")  # client.stub, cluster.buffer_stub, client._stub
@@ -50,9 +53,9 @@ def test_the_check_finds_stubs_built_and_reached() -> None:
     assert not stub_uses("def test_generated_stubs_match_the_protos(tmp_path):")
 
 
-def test_no_test_or_benchmark_builds_or_reaches_a_grpc_stub() -> None:
+def test_no_test_benchmark_or_rehearsal_builds_or_reaches_a_grpc_stub() -> None:
     found = []
-    for folder in ("tests", "bench"):
+    for folder in ("tests", "bench", "rehearsal"):
         for path in sorted((ROOT / folder).rglob("*.py")):
             if not _exempt(path):
                 found += [f"{path.relative_to(ROOT)}: {line}" for line in stub_uses(path.read_text())]

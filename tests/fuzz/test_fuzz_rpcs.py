@@ -29,9 +29,9 @@ from hypothesis import HealthCheck, Phase, given, settings
 from overworld.core import authz, tls
 from overworld.core.grpc_util import channel, wait_healthy
 from overworld.v1 import replay_buffer_pb2
+from rehearsal.rpcs import RPCS, Rpc
 from tests.fuzz.goods import GOOD_DATA
 from tests.fuzz.strategies import BATCH, batches
-from tests.security.rpcs import RPCS, Rpc
 from tests.security.services_in_one_process import Fleet
 
 QUICK_CASES = int(os.environ.get("OVERWORLD_FUZZ_QUICK", "40"))

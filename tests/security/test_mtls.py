@@ -17,7 +17,7 @@ from overworld.core.grpc_util import channel, health_status, serve, wait_healthy
 from overworld.gae.client import GaeClient
 from overworld.gae.server import GaeService
 from overworld.v1 import gae_pb2, gae_pb2_grpc
-from tests.security.rpcs import RPCS, call_raw
+from rehearsal.rpcs import RPCS, call_raw
 from tests.security.services_in_one_process import Fleet
 
 
