@@ -155,3 +155,31 @@ def test_the_state_lives_in_a_redis_that_asks_for_a_password(tmp_path: Path) -> 
         assert open_state_store(redis.url, str(tmp_path), "run", password="pw").load() == {"run": {"episodes": 3}}
     finally:
         redis.stop()
+
+
+def test_a_departure_whose_save_failed_is_counted_once_after_a_restart(tmp_path: Path) -> None:
+    """A lease that lapses while the state store is down: the failed save's removal of the worker's record
+    goes with the next save that works. (It was dropped: the next save of the run counted the worker as
+    departed while its record stayed, and a restarted manager counted its fragments twice; the chaos
+    test's acknowledged fragments then exceeded the workers' own log.)"""
+    redis = RedisServer(tmp_path / "redis")
+    redis.start()
+    try:
+        service = RolloutManagerService(RunConfig(run_id="outage"), state=open_state_store(redis.url, "", "outage"),
+                                        fresh=True, lease_seconds=30)
+        a = service.Register(pb.RegisterRequest(hostname="a", num_envs=4, spaces=SPACES.to_proto()), None)
+        service.Heartbeat(pb.HeartbeatRequest(worker_id=a.worker_id, env_steps=640, fragments_sent=100), None)
+        redis.stop(kill=True)
+        service.lease_seconds = 0.1
+        time.sleep(0.3)
+        assert not service.Heartbeat(pb.HeartbeatRequest(worker_id=a.worker_id), None).lease_valid  # not saved
+        service.lease_seconds = 30
+        redis.start()
+        service.Register(pb.RegisterRequest(hostname="b", num_envs=4, spaces=SPACES.to_proto()), None)  # saved
+        before = service.GetFleetStatus(pb.GetFleetStatusRequest(), None)
+        restarted = RolloutManagerService(RunConfig(run_id="outage"), state=open_state_store(redis.url, "", "outage"))
+        after = restarted.GetFleetStatus(pb.GetFleetStatusRequest(), None)
+        assert (before.fragments_sent, before.env_steps, len(before.workers)) == (100, 640, 1)
+        assert (after.fragments_sent, after.env_steps, len(after.workers)) == (100, 640, 1)
+    finally:
+        redis.stop()

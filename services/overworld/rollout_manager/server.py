@@ -99,7 +99,9 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         self._registrations = 0
         self._reports: dict[str, int] = {}  # worker id -> the last report_sequence applied
         self._state = state
-        self._unsaved = False  # the last save failed
+        # What failed saves left unsaved (parts, and worker records to remove): they go with the next save.
+        self._unsaved_parts: dict[str, Any] = {}
+        self._unsaved_gone: set[str] = set()
         self.run_id = config.run_id
         self.fleet_id = uuid.uuid4().hex[:12]  # a restored state keeps its own (see FleetStatus.fleet_id)
         if state is not None:
@@ -166,7 +168,8 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
               gone: tuple[str, ...] = (), strict: bool = False) -> None:
         """Save the parts that changed, under self._lock: whatever a client is told has been saved. A
         failed save raises StateUnavailable when strict (the caller must not acknowledge), else it is
-        logged (the next change of the part saves it again; worker counters are cumulative anyway)."""
+        logged; either way what it did not save (parts, and records to remove) goes with the next save, so
+        that a departed worker is never both counted as departed and restored."""
         if self._state is None:
             return
         parts: dict[str, Any] = {f"worker:{w.worker_id}": {k: v for k, v in dataclasses.asdict(w).items()
@@ -183,14 +186,16 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                 "episodes": self._episodes, "all_returns": list(self._all_returns),
                 "tasks": {name: {k: list(v) if isinstance(v, deque) else v for k, v in vars(t).items()}
                           for name, t in self._tasks.items()}}
+        gone_parts = self._unsaved_gone | {f"worker:{worker_id}" for worker_id in gone}
+        parts = {name: value for name, value in {**self._unsaved_parts, **parts}.items() if name not in gone_parts}
         try:
-            self._state.save(parts, [f"worker:{worker_id}" for worker_id in gone])
-            self._unsaved = False
+            self._state.save(parts, sorted(gone_parts))
+            self._unsaved_parts, self._unsaved_gone = {}, set()
         except StateUnavailable as err:
-            self._unsaved = True
+            self._unsaved_parts, self._unsaved_gone = parts, gone_parts
             if strict:
                 raise
-            log.warning("state not saved (saved again with the next change): %s", err)
+            log.warning("state not saved (it goes with the next save): %s", err)
 
     def _expire(self) -> None:
         now = time.monotonic()
@@ -284,7 +289,7 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             if sequence and sequence <= self._reports.get(request.worker_id, 0):
                 log.info("episode report %d of %s was applied before; acknowledged again", sequence,
                          request.worker_id)
-                if self._unsaved:  # applied, but a save failed since: save before acknowledging
+                if self._unsaved_parts or self._unsaved_gone:  # applied, but a save failed since: save first
                     self._save_or_abort(context)
                 return rollout_manager_pb2.ReportEpisodesResponse()
             if sequence:
