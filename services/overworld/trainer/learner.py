@@ -47,7 +47,7 @@ class PPOLearner(TrainerRuntime):
     world_size: int  # learner ranks: DDP when more than one
     model: torch.nn.Module  # the policy, wrapped by DDP when world_size > 1
     optimizer: torch.optim.Optimizer
-    hooks: Hooks
+    hooks: Hooks  # run at the points declared with @around (trainer/hooks.py)
     reader: ChunkReader  # this rank's share of each iteration's chunks, from the replay buffer
     gae_client: GaeClient
     iteration: int  # 1 during the first
