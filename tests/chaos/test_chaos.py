@@ -142,7 +142,7 @@ def test_chaos_on_redis_and_s3(tmp_path: Path, s3_server: dict[str, str]) -> Non
     assert inserted == len(writes)
     rb = summary["replay_buffer"]
     assert rb["inserted_fragments"] == rb["fragments"] + sum(rb["dropped_chunks"].values())
-    assert set(rb["dropped_chunks"]) <= {"stale", "evicted", "reused"}
+    assert set(rb["dropped_chunks"]) <= {"stale", "stale_on_arrival", "evicted", "reused"}
 
 
 @pytest.mark.slow

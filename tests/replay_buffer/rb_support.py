@@ -138,7 +138,8 @@ class Backend:
             # Fronts of one run share the in-process index (the embedded backend is one process).
             if run_id not in self._memory:
                 self._memory[run_id] = MemoryIndex(rb.max_chunks, rb.max_reuse, rb.max_staleness,
-                                                   rb.fragments_per_chunk, limiter, seed=seed)
+                                                   rb.fragments_per_chunk, limiter, seed=seed,
+                                                   sample_order=rb.sample_order)
             return self._memory[run_id]
         from overworld.replay_buffer.redis_index import RedisIndex
 
@@ -186,16 +187,16 @@ class Buffer:
     service_kwargs: dict[str, Any]
     fronts: list[Front] = field(default_factory=list)
 
-    def add_front(self, generated: bool = False, **overrides: Any) -> Front:
-        """A front on a real gRPC port; registered with `server.add_to_server` (the bytes fast path), or
-        with the generated `add_ReplayBufferServicer_to_server` when `generated`."""
+    def add_front(self, generated: bool = False, port: int = 0, **overrides: Any) -> Front:
+        """A front on a real gRPC port (`port`, else a free one); registered with `server.add_to_server`
+        (the bytes fast path), or with the generated `add_ReplayBufferServicer_to_server` when `generated`."""
         index = self.backend.index(self.run_id, self.rb)
         blobs = self.backend.blobs(self.run_id)
         kwargs = {**self.service_kwargs, **overrides}
         service = ReplayBufferService(index, blobs, self.run_id, self.fragment_length, self.rb.fragments_per_chunk,
                                       self.rb.max_chunks, lambda: self.spaces, self.rb.max_fragment_bytes, **kwargs)
         add = replay_buffer_pb2_grpc.add_ReplayBufferServicer_to_server if generated else add_to_server
-        server = serve([(add, service, "overworld.v1.ReplayBuffer")], "127.0.0.1", 0)
+        server = serve([(add, service, "overworld.v1.ReplayBuffer")], "127.0.0.1", port)
         front = Front(service, server, index, blobs, ReplayBufferClient(server.address))
         self.fronts.append(front)
         return front

@@ -217,7 +217,7 @@ def test_reuse_and_staleness_stay_exact_across_a_new_front(make_buffer, backend)
     buf.fronts.pop(0)
     front = buf.add_front()
     insert(front.client, [buf.fragment(seq=2, version=4)])  # 6 - 1 > 4: stale on arrival at the new front
-    assert stats(front.client).dropped_chunks == {"stale": 1}
+    assert stats(front.client).dropped_chunks == {"stale_on_arrival": 1}
     assert sorted(c.times_sampled for c in sample(front.client, 2)) == [2, 2]  # the second and last use
     assert stats(front.client).chunks == 0
 

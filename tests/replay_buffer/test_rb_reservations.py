@@ -20,8 +20,9 @@ from overworld.v1 import replay_buffer_pb2
 LIMITED = {"samples_per_insert": 1.0, "samples_per_insert_error": 1.0, "min_size_to_sample": 1, "max_reuse": 1}
 
 
-def reserve(client, worker: str, n: int, wait: float = 0.0, give_back: int = 0) -> replay_buffer_pb2.ReserveResponse:
-    return client.reserve(worker, n, wait=wait, give_back=give_back, timeout=10)
+def reserve(client, worker: str, n: int, wait: float = 0.0, give_back: int = 0,
+            starting: int = 0) -> replay_buffer_pb2.ReserveResponse:
+    return client.reserve(worker, n, starting=starting, wait=wait, give_back=give_back, timeout=10)
 
 
 def test_reserved_room_fills_the_band_and_the_holders_fragments_take_it(make_buffer):
@@ -88,6 +89,73 @@ def test_the_room_of_a_quiet_worker_lapses(make_buffer):
     assert (s.reserved_fragments, s.expired_reservations) == (2, 2)
 
 
+def test_a_call_granted_nothing_does_not_keep_room_alive(make_buffer):
+    """A holder asking again and again while the band is full must not keep its old room for ever (the
+    fuzz test's Reserve calls once held all the room this way)."""
+    buf = make_buffer(service={"reservation_ttl": 0.8}, **LIMITED)
+    granted_at = time.monotonic()
+    assert reserve(buf.client, "w1", 2).granted == 2
+    while time.monotonic() < granted_at + 0.5:  # the band is full: nothing more for w1
+        assert reserve(buf.client, "w1", 1).granted == 0
+        time.sleep(0.05)
+    time.sleep(max(0.0, granted_at + 0.9 - time.monotonic()))  # the ttl counts from the grant, not the asks
+    assert reserve(buf.client, "w2", 2).granted == 2
+    assert stats(buf.client).expired_reservations == 2
+
+
+def test_room_goes_first_to_workers_going_on_with_their_episodes(make_buffer):
+    """Fragments that would begin an episode get room only beyond what other workers wait for to go on
+    with episodes they began: the fleet finishes what it started."""
+    buf = make_buffer(**LIMITED)
+    assert reserve(buf.client, "w1", 2).granted == 2
+    assert reserve(buf.client, "w1", 2).granted == 0  # w1 waits for room to go on: remembered
+    insert(buf.client, [buf.fragment(worker="w1", slot=s, seq=0) for s in range(2)])
+    assert len(sample(buf.client, 1)) == 1  # room for one
+    assert reserve(buf.client, "w2", 1, starting=1).granted == 0  # w1 goes first
+    assert reserve(buf.client, "w2", 2, starting=1).granted == 1  # w2 going on with one of its own: fine
+    assert reserve(buf.client, "w1", 0).granted == 0  # w1 no longer waits
+    assert len(sample(buf.client, 1)) == 1
+    assert reserve(buf.client, "w2", 1, starting=1).granted == 1
+
+
+def test_reserve_calls_beyond_the_front_s_waiting_limit_are_refused(make_buffer):
+    """Each waiting Reserve holds a server thread: past `max_waiting_reserves` one more that would wait is
+    refused at once with a reason, one that need not wait is answered, and the waiting ones are served."""
+    buf = make_buffer(service={"max_waiting_reserves": 2}, **LIMITED)
+    assert reserve(buf.client, "w0", 2).granted == 2
+    replies: queue.Queue = queue.Queue()
+    waiters = [threading.Thread(target=lambda w=w: replies.put(reserve(buf.client, w, 1, wait=20.0)))
+               for w in ("w1", "w2")]
+    for t in waiters:
+        t.start()
+    time.sleep(0.5)
+    with pytest.raises(grpc.RpcError) as err:
+        reserve(buf.client, "w3", 1, wait=20.0)
+    assert err.value.code() == grpc.StatusCode.RESOURCE_EXHAUSTED
+    assert "2 Reserve calls already wait" in err.value.details() and "--max-waiting-reserves" in err.value.details()
+    assert reserve(buf.client, "w3", 1).granted == 0  # no wait asked: answered, not refused
+    reserve(buf.client, "w0", 0, give_back=2)
+    assert sorted(replies.get(timeout=10).granted for _ in waiters) == [1, 1]
+    for t in waiters:
+        t.join(5)
+
+
+def test_with_reservations_off_every_request_is_granted_and_fragments_meet_the_limiter(make_buffer):
+    buf = make_buffer(service={"reservations": False}, **LIMITED)
+    reply = reserve(buf.client, "w1", 50)
+    assert (reply.granted, reply.limited) == (50, False)
+    assert stats(buf.client).reserved_fragments == 0
+    insert(buf.client, [buf.fragment(worker="w1", seq=q) for q in range(2)])  # the band: two chunks
+    acks: queue.Queue = queue.Queue()
+    t = threading.Thread(target=lambda: acks.put(insert(buf.client, [buf.fragment(worker="w1", seq=2)], timeout=20)))
+    t.start()
+    with pytest.raises(queue.Empty):
+        acks.get(timeout=0.5)  # held at the door until the sampler draws
+    assert len(sample(buf.client, 1)) == 1
+    assert len(acks.get(timeout=10)) == 1
+    t.join(5)
+
+
 def test_a_fragment_of_the_holder_keeps_its_room_alive(make_buffer):
     buf = make_buffer(service={"reservation_ttl": 1.0}, **{**LIMITED, "samples_per_insert_error": 2.0})
     assert reserve(buf.client, "w1", 3).granted == 3
@@ -122,6 +190,7 @@ def test_without_a_rate_limiter_every_request_is_granted(make_buffer):
     ({"worker_id": "w1", "fragments": 10**6}, "at most"),
     ({"worker_id": "w1", "fragments": 1, "wait_seconds": math.nan}, "wait_seconds"),
     ({"worker_id": "w1", "fragments": 1, "wait_seconds": 3600}, "wait_seconds"),
+    ({"worker_id": "w1", "fragments": 1, "starting": 2}, "starting must be at most fragments"),
 ])
 def test_a_bad_reserve_request_is_refused_with_a_reason(make_buffer, request_fields, says):
     buf = make_buffer(**LIMITED)
@@ -167,6 +236,37 @@ def test_the_client_grants_everything_when_the_buffer_has_no_limiter(make_buffer
         while not room.unlimited and time.monotonic() < deadline:
             time.sleep(0.02)
         assert room.take(8) == 8
+    finally:
+        room.close()
+        client.close()
+
+
+def test_a_client_that_met_an_old_front_asks_again_later(make_buffer, monkeypatch):
+    """A front that predates Reserve (UNIMPLEMENTED) lets the worker step unreserved, but only until it
+    asks again: here the old front is replaced, on the same address, by one that limits."""
+    from overworld.core.grpc_util import serve
+    from overworld.replay_buffer import reservations
+    from overworld.replay_buffer.client import ReplayBufferClient
+
+    monkeypatch.setattr(reservations, "ASK_AGAIN_SECONDS", 1.0)
+    old = serve([])  # a gRPC server without the ReplayBuffer service: Reserve is UNIMPLEMENTED
+    port = int(old.address.rsplit(":", 1)[1])
+    client = ReplayBufferClient(old.address)
+    room = Reservations(client, "w1")
+    try:
+        room.want(5)
+        deadline = time.monotonic() + 10
+        while not room.unlimited and time.monotonic() < deadline:
+            time.sleep(0.02)
+        assert room.take(5) == 5  # unreserved, for now
+        old.stop(0)
+        buf = make_buffer(fronts=0, **LIMITED)
+        buf.add_front(port=port)
+        deadline = time.monotonic() + 10
+        while (room.unlimited or room.held < 2) and time.monotonic() < deadline:
+            time.sleep(0.05)
+        assert room.take(5) == 2  # asked again: the new front grants the band, two, and no more
+        assert room.take(5) == 0
     finally:
         room.close()
         client.close()

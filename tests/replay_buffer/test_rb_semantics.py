@@ -96,6 +96,27 @@ def test_one_sample_call_never_returns_a_chunk_twice_when_reuse_is_one(make_buff
     assert {c.times_sampled for c in chunks} == {1}
 
 
+def test_claims_take_the_oldest_chunks_first(make_buffer):
+    """By first model version, then arrival: a chunk never waits behind chunks stepped after it, so it
+    is sampled before it can go stale. Slots 0-3 step at versions 2, 1, 2, 1; with 12 chunks, ties past
+    id 9 check that arrival, not the text of an id, orders them."""
+    buf = make_buffer(max_reuse=1, max_staleness=10)
+    frags = [buf.fragment(slot=slot, seq=q, version=version)
+             for q in range(3) for slot, version in enumerate((2, 1, 2, 1))]
+    insert(buf.client, frags)
+    order = [(c.fragments[0].header.env_slot, _sequences(c)[0]) for n in (3, 3, 6) for c in sample(buf.client, n)]
+    assert order == [(1, 0), (3, 0), (1, 1), (3, 1), (1, 2), (3, 2),
+                     (0, 0), (2, 0), (0, 1), (2, 1), (0, 2), (2, 2)]
+
+
+def test_uniform_order_samples_every_chunk_in_any_order(make_buffer):
+    buf = make_buffer(max_reuse=1, sample_order="uniform")
+    insert(buf.client, [buf.fragment(seq=q, version=q // 10) for q in range(40)])
+    first = [_sequences(c)[0] for c in sample(buf.client, 10)]
+    assert first != list(range(10))  # 1 in 40!/30! by chance
+    assert sorted(first + [_sequences(c)[0] for c in sample(buf.client, 30)]) == list(range(40))
+
+
 def test_staleness_on_arrival_and_on_version_moves(make_buffer):
     buf = make_buffer(max_staleness=1, fragments_per_chunk=1)
     assert buf.client.set_model_version(3).dropped_chunks == 0
@@ -103,11 +124,11 @@ def test_staleness_on_arrival_and_on_version_moves(make_buffer):
                              buf.fragment(seq=2, version=3)])
     assert [a.stored for a in acks] == [False, True, True]  # 1 < 3 - 1: stale on arrival, acked as not stored
     st = stats(buf.client)
-    assert (st.chunks, st.dropped_chunks["stale"], st.max_staleness, st.mean_staleness) == (2, 1, 1, 0.5)
+    assert (st.chunks, st.dropped_chunks["stale_on_arrival"], st.max_staleness, st.mean_staleness) == (2, 1, 1, 0.5)
     moved = buf.client.set_model_version(4)
     assert moved.dropped_chunks == 1
     st = stats(buf.client)
-    assert (st.chunks, st.dropped_chunks["stale"], st.model_version) == (1, 2, 4)
+    assert (st.chunks, st.dropped_chunks["stale"], st.model_version) == (1, 1, 4)  # went stale waiting
     with pytest.raises(grpc.RpcError) as err:
         buf.client.set_model_version(2)
     assert err.value.code() == grpc.StatusCode.FAILED_PRECONDITION
@@ -121,7 +142,7 @@ def test_stale_when_the_chunk_completes(make_buffer):
     acks = insert(buf.client, [buf.fragment(seq=1, version=1)])
     assert [a.stored for a in acks] == [False]
     st = stats(buf.client)
-    assert (st.chunks, st.fragments, st.dropped_chunks["stale"]) == (0, 0, 1)
+    assert (st.chunks, st.fragments, st.dropped_chunks["stale_on_arrival"]) == (0, 0, 1)
 
 
 def test_resent_fragment_is_acknowledged_once_stored_once(make_buffer):

@@ -18,8 +18,10 @@ from overworld.model_registry.server import ModelRegistryService
 from overworld.policies.factory import run_spaces
 from overworld.replay_buffer.client import ReplayBufferClient
 from overworld.replay_buffer.index import MemoryIndex
+from overworld.replay_buffer.leases import Leases
 from overworld.replay_buffer.rate_limiter import RateLimiter
 from overworld.replay_buffer.server import ReplayBufferService
+from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.rollout_manager.server import RolloutManagerService
 from overworld.rollout_manager.state import StateStore
 from overworld.v1 import (
@@ -63,9 +65,13 @@ class Cluster:
         rb = self.config.rollout_config.replay_buffer_config
         limiter = RateLimiter.create(rb.samples_per_insert, rb.samples_per_insert_error, rb.min_size_to_sample,
                                      rb.max_reuse)
+        # As `overworld serve replay-buffer` wires it: room only for workers holding a lease at the manager.
+        self.manager_client = RolloutManagerClient(self.ms.address)
         self.buffer = ReplayBufferService(MemoryIndex(rb.max_chunks, rb.max_reuse, rb.max_staleness, 1, limiter),
                                           LocalBlobStore(tmp_path / "b"), "wtest", self.config.rollout_config.fragment_length,
-                                          1, rb.max_chunks, lambda: self.manager._spaces)
+                                          1, rb.max_chunks, lambda: self.manager._spaces,
+                                          leases=Leases(lambda: self.manager_client.leases().worker_ids, refresh=0.25),
+                                          reservations=rb.reservations)
         self.bs = serve([(replay_buffer_pb2_grpc.add_ReplayBufferServicer_to_server, self.buffer,
                           "overworld.v1.ReplayBuffer")])
         self.spaces, self.policy, _, _ = run_spaces(self.config)
@@ -91,6 +97,7 @@ class Cluster:
             s.stop(0)
         self.registry.stop()
         self.buffer.stop()
+        self.manager_client.close()
 
 
 @pytest.fixture

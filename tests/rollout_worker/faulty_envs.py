@@ -94,6 +94,18 @@ class Dying(Counting):
         return super().step(action)
 
 
+class Paced(Counting):
+    """Each step takes `seconds` (a game engine's pace): a fragment is under way long enough to be seen."""
+
+    def __init__(self, seconds: float = 0.05, length: int = 20) -> None:
+        super().__init__(length)
+        self.seconds = seconds
+
+    def step(self, action: int) -> tuple[Any, float, bool, bool, dict]:
+        time.sleep(self.seconds)
+        return super().step(action)
+
+
 class SlowReset(Counting):
     """A reset that takes `seconds` (Crafter's world generation, Minecraft's respawn)."""
 
@@ -120,6 +132,10 @@ def hanging(flag: str, at: int = 15, length: int = 20) -> Hanging:
 
 def dying(flag: str, at: int = 15, length: int = 20) -> Dying:
     return Dying(flag, at, length)
+
+
+def paced(seconds: float = 0.05, length: int = 20) -> Paced:
+    return Paced(seconds, length)
 
 
 def slow_reset(seconds: float = 0.3, length: int = 10) -> SlowReset:

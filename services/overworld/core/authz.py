@@ -42,7 +42,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
                        # the weights stream: a version's chunks from the registry, and passed on from one
                        # worker to another (the relay)
                        WEIGHTS_FROM_REGISTRY, WEIGHTS_FROM_RELAY),
-    "replay-buffer": (_RM + "GetRunConfig", _RM + "GetSpaces"),
+    # the run's spaces to check fragments by; the leases that room is reserved under
+    "replay-buffer": (_RM + "GetRunConfig", _RM + "GetSpaces", _RM + "ListLeases"),
     # The trainer driver and its Ray Train workers (the same certificate on every Ray node).
     "trainer": (_RM + "GetRunConfig", _RM + "GetFleetStatus", _RM + "RequestVideo",
                 _RB + "Sample", _RB + "SetModelVersion", _RB + "GetStoreInfo", _RB + "GetStats",

@@ -45,6 +45,9 @@ class ReplayBufferConfig:
     max_chunks: int = 4800
     max_reuse: int = 2
     max_staleness: int = 2
+    # "oldest": claims take the chunks stepped longest ago first, so none is left behind to go stale;
+    # "uniform": MineStudio's uniform choice (docs/replay_buffer.md, "Sampling").
+    sample_order: str = "oldest"
     fragments_per_report: int = 40
     fragments_per_chunk: int = 1
     database_config: DatabaseConfig = field(default_factory=DatabaseConfig)
@@ -55,6 +58,9 @@ class ReplayBufferConfig:
     min_size_to_sample: int = 1
     max_fragment_bytes: int = 64 * 1024 * 1024
     keep_on_resume: bool = True
+    # With a rate limiter, workers reserve room before they step a fragment (docs/replay_buffer.md,
+    # "Reserving before stepping"); false: they step unthrottled and meet the limiter at the door.
+    reservations: bool = True
 
 
 @dataclass
@@ -297,6 +303,9 @@ def validate(config: RunConfig) -> None:
     if rollout.worker_config.env_backend not in ("subprocess", "inprocess"):
         raise ConfigError("config key rollout_config.worker_config.env_backend: must be 'subprocess' or "
                           f"'inprocess', got {rollout.worker_config.env_backend!r}")
+    if rb.sample_order not in ("oldest", "uniform"):
+        raise ConfigError("config key rollout_config.replay_buffer_config.sample_order: 'oldest' or 'uniform', got "
+                          f"{rb.sample_order!r}")
     if train.amp_dtype not in AMP_DTYPES:
         raise ConfigError(f"config key train_config.amp_dtype: one of {', '.join(AMP_DTYPES)}, got {train.amp_dtype!r}")
     if train.num_workers < 0:

@@ -52,12 +52,13 @@ class ReplayBufferClient(ServiceClient):
         with channel(self.address) as insert_channel:
             yield from replay_buffer_pb2_grpc.ReplayBufferStub(insert_channel).Insert(requests, timeout=timeout)
 
-    def reserve(self, worker_id: str, fragments: int, *, wait: float = 0.0, give_back: int = 0,
+    def reserve(self, worker_id: str, fragments: int, *, starting: int = 0, wait: float = 0.0, give_back: int = 0,
                 timeout: float = 10.0) -> replay_buffer_pb2.ReserveResponse:
-        """Room for up to `fragments` fragments of `worker_id` (the buffer waits up to `wait` seconds for
-        some), after giving back `give_back`; one attempt (`timeout` > `wait`). Workers use `reservations()`."""
-        request = replay_buffer_pb2.ReserveRequest(worker_id=worker_id, fragments=fragments, wait_seconds=wait,
-                                                   give_back=give_back)
+        """Room for up to `fragments` fragments of `worker_id`, of which `starting` would begin an episode
+        (the buffer waits up to `wait` seconds for some), after giving back `give_back`; one attempt
+        (`timeout` > `wait`). Workers use `reservations()`."""
+        request = replay_buffer_pb2.ReserveRequest(worker_id=worker_id, fragments=fragments, starting=starting,
+                                                   wait_seconds=wait, give_back=give_back)
         return self._stub.Reserve(request, timeout=timeout)
 
     def reservations(self, worker_id: str, on_room: Callable[[], None] | None = None) -> Reservations:

@@ -7,17 +7,25 @@ Semantics (MineStudio's replay_buffer_config, made exact):
   a gap in the sequence discards the partial chunk ("incomplete").
 - `max_chunks`: the oldest chunk is evicted when a new one would exceed it ("evicted").
 - `max_reuse`: a chunk is removed once it has been sampled that many times ("reused").
+- `sample_order`: "oldest" claims the chunks whose first step is oldest first (by model version, then
+  arrival), so a chunk waits no longer than the chunks stepped before it and none is left to go stale;
+  "uniform" (MineStudio's) claims uniformly at random.
 - `max_staleness`: a chunk whose first step is older than model_version - max_staleness is dropped
-  on arrival and whenever the model version moves ("stale").
+  on arrival ("stale_on_arrival": stepped too slowly for the learner, or held in the worker's queue) and
+  whenever the model version moves ("stale": it waited in the buffer too long).
 - Delivery is at least once: a fragment whose sequence number is not above the last one seen for
   its env slot is a duplicate (a worker resending after a lost ack); it is acknowledged as stored
   and changes nothing.
 - The rate limiter (if any) is checked inside `add`, `claim` and `reserve`, under the same lock or
   script as the state it guards, so several fronts can never overshoot it.
 - Reservations: a worker (the holder: its worker id) reserves room for fragments before it steps them
-  (`reserve`); its fragments then take that room without another check. Room a holder leaves unused
-  for `ttl` seconds after its last reservation or fragment is given back (a worker that died), and a
-  holder gives back what it will not use (`release`).
+  (`reserve`); its fragments then take that room without another check. A holder gives back what it
+  will not use (`release`); the front gives back the room of a holder whose lease is gone
+  (`forget_holders`, replay_buffer/leases.py); and room a holder leaves unused for `ttl` seconds after
+  its last grant or fragment goes back too (the fallback while the rollout-manager cannot be asked). A
+  call granted nothing does not keep a holder's room alive. Of a request, the fragments that would begin
+  a new episode (`starting`) get room only beyond what other holders wait for to go on with episodes
+  they began (their unmet asks, remembered for DEMAND_SECONDS): the fleet finishes what it started.
 - A blob key that the orphan sweeper claimed (`claim_orphans`) is never indexed afterwards: `add`
   answers "swept" and the front writes the blob again under a new key. So an index entry always has
   its blob.
@@ -28,6 +36,7 @@ Semantics (MineStudio's replay_buffer_config, made exact):
 
 from __future__ import annotations
 
+import bisect
 import random
 import threading
 import time
@@ -44,6 +53,8 @@ BLOCKED = "blocked"  # the rate limiter refuses inserts now: retry once samples 
 SWEPT = "swept"  # the blob key was claimed by the orphan sweeper: write the blob again, new key
 
 SWEPT_RETENTION_SECONDS = 24 * 3600.0  # how long a sweeper tombstone is kept
+SAMPLE_ORDERS = ("oldest", "uniform")
+DEMAND_SECONDS = 2.0  # how long a holder's unmet ask for room to go on with its episodes counts (it asks again)
 
 
 class IndexUnavailable(RuntimeError):
@@ -120,8 +131,10 @@ class ReplayIndex(Protocol):
 
     def add(self, meta: FragmentMeta) -> AddResult: ...
     def can_insert(self) -> bool: ...
-    def reserve(self, holder: str, n: int, ttl: float) -> int: ...
+    def reserve(self, holder: str, n: int, ttl: float, starting: int = 0) -> int: ...
     def release(self, holder: str, n: int) -> None: ...
+    def holders(self) -> list[str]: ...
+    def forget_holders(self, holders: list[str]) -> int: ...
     def claim(self, n: int, by_ref: bool = False) -> list[Claim]: ...
     def ref_claim_age(self) -> float | None: ...
     def set_model_version(self, version: int) -> VersionMove: ...
@@ -147,7 +160,11 @@ class _Reservation:
 
 class MemoryIndex:
     def __init__(self, max_chunks: int, max_reuse: int, max_staleness: int, fragments_per_chunk: int,
-                 rate_limiter: RateLimiter | None = None, seed: int | None = None) -> None:
+                 rate_limiter: RateLimiter | None = None, seed: int | None = None,
+                 sample_order: str = "oldest") -> None:
+        if sample_order not in SAMPLE_ORDERS:
+            raise ValueError(f"sample_order must be one of {SAMPLE_ORDERS}, got {sample_order!r}")
+        self.sample_order = sample_order
         self.max_chunks = max_chunks
         self.max_reuse = max_reuse
         self.max_staleness = max_staleness
@@ -162,6 +179,7 @@ class MemoryIndex:
 
     def _clear(self) -> None:
         self._chunks: OrderedDict[int, Chunk] = OrderedDict()  # insertion order = FIFO
+        self._by_age: list[tuple[int, int]] = []  # (first model version, chunk id), sorted: oldest first
         self._partial: dict[str, list[FragmentMeta]] = {}
         self._last_seq: dict[str, int] = {}
         self._live: set[str] = set()
@@ -173,6 +191,7 @@ class MemoryIndex:
         self._reuse_sum = 0
         self._reuse_count = 0
         self._reservations: dict[str, _Reservation] = {}  # by holder
+        self._demand: dict[str, tuple[int, float]] = {}  # holder -> (continuing fragments it waits for, until)
         self._reserved = 0  # fragments, all holders
         self._expired = 0
         if self.limiter:
@@ -183,7 +202,9 @@ class MemoryIndex:
         return first_version < self._version - self.max_staleness
 
     def _remove(self, chunk: Chunk, reason: str) -> list[str]:
-        self._chunks.pop(chunk.chunk_id, None)
+        if self._chunks.pop(chunk.chunk_id, None) is not None:
+            key = (chunk.first_model_version, chunk.chunk_id)
+            del self._by_age[bisect.bisect_left(self._by_age, key)]
         self._dropped[reason] += 1
         self._reuse_sum += chunk.times_sampled
         self._reuse_count += 1
@@ -215,8 +236,8 @@ class MemoryIndex:
                 self._live.difference_update(f.blob_key for f in partial)
                 partial = []
             if not partial and self._is_stale(meta.first_model_version):
-                self._dropped["stale"] += 1
-                dropped["stale"] += 1
+                self._dropped["stale_on_arrival"] += 1
+                dropped["stale_on_arrival"] += 1
                 self._partial.pop(meta.slot_key, None)
                 return AddResult(False, [*delete, meta.blob_key], OK, dict(dropped))
             partial = [*partial, meta]
@@ -228,11 +249,12 @@ class MemoryIndex:
             chunk = Chunk(self._next_chunk_id, partial)
             self._next_chunk_id += 1
             if self._is_stale(chunk.first_model_version):
-                self._dropped["stale"] += 1
-                dropped["stale"] += 1
+                self._dropped["stale_on_arrival"] += 1
+                dropped["stale_on_arrival"] += 1
                 self._live.difference_update(chunk.blob_keys)
                 return AddResult(False, [*delete, *chunk.blob_keys], OK, dict(dropped))
             self._chunks[chunk.chunk_id] = chunk
+            bisect.insort(self._by_age, (chunk.first_model_version, chunk.chunk_id))
             if self.limiter:
                 self.limiter.inserts += 1
             while len(self._chunks) > self.max_chunks:
@@ -246,14 +268,23 @@ class MemoryIndex:
             return self.limiter is None or self.limiter.can_insert()
 
     # -- reservations ------------------------------------------------------------------------------
-    def reserve(self, holder: str, n: int, ttl: float) -> int:
-        """Reserve room for up to n fragments of `holder` (all n without a rate limiter); returns how many."""
+    def reserve(self, holder: str, n: int, ttl: float, starting: int = 0) -> int:
+        """Reserve room for up to n fragments of `holder` (all n without a rate limiter), of which `starting`
+        would begin new episodes; returns how many."""
         with self._lock:
             if self.limiter is None:
                 return n
             self._expire()
-            granted = min(n, self.limiter.room(self.fragments_per_chunk))
-            if granted or holder in self._reservations:
+            now = time.monotonic()
+            room = self.limiter.room(self.fragments_per_chunk)
+            continuing = n - starting
+            going_on = min(continuing, room)
+            self._demand = {h: d for h, d in self._demand.items() if d[1] > now and h != holder}
+            others = sum(count for count, _ in self._demand.values())
+            granted = going_on + min(starting, max(0, room - going_on - others))
+            if continuing > going_on:
+                self._demand[holder] = (continuing - going_on, now + DEMAND_SECONDS)
+            if granted:
                 held = self._reservations.setdefault(holder, _Reservation(ttl))
                 held.fragments += granted
                 held.ttl = ttl
@@ -264,10 +295,31 @@ class MemoryIndex:
 
     def release(self, holder: str, n: int) -> None:
         with self._lock:
+            self._demand.pop(holder, None)
             held = self._reservations.get(holder)
             if held is not None:
                 self._give_back(holder, held, min(n, held.fragments))
                 self._sync_limiter()
+
+    def holders(self) -> list[str]:
+        """The holders that hold room now."""
+        with self._lock:
+            return sorted(self._reservations)
+
+    def forget_holders(self, holders: list[str]) -> int:
+        """Give back all the room of these holders (their leases are gone), counted as expired; returns
+        how many fragments' room came back."""
+        with self._lock:
+            back = 0
+            for holder in holders:
+                self._demand.pop(holder, None)
+                held = self._reservations.pop(holder, None)
+                if held is not None:
+                    back += held.fragments
+            self._reserved -= back
+            self._expired += back
+            self._sync_limiter()
+            return back
 
     def _take_reservation(self, holder: str) -> bool:
         self._expire()
@@ -298,11 +350,14 @@ class MemoryIndex:
             self.limiter.reserved = self._reserved / self.fragments_per_chunk
 
     def claim(self, n: int, by_ref: bool = False) -> list[Claim]:
-        """Claim up to n distinct chunks, uniformly at random, as far as the rate limiter allows. by_ref:
-        the reader fetches the blobs itself (remembered for ref_claim_age)."""
+        """Claim up to n distinct chunks in `sample_order`, as far as the rate limiter allows. by_ref: the
+        reader fetches the blobs itself (remembered for ref_claim_age)."""
         with self._lock:
-            ids = list(self._chunks)
-            picked = self._rng.sample(ids, min(n, len(ids)))
+            if self.sample_order == "oldest":
+                picked = [chunk_id for _, chunk_id in self._by_age[:n]]
+            else:
+                ids = list(self._chunks)
+                picked = self._rng.sample(ids, min(n, len(ids)))
             claims = []
             for chunk_id in picked:
                 if self.limiter:

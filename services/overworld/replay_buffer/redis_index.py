@@ -14,7 +14,8 @@ another run's keys):
                   the last claim by reference)
   drops    hash   reason -> chunks dropped
   fifo     zset   chunk id scored by chunk id (insertion order: eviction takes the lowest)
-  byver    zset   chunk id scored by its first model version (staleness drops take a range)
+  byver    zset   chunk id scored by its first model version (staleness drops take a range; claims in
+                  the "oldest" order take the first; ids are zero-padded, so ties go by arrival)
   chunk:ID hash   t (times sampled), v, b (bytes), n (fragments), s (slot), k (blob keys, one per
                   line), m ("sequence|version|bytes" per line)
   slots    hash   env slot -> last sequence number seen (duplicates are acknowledged, not re-added)
@@ -23,6 +24,8 @@ another run's keys):
   swept    zset   blob keys the sweeper claimed, scored by time (add refuses them)
   resv     hash   holder (worker id) -> "fragments|ttl" of room it reserved and has not used
   resvx    zset   holder scored by the Redis time its reservation lapses
+  want     hash   holder -> "fragments|until": room it waits for to go on with episodes it began (asks
+                  that would begin an episode get room only beyond the other holders' wants)
 """
 
 from __future__ import annotations
@@ -39,8 +42,10 @@ from redis.retry import Retry
 
 from overworld.replay_buffer.index import (
     BLOCKED,
+    DEMAND_SECONDS,
     DUPLICATE,
     OK,
+    SAMPLE_ORDERS,
     SWEPT,
     SWEPT_RETENTION_SECONDS,
     AddResult,
@@ -56,6 +61,7 @@ from overworld.replay_buffer.redis_scripts import (
     ADD,
     CLAIM,
     CLAIM_ORPHANS,
+    FORGET_HOLDERS,
     REF_CLAIM_AGE,
     RESERVE,
     RESET,
@@ -75,7 +81,10 @@ def key_prefix(run_id: str) -> str:
 class RedisIndex:
     def __init__(self, client: redis.Redis, run_id: str, max_chunks: int, max_reuse: int, max_staleness: int,
                  fragments_per_chunk: int, rate_limiter: RateLimiter | None = None,
-                 seed: int | None = None) -> None:
+                 seed: int | None = None, sample_order: str = "oldest") -> None:
+        if sample_order not in SAMPLE_ORDERS:
+            raise ValueError(f"sample_order must be one of {SAMPLE_ORDERS}, got {sample_order!r}")
+        self.sample_order = sample_order
         self.client = client
         self.run_id = run_id
         self.prefix = key_prefix(run_id)
@@ -91,6 +100,7 @@ class RedisIndex:
         self._keys = [self.prefix + "meta"]
         self._add = client.register_script(ADD)
         self._reserve = client.register_script(RESERVE)
+        self._forget_holders = client.register_script(FORGET_HOLDERS)
         self._claim = client.register_script(CLAIM)
         self._ref_claim_age = client.register_script(REF_CLAIM_AGE)
         self._set_version = client.register_script(SET_VERSION)
@@ -102,14 +112,15 @@ class RedisIndex:
     @classmethod
     def from_url(cls, url: str, run_id: str, rb: Any, limiter: RateLimiter | None = None,
                  seed: int | None = None, password: str | None = None) -> RedisIndex:
-        """`rb` is a core.config.ReplayBufferConfig (max_chunks, max_reuse, max_staleness, fragments_per_chunk).
+        """`rb` is a core.config.ReplayBufferConfig (max_chunks, max_reuse, max_staleness, fragments_per_chunk,
+        sample_order).
         `password` (the chart's $OVERWORLD_REDIS_PASSWORD) wins over one in the URL."""
         extra = {"password": password} if password else {}
         client = redis.Redis.from_url(
             url, **extra, decode_responses=True, socket_timeout=30, socket_connect_timeout=5, health_check_interval=30,
             retry=Retry(ExponentialBackoff(cap=0.5, base=0.05), 3))
         return cls(client, run_id, rb.max_chunks, rb.max_reuse, rb.max_staleness, rb.fragments_per_chunk,
-                   limiter, seed)
+                   limiter, seed, rb.sample_order)
 
     def _call(self, fn: Callable[[], T]) -> T:
         try:
@@ -124,7 +135,7 @@ class RedisIndex:
         out = self._run(self._add, meta.slot_key, meta.sequence, meta.first_model_version, meta.nbytes,
                         meta.blob_key, self.max_chunks, self.max_staleness, self.fragments_per_chunk, meta.holder)
         status = {"ok": OK, "duplicate": DUPLICATE, "blocked": BLOCKED, "swept": SWEPT}[out[0]]
-        dropped = {r: int(c) for r, c in zip(("incomplete", "stale", "evicted"), out[2:5], strict=True) if int(c)}
+        dropped = {r: int(c) for r, c in zip(("incomplete", "stale_on_arrival", "evicted"), out[2:5], strict=True) if int(c)}
         return AddResult(bool(int(out[1])), list(out[5:]), status, dropped)
 
     def _limiter_state(self, inserts: Any, samples: Any, credit: Any, reserved: Any) -> RateLimiter | None:
@@ -142,17 +153,27 @@ class RedisIndex:
         assert limiter is not None
         return limiter.can_insert()
 
-    def reserve(self, holder: str, n: int, ttl: float) -> int:
+    def reserve(self, holder: str, n: int, ttl: float, starting: int = 0) -> int:
         if self.limiter is None:
             return n
-        return int(self._run(self._reserve, holder, n, ttl, self.fragments_per_chunk, 0))
+        return int(self._run(self._reserve, holder, n, ttl, self.fragments_per_chunk, 0, starting, DEMAND_SECONDS))
 
     def release(self, holder: str, n: int) -> None:
         if self.limiter is not None:
-            self._run(self._reserve, holder, 0, 0, self.fragments_per_chunk, n)
+            self._run(self._reserve, holder, 0, 0, self.fragments_per_chunk, n, 0, DEMAND_SECONDS)
+
+    def holders(self) -> list[str]:
+        keys: list[Any] = self._call(lambda: self.client.hkeys(self.prefix + "resv"))
+        return sorted(str(k) for k in keys)  # decode_responses: already str
+
+    def forget_holders(self, holders: list[str]) -> int:
+        if not holders:
+            return 0
+        return int(self._run(self._forget_holders, *holders))
 
     def claim(self, n: int, by_ref: bool = False) -> list[Claim]:
-        out = self._run(self._claim, n, self.max_reuse, self._rng.randrange(1 << 31), "1" if by_ref else "0")
+        out = self._run(self._claim, n, self.max_reuse, self._rng.randrange(1 << 31), "1" if by_ref else "0",
+                        self.sample_order)
         claims = []
         for i in range(0, len(out), 6):
             chunk_id, times, final, slot, keys, metas = out[i:i + 6]

@@ -8,7 +8,7 @@ PRELUDE = r"""
 local P = ARGV[1]
 local META, DROPS, FIFO, BYVER = P .. 'meta', P .. 'drops', P .. 'fifo', P .. 'byver'
 local SLOTS, PARTIAL, LIVE, SWEPT = P .. 'slots', P .. 'partial', P .. 'live', P .. 'swept'
-local RESV, RESVX = P .. 'resv', P .. 'resvx'
+local RESV, RESVX, WANT = P .. 'resv', P .. 'resvx', P .. 'want'
 local SPI, ERR, MINSIZE = tonumber(ARGV[2]), tonumber(ARGV[3]), tonumber(ARGV[4])
 
 -- (negative numbers are written 0 - x: Lua's -0 would reach Redis as "-0", not an integer)
@@ -115,7 +115,7 @@ end
 """
 
 # ARGV[5..]: slot, sequence, first model version, bytes, blob key, max_chunks, max_staleness,
-# fragments_per_chunk, holder. Returns {status, stored, incomplete, stale, evicted, keys to delete...}.
+# fragments_per_chunk, holder. Returns {status, stored, incomplete, stale on arrival, evicted, keys to delete...}.
 ADD = PRELUDE + r"""
 local slot, seq, ver, nb, key = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), ARGV[9]
 local max_chunks, max_staleness, fpc = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12])
@@ -153,7 +153,7 @@ end
 if #entries == 0 and stale(ver) then
   out[2] = 0
   out[4] = 1
-  redis.call('HINCRBY', DROPS, 'stale', 1)
+  redis.call('HINCRBY', DROPS, 'stale_on_arrival', 1)
   redis.call('HDEL', PARTIAL, slot)
   out[#out + 1] = key
   return out
@@ -167,7 +167,8 @@ if #entries < fpc then
   return out
 end
 redis.call('HDEL', PARTIAL, slot)
-local id = redis.call('HINCRBY', META, 'next_chunk', 1)
+-- zero-padded: byver orders chunks of one version by member, which is then their arrival order
+local id = string.format('%012d', redis.call('HINCRBY', META, 'next_chunk', 1))
 local keys, metas, total, first_v = {}, {}, 0, nil
 for i, e in ipairs(entries) do
   local es, ev, enb, ekey = string.match(e, '^(%d+)|(%d+)|(%d+)|(.*)$')
@@ -179,7 +180,7 @@ end
 if stale(first_v) then
   out[2] = 0
   out[4] = 1
-  redis.call('HINCRBY', DROPS, 'stale', 1)
+  redis.call('HINCRBY', DROPS, 'stale_on_arrival', 1)
   srem_all(LIVE, keys)
   redis.call('HINCRBY', META, 'frags', 0 - #keys)
   redis.call('HINCRBY', META, 'bytes', 0 - total)
@@ -200,32 +201,80 @@ end
 return out
 """
 
-# ARGV[5..]: holder, fragments wanted, ttl, fragments_per_chunk, fragments given back. Returns the
+# ARGV[5..]: holder, fragments wanted, ttl, fragments_per_chunk, fragments given back, of the fragments
+# wanted those that would begin an episode, how long an unmet ask to go on with one counts. Returns the
 # fragments granted.
 RESERVE = PRELUDE + r"""
 local holder, n, ttl, fpc, back = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
+local starting, demand_seconds = tonumber(ARGV[10]), tonumber(ARGV[11])
 local now = now_seconds()
 expire_reservations(now)
 local count, held_ttl = reservation(holder)
 if ttl <= 0 then ttl = held_ttl end  -- a release alone keeps the holder's ttl
 back = math.min(back, count)
 count = count - back
-local room = math.floor((SPI * MINSIZE + ERR - insert_diff(fpc) + back * SPI / fpc) / (SPI / fpc) + 1e-9)
-local granted = math.max(0, math.min(n, room))
+local room = math.max(0, math.floor((SPI * MINSIZE + ERR - insert_diff(fpc) + back * SPI / fpc) / (SPI / fpc) + 1e-9))
+-- what the other holders wait for to go on with their episodes (asks expire: their holders ask again)
+local others = 0
+local wants = redis.call('HGETALL', WANT)
+for i = 1, #wants, 2 do
+  local c, untl = string.match(wants[i + 1], '^(%d+)|(.*)$')
+  if tonumber(untl) <= now then
+    redis.call('HDEL', WANT, wants[i])
+  elseif wants[i] ~= holder then
+    others = others + tonumber(c)
+  end
+end
+local continuing = n - starting
+local going_on = math.min(continuing, room)
+local granted = going_on + math.max(0, math.min(starting, room - going_on - others))
+if continuing > going_on then
+  redis.call('HSET', WANT, holder, (continuing - going_on) .. '|' .. (now + demand_seconds))
+else
+  redis.call('HDEL', WANT, holder)
+end
 redis.call('HINCRBY', META, 'lr', granted - back)
-set_reservation(holder, count + granted, ttl, now)
+if granted > 0 then
+  set_reservation(holder, count + granted, ttl, now)
+elseif back > 0 and count > 0 then  -- a release alone keeps the holder's expiry: it does not keep room alive
+  redis.call('HSET', RESV, holder, count .. '|' .. held_ttl)
+elseif back > 0 then
+  set_reservation(holder, 0, 0, now)
+end
 return granted
 """
 
+# ARGV[5..]: holders whose leases are gone. Their room goes back, counted as expired; returns how much.
+FORGET_HOLDERS = PRELUDE + r"""
+local back = 0
+for i = 5, #ARGV do
+  redis.call('HDEL', WANT, ARGV[i])
+  local count = reservation(ARGV[i])
+  if count > 0 then
+    back = back + count
+    set_reservation(ARGV[i], 0, 0, 0)
+  end
+end
+redis.call('HINCRBY', META, 'lr', 0 - back)
+redis.call('HINCRBY', META, 'rx', back)
+return back
+"""
+
 # ARGV[5..]: n, max_reuse, seed, by reference ('1': the reader fetches the blobs itself; the Redis time
-# is noted in refs_at). Returns {id, times, final, slot, keys, metas} per claimed chunk.
+# is noted in refs_at), order ('oldest': by first model version, then arrival; 'uniform'). Returns
+# {id, times, final, slot, keys, metas} per claimed chunk.
 CLAIM = PRELUDE + r"""
 local n, max_reuse = tonumber(ARGV[5]), tonumber(ARGV[6])
-math.randomseed(tonumber(ARGV[7]))
-local ids = redis.call('ZRANDMEMBER', FIFO, n)
-for i = #ids, 2, -1 do  -- ZRANDMEMBER returns the whole set in order when n >= its size
-  local j = math.random(i)
-  ids[i], ids[j] = ids[j], ids[i]
+local ids
+if ARGV[9] == 'oldest' then
+  ids = redis.call('ZRANGE', BYVER, 0, n - 1)
+else
+  math.randomseed(tonumber(ARGV[7]))
+  ids = redis.call('ZRANDMEMBER', FIFO, n)
+  for i = #ids, 2, -1 do  -- ZRANDMEMBER returns the whole set in order when n >= its size
+    local j = math.random(i)
+    ids[i], ids[j] = ids[j], ids[i]
+  end
 end
 local out = {}
 for _, id in ipairs(ids) do
@@ -316,7 +365,7 @@ if has_token and redis.call('HGET', META, 'attempt') == token then return {0} en
 local out = {1}
 for _, k in ipairs(redis.call('SMEMBERS', LIVE)) do out[#out + 1] = k end
 for _, id in ipairs(redis.call('ZRANGE', FIFO, 0, -1)) do redis.call('DEL', P .. 'chunk:' .. id) end
-redis.call('DEL', META, DROPS, FIFO, BYVER, SLOTS, PARTIAL, LIVE, RESV, RESVX)
+redis.call('DEL', META, DROPS, FIFO, BYVER, SLOTS, PARTIAL, LIVE, RESV, RESVX, WANT)
 if has_token then redis.call('HSET', META, 'attempt', token) end
 return out
 """

@@ -8,9 +8,12 @@ index entry added, and only then acknowledged. Blob writes of one stream run in 
 `ingest_window` in flight), index adds and acks stay in arrival order, and the stream stops reading
 while the window is full or the rate limiter blocks: that is the backpressure a worker feels.
 
-Reserve (unary): a worker reserves room for the fragments it is about to step; the index counts
-reserved room as inserted for the rate limiter, so a fleet steps only what will be admitted (and
-sampled while fresh), and a worker's fragments take their room without waiting at the door.
+Reserve (unary): a worker that holds a lease at the rollout-manager (`leases.py`) reserves room for
+the fragments it is about to step; the index counts reserved room as inserted for the rate limiter, so a
+fleet steps only what will be admitted (and sampled while fresh), and a worker's fragments take their
+room without waiting at the door. The room of a worker whose lease is gone goes back. A call that waits
+for room holds a server thread: at most `max_waiting_reserves` wait at once, and one more that would
+wait is refused (RESOURCE_EXHAUSTED) rather than starving the thread pool.
 
 Sample (server-streaming; `sampling.py`): chunks are claimed (atomically, in the index) at most
 `prefetch` ahead of what was sent, and their blobs fetched in parallel while earlier chunks are being
@@ -43,6 +46,7 @@ from overworld.core.grpc_util import Refused
 from overworld.core.specs import Spaces
 from overworld.replay_buffer.index import IndexStats, IndexUnavailable, MemoryIndex, ReplayIndex
 from overworld.replay_buffer.ingest import InsertReport, InsertStream, fragments_prefix
+from overworld.replay_buffer.leases import Leases
 from overworld.replay_buffer.metrics import (
     BYTES,
     CAPACITY,
@@ -75,6 +79,9 @@ def check_reserve_request(request: replay_buffer_pb2.ReserveRequest) -> str | No
     if request.fragments > MAX_RESERVE_FRAGMENTS or request.give_back > MAX_RESERVE_FRAGMENTS:
         return (f"fragments and give_back must be at most {MAX_RESERVE_FRAGMENTS}, got {request.fragments} and "
                 f"{request.give_back}")
+    if request.starting > request.fragments:
+        return (f"starting must be at most fragments (it counts those of them that would begin an episode), got "
+                f"{request.starting} > {request.fragments}")
     if not 0 <= request.wait_seconds <= MAX_RESERVE_WAIT:  # also NaN
         return f"wait_seconds must be in [0, {MAX_RESERVE_WAIT:g}], got {request.wait_seconds}"
     return None
@@ -87,7 +94,12 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
                  ingest_window: int = 4, prefetch: int = 4, io_threads: int = 16, delete_delay: float = 2.0,
                  sweep_interval: float = 60.0, orphan_grace: float = 600.0, metrics_interval: float = 2.0,
                  ref_grace: float = 60.0, store_url: str | None = None, fragments_per_report: int = 0,
-                 reservation_ttl: float = 60.0) -> None:
+                 reservation_ttl: float = 60.0, leases: Leases | None = None, max_waiting_reserves: int = 128,
+                 reservations: bool = True) -> None:
+        """`leases`: the fleet's leases (the rollout-manager's); room is reserved only for their holders.
+        None: for any worker id (a buffer without a fleet: tests, benchmarks of the buffer alone).
+        `reservations` False: Reserve answers that reserving is not needed (workers step unthrottled and
+        their fragments meet the rate limiter at the door), replay_buffer_config.reservations."""
         self.index = index
         self.report = InsertReport(fragments_per_report, index)
         self.blobs = blobs
@@ -105,6 +117,10 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
         # long, and the sweeper spares them as long, so that such a fetch finds them.
         self.ref_grace = max(0.0, ref_grace)
         self.reservation_ttl = reservation_ttl
+        self.leases = leases
+        self.reservations = reservations
+        self.max_waiting_reserves = max_waiting_reserves
+        self._waiting_reserves = threading.BoundedSemaphore(max(1, max_waiting_reserves))
         self.store_url = getattr(blobs, "url", "") if store_url is None else store_url
         self.sweep_interval = sweep_interval
         self.metrics_interval = metrics_interval
@@ -169,12 +185,14 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
         sweep); a new delete wakes it (`DeferredDeletes.later`), so does stop()."""
         never = float("inf")
         refs_poll = self.deletes.poll_interval
-        next_metrics = next_sweep = next_poll = time.monotonic()
+        leases_poll = self.leases.refresh_seconds if self.leases is not None else 0.0
+        next_metrics = next_sweep = next_poll = next_leases = time.monotonic()
         if self.sweep_interval > 0:
             next_sweep += self.sweep_interval
         while True:
             wake_at = min(next_poll if refs_poll else never, next_metrics if self.metrics_interval > 0 else never,
-                          next_sweep if self.sweep_interval > 0 else never, self.deletes.next_due())
+                          next_sweep if self.sweep_interval > 0 else never, self.deletes.next_due(),
+                          next_leases if leases_poll else never)
             self._maintenance_wake.wait(None if wake_at == never else max(0.0, wake_at - time.monotonic()))
             self._maintenance_wake.clear()
             if self.stopping.is_set():
@@ -190,6 +208,9 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
                     log.exception("checking for claims by reference failed")
             self.deletes.run_due()
             try:
+                if leases_poll and now >= next_leases:
+                    next_leases = now + leases_poll
+                    self.forget_lapsed_holders()
                 if self.metrics_interval > 0 and now >= next_metrics:
                     next_metrics = now + self.metrics_interval
                     self.refresh_metrics()
@@ -240,23 +261,51 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
         problem = check_reserve_request(request)
         if problem:
             raise Refused(grpc.StatusCode.INVALID_ARGUMENT, problem)
-        limited = self.index.limiter is not None
+        limited = self.reservations and self.index.limiter is not None
+        if not limited:
+            return replay_buffer_pb2.ReserveResponse(granted=request.fragments, limited=False)
         deadline = time.monotonic() + request.wait_seconds
+        waiting = False
         try:
             if request.give_back:
                 self.index.release(request.worker_id, request.give_back)
                 self.notify()  # room for the other workers waiting here
+            if request.fragments and self.leases is not None and not self.leases.holds(request.worker_id):
+                raise Refused(grpc.StatusCode.FAILED_PRECONDITION,
+                              f"worker {request.worker_id} holds no lease at the rollout-manager: room is reserved "
+                              "only for the fleet's workers (register, then heartbeat within the lease)")
             while True:
                 seen = self.generation
-                granted = self.index.reserve(request.worker_id, request.fragments, self.reservation_ttl)
+                granted = self.index.reserve(request.worker_id, request.fragments, self.reservation_ttl,
+                                             request.starting)
                 left = deadline - time.monotonic()
                 if granted or not request.fragments or left <= 0 or self.stopping.is_set() or not context.is_active():
                     break
+                if not waiting:
+                    waiting = self._waiting_reserves.acquire(blocking=False)
+                    if not waiting:
+                        raise Refused(grpc.StatusCode.RESOURCE_EXHAUSTED,
+                                      f"{self.max_waiting_reserves} Reserve calls already wait for room at this "
+                                      "front (--max-waiting-reserves): ask again later, or run more fronts")
                 self.wait_change(seen, left)
         except IndexUnavailable as err:
             raise Refused(grpc.StatusCode.UNAVAILABLE, f"{err}; retry") from None
-        RESERVED.inc(granted if limited else 0)
-        return replay_buffer_pb2.ReserveResponse(granted=granted, limited=limited, ttl_seconds=self.reservation_ttl)
+        finally:
+            if waiting:
+                self._waiting_reserves.release()
+        RESERVED.inc(granted)
+        return replay_buffer_pb2.ReserveResponse(granted=granted, limited=True, ttl_seconds=self.reservation_ttl)
+
+    def forget_lapsed_holders(self) -> int:
+        """Give back the room of workers whose lease is gone (leases.py); returns how much came back."""
+        if self.leases is None or not self.reservations or self.index.limiter is None:
+            return 0
+        gone = self.leases.gone(self.index.holders())
+        back = self.index.forget_holders(gone) if gone else 0
+        if back:
+            log.info("gave back %d fragments' room held by %s: no lease at the rollout-manager", back, ", ".join(gone))
+            self.notify()
+        return back
 
     # ----------------------------------------------------------------- control and statistics
 

@@ -71,6 +71,10 @@ class RolloutManagerClient(ServiceClient):
         return Retry(timeout, attempt=PERIODIC_TIMEOUT).unary(self._stub.GetFleetStatus, pb.GetFleetStatusRequest(),
                                                              "GetFleetStatus")
 
+    def leases(self, *, timeout: float = PERIODIC_TIMEOUT) -> pb.Leases:
+        """The workers holding a live lease, and how long a lease lasts. One attempt: its caller polls."""
+        return self._stub.ListLeases(pb.ListLeasesRequest(), timeout=timeout)
+
     def fleet_status_future(self, *, timeout: float) -> grpc.Future:
         """The fleet's status, asked now and answered while the caller works (waits up to `timeout` for
         a manager that is restarting: wait_for_ready, one attempt)."""

@@ -64,6 +64,8 @@ class WorkerRecord:
     send_queue_depth: int = 0
     fragments_completed: int = 0
     envs_ready: int = 0
+    room_wait_seconds: float = 0.0
+    env_slot_seconds: float = 0.0
 
 
 @dataclass
@@ -90,6 +92,8 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         self._workers: dict[str, WorkerRecord] = {}
         self._departed_steps = 0
         self._departed_fragments = 0
+        self._departed_room_wait = 0.0
+        self._departed_slot_seconds = 0.0
         self._fragments_lost = 0
         self._spaces: Spaces | None = None
         self._spaces_proto: common_pb2.Spaces | None = None
@@ -138,6 +142,8 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             self._spaces_proto = common_pb2.Spaces.FromString(base64.b64decode(run["spaces"]))
             self._spaces = Spaces.from_proto(self._spaces_proto)
         self._departed_steps, self._departed_fragments = run["departed_steps"], run["departed_fragments"]
+        self._departed_room_wait = run.get("departed_room_wait", 0.0)  # absent in states saved before them
+        self._departed_slot_seconds = run.get("departed_slot_seconds", 0.0)
         self._fragments_lost, self._registrations = run["fragments_lost"], run["registrations"]
         self._reports = {k: int(v) for k, v in run["reports"].items()}
         now = time.monotonic()
@@ -180,6 +186,7 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                 "registrations": self._registrations,
                 "spaces": base64.b64encode(self._spaces_proto.SerializeToString()).decode() if self._spaces_proto else "",
                 "departed_steps": self._departed_steps, "departed_fragments": self._departed_fragments,
+                "departed_room_wait": self._departed_room_wait, "departed_slot_seconds": self._departed_slot_seconds,
                 "fragments_lost": self._fragments_lost, "reports": self._reports}
         if episodes:
             parts["episodes"] = {
@@ -216,6 +223,8 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         if w:
             self._departed_steps += w.env_steps
             self._departed_fragments += w.fragments_sent
+            self._departed_room_wait += w.room_wait_seconds
+            self._departed_slot_seconds += w.env_slot_seconds
 
     def GetRunConfig(self, request, context):
         return rollout_manager_pb2.RunConfig(run_id=self.run_id, config_yaml=self._yaml, config_hash=self._hash)
@@ -264,6 +273,8 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             w.send_queue_depth = request.send_queue_depth
             w.fragments_completed = max(w.fragments_completed, request.fragments_completed)
             w.envs_ready = request.envs_ready
+            w.room_wait_seconds = max(w.room_wait_seconds, request.room_wait_seconds)
+            w.env_slot_seconds = max(w.env_slot_seconds, request.env_slot_seconds)
             version = max(x.model_version for x in self._workers.values())
             self._save(workers=(w,))
         self.videos.on_model_version(version)
@@ -340,7 +351,8 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                     seconds_since_heartbeat=now - w.last_heartbeat, env_steps_per_second=w.env_steps_per_second,
                     env_restarts=w.env_restarts, fragments_dropped=w.fragments_dropped,
                     send_queue_depth=w.send_queue_depth, fragments_completed=w.fragments_completed,
-                    envs_ready=w.envs_ready)
+                    envs_ready=w.envs_ready, room_wait_seconds=w.room_wait_seconds,
+                    env_slot_seconds=w.env_slot_seconds)
                 for w in self._workers.values()
             ]
             tasks = []
@@ -360,7 +372,14 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                 fragments_sent=self._departed_fragments + sum(w.fragments_sent for w in self._workers.values()),
                 fragments_lost=self._fragments_lost, episodes=self._episodes,
                 mean_return_last_100=float(np.mean(self._all_returns)) if self._all_returns else 0.0,
-                tasks=tasks, videos=len(self.videos.list()), pending_video_requests=self.videos.pending())
+                tasks=tasks, videos=len(self.videos.list()), pending_video_requests=self.videos.pending(),
+                room_wait_seconds=self._departed_room_wait + sum(w.room_wait_seconds for w in self._workers.values()),
+                env_slot_seconds=self._departed_slot_seconds + sum(w.env_slot_seconds for w in self._workers.values()))
+
+    def ListLeases(self, request, context):
+        with self._lock:
+            self._expire()
+            return rollout_manager_pb2.Leases(worker_ids=list(self._workers), lease_seconds=self.lease_seconds)
 
     def RequestVideo(self, request, context):
         return rollout_manager_pb2.RequestVideoResponse(request_id=self.videos.request(request.iteration))

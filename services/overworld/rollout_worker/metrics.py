@@ -21,6 +21,10 @@ ENV_RESTARTS = Counter("overworld_env_restarts_total", "Environment restarts", [
 SLOTS_WAITING_FOR_ROOM = Gauge("overworld_env_slots_waiting_for_room",
                                "Env slots at a fragment boundary waiting for room in the replay buffer "
                                "(the learner is behind: the fleet steps only what it will sample)")
+ROOM_WAIT = Counter("overworld_env_room_wait_seconds_total",
+                    "Env-slot seconds spent waiting for room in the replay buffer (each waiting slot counts): "
+                    "over num_envs x wall seconds, the share of the fleet idle because the learner is behind",
+                    ["worker"])
 QUEUE_DEPTH = Gauge("overworld_send_queue_depth", "Fragments waiting to be sent or acknowledged")
 MODEL_VERSION = Gauge("overworld_worker_model_version", "Model version in use", ["worker"])
 VIDEOS = Counter("overworld_videos_recorded_total", "Episode videos uploaded to the rollout-manager")

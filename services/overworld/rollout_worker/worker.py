@@ -13,6 +13,7 @@ import os
 import socket
 import threading
 import time
+from typing import Any
 
 import grpc
 import numpy as np
@@ -39,6 +40,7 @@ from overworld.rollout_worker.metrics import (
     MODEL_VERSION,
     POLICY_LAG,
     QUEUE_DEPTH,
+    ROOM_WAIT,
     SLOTS_WAITING_FOR_ROOM,
     STEP_LATENCY,
 )
@@ -116,7 +118,8 @@ class RolloutWorker:
         self.steps_per_second = 0.0
         # What the manager has counted under earlier worker ids (a re-registration after a lost lease):
         # the heartbeats of the new id report only what came after, so nothing is counted twice.
-        self._counted = {"env_steps": 0, "fragments_sent": 0, "fragments_completed": 0}
+        self._counted: dict[str, Any] = {"env_steps": 0, "fragments_sent": 0, "fragments_completed": 0,
+                                           "room_wait_seconds": 0.0, "env_slot_seconds": 0.0}
         self._acked = dict(self._counted)  # the counters of the last heartbeat the manager answered
         self._report_sequence = 0
         self._unacked_report: mpb.ReportEpisodesRequest | None = None
@@ -125,6 +128,10 @@ class RolloutWorker:
         self.sender = self.buffer.writer(rc.to_send_queue_size, os.environ.get("OVERWORLD_ACK_LOG"))
         self.has_room = np.zeros(self.N, np.bool_)  # the slot's current fragment took reserved room
         self.waiting_for_room = np.zeros(self.N, np.bool_)
+        # Env-slot seconds waiting for room, and env-slot seconds in all since stepping began (idle share).
+        self.room_wait_seconds = 0.0
+        self.env_slot_seconds = 0.0
+        self._slots_counted_at: float | None = None
         self.watcher = WeightsWatcher(model_registry, self.worker_id, self.policy.state_dict(), relay_port=relay_port,
                                       shelf=shelf)
         seed = self.config.seed * 1_000_003 + self.index * 10_007
@@ -154,7 +161,8 @@ class RolloutWorker:
         try:
             self._report_episodes()
             counters = {"env_steps": self.env_steps, "fragments_sent": self.sender.sent,
-                        "fragments_completed": self.fragments_completed}
+                        "fragments_completed": self.fragments_completed, "room_wait_seconds": self.room_wait_seconds,
+                        "env_slot_seconds": self.env_slot_seconds}
             reply = self.manager.heartbeat(mpb.HeartbeatRequest(
                 worker_id=self.worker_id, **{k: v - self._counted[k] for k, v in counters.items()},
                 model_version=self.model_version, env_steps_per_second=self.steps_per_second,
@@ -317,7 +325,9 @@ class RolloutWorker:
         groups = range(len(self.pool.groups))
         sent_at = [0.0] * len(self.pool.groups)  # > 0: the group has a step in flight
         rate_started, rate_steps = time.monotonic(), self.env_steps
+        self._slots_counted_at = rate_started
         while not self.stop_event.is_set():
+            self._count_slot_seconds()
             self._swap_weights(self.watcher.take())
             for g in groups:  # groups with nothing in flight: failures and joins, and envs that became ready
                 if not sent_at[g]:
@@ -342,6 +352,17 @@ class RolloutWorker:
                 self.steps_per_second = (self.env_steps - rate_steps) / (now - rate_started)
                 rate_started, rate_steps = now, self.env_steps
 
+    def _count_slot_seconds(self) -> None:
+        """Env-slot seconds since the last count: all of them, and those of slots waiting for room."""
+        now = time.monotonic()
+        if self._slots_counted_at is None:
+            return
+        elapsed, self._slots_counted_at = now - self._slots_counted_at, now
+        waited = elapsed * int(self.waiting_for_room.sum())
+        self.room_wait_seconds += waited
+        self.env_slot_seconds += elapsed * self.N
+        ROOM_WAIT.labels(self.worker_id).inc(waited)
+
     def _act_on(self, g: int) -> float:
         """Act on the ready slots of group g that may step; when the step was sent (0.0: nothing to step)."""
         ready = self._with_room(self.pool.ready(g))
@@ -351,17 +372,19 @@ class RolloutWorker:
         return time.monotonic()
 
     def _with_room(self, ready: np.ndarray) -> np.ndarray:
-        """Of the ready slots, those mid-fragment and those starting a fragment that got room (the slots
-        that have sent the fewest fragments first); the others wait for room."""
+        """Of the ready slots, those mid-fragment and those starting a fragment that got room; the others
+        wait for room. Room goes to the slots furthest into their episodes first, and a slot that would
+        begin a new episode asks for room that no worker's episode under way waits for: the fleet
+        finishes the episodes it began before it begins more (docs/replay_buffer.md)."""
         starting = ready[(self.cutter.t[ready] == 0) & ~self.has_room[ready]]
         if starting.size:
-            starting = starting[np.argsort(self.cutter.sequence[starting], kind="stable")]
+            starting = starting[np.lexsort((self.cutter.sequence[starting], -self.episodes.length[starting]))]
             granted = self.room.take(int(starting.size))
             self.has_room[starting[:granted]] = True
             self.waiting_for_room[starting[:granted]] = False
             self.waiting_for_room[starting[granted:]] = True
             waiting = int(self.waiting_for_room.sum())
-            self.room.want(waiting)
+            self.room.want(waiting, int((self.waiting_for_room & (self.episodes.length == 0)).sum()))
             SLOTS_WAITING_FOR_ROOM.set(waiting)
             if granted < starting.size:
                 return ready[~np.isin(ready, starting[granted:])]
@@ -370,6 +393,8 @@ class RolloutWorker:
     def shutdown(self, timeout: float = 30.0) -> None:
         """Flush every complete fragment, deregister, release the environments."""
         self.stop_event.set()
+        self._count_slot_seconds()
+        self._slots_counted_at = None
         self.room.close(in_flight=int(self.has_room.sum()))  # partial fragments are not sent
         for msg in self._leftover:
             self.sender.put(msg, self.stop_event, force=True)

@@ -34,6 +34,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
              "fragment store: a directory or s3://BUCKET/PREFIX; default: the run config's, else "
              "database_config.path under --workdir")
     env_flag(p, "--workdir", ".", "where a local fragment store goes")
+    env_flag(p, "--max-waiting-reserves", 128,
+             "Reserve calls that may wait for room at once (each holds a server thread); one more that would "
+             "wait is refused with RESOURCE_EXHAUSTED and asks again")
 
 
 def build(args: argparse.Namespace, done: threading.Event) -> Any:
@@ -41,6 +44,7 @@ def build(args: argparse.Namespace, done: threading.Event) -> Any:
     from overworld.core.config import config_hash
     from overworld.core.grpc_util import FRONT_MAX_CONNECTION_AGE_S, serve
     from overworld.replay_buffer.index import MemoryIndex
+    from overworld.replay_buffer.leases import Leases
     from overworld.replay_buffer.rate_limiter import RateLimiter
     from overworld.replay_buffer.server import ReplayBufferService, add_to_server
     from overworld.rollout_manager.client import RolloutManagerClient
@@ -55,7 +59,7 @@ def build(args: argparse.Namespace, done: threading.Event) -> Any:
                                  rb.max_reuse)
     if index_url == "memory":
         index: Any = MemoryIndex(rb.max_chunks, rb.max_reuse, rb.max_staleness, rb.fragments_per_chunk, limiter,
-                                 seed=config.seed)
+                                 seed=config.seed, sample_order=rb.sample_order)
     else:
         from overworld.replay_buffer.redis_index import RedisIndex
 
@@ -73,12 +77,15 @@ def build(args: argparse.Namespace, done: threading.Event) -> Any:
 
     service = ReplayBufferService(index, open_blob_store(blobs_url), config.run_id, config.rollout_config.fragment_length,
                                   rb.fragments_per_chunk, rb.max_chunks, spaces, rb.max_fragment_bytes,
-                                  fragments_per_report=rb.fragments_per_report)
+                                  fragments_per_report=rb.fragments_per_report,
+                                  leases=Leases(lambda: manager.leases().worker_ids),
+                                  max_waiting_reserves=args.max_waiting_reserves, reservations=rb.reservations)
     if not rb.keep_on_resume:
         # Replicas started together clear once; a plain restart of one front clears nothing.
         service.discard_buffered(token=f"{config_hash(config)}:{config.train_config.resume or ''}")
     # add_to_server: the same wire protocol, fragments stored as received and sent as stored.
     # A thread per call in progress: each worker holds an Insert stream and, while its slots wait for room,
-    # a Reserve call; so does every reader. 256 threads serve a fleet of ~100 workers per front.
+    # a Reserve call (at most --max-waiting-reserves of those wait at once); each reader a Sample call.
+    # 256 threads serve a fleet of ~100 workers per front.
     return Served(serve([(add_to_server, service, "overworld.v1.ReplayBuffer")], args.host, args.port,
                         max_workers=256, max_connection_age=FRONT_MAX_CONNECTION_AGE_S), service.stop, index.close)

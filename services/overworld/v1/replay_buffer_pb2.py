@@ -25,7 +25,7 @@ _sym_db = _symbol_database.Default()
 from overworld.v1 import common_pb2 as overworld_dot_v1_dot_common__pb2
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n overworld/v1/replay_buffer.proto\x12\x0coverworld.v1\x1a\x19overworld/v1/common.proto\"9\n\rInsertRequest\x12(\n\x08\x66ragment\x18\x01 \x01(\x0b\x32\x16.overworld.v1.Fragment\"W\n\x0eInsertResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08\x65nv_slot\x18\x02 \x01(\r\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12\x0e\n\x06stored\x18\x04 \x01(\x08\"y\n\rSampleRequest\x12\x12\n\nnum_chunks\x18\x01 \x01(\r\x12\x17\n\x0ftimeout_seconds\x18\x02 \x01(\x01\x12\x11\n\treader_id\x18\x03 \x01(\t\x12\x15\n\rallow_partial\x18\x04 \x01(\x08\x12\x11\n\tblob_refs\x18\x05 \x01(\x08\"u\n\x0cSampledChunk\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\x04\x12)\n\tfragments\x18\x02 \x03(\x0b\x32\x16.overworld.v1.Fragment\x12\x15\n\rtimes_sampled\x18\x03 \x01(\r\x12\x11\n\tblob_keys\x18\x04 \x03(\t\"/\n\x16SetModelVersionRequest\x12\x15\n\rmodel_version\x18\x01 \x01(\x04\"1\n\x17SetModelVersionResponse\x12\x16\n\x0e\x64ropped_chunks\x18\x01 \x01(\x04\"_\n\x0eReserveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\tfragments\x18\x02 \x01(\r\x12\x14\n\x0cwait_seconds\x18\x03 \x01(\x01\x12\x11\n\tgive_back\x18\x04 \x01(\r\"H\n\x0fReserveResponse\x12\x0f\n\x07granted\x18\x01 \x01(\r\x12\x0f\n\x07limited\x18\x02 \x01(\x08\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x01\"\x11\n\x0fGetStatsRequest\"\xa4\x04\n\x0b\x42ufferStats\x12\x11\n\tfragments\x18\x01 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x1a\n\x12inserted_fragments\x18\x04 \x01(\x04\x12\x16\n\x0esampled_chunks\x18\x05 \x01(\x04\x12\x44\n\x0e\x64ropped_chunks\x18\x06 \x03(\x0b\x32,.overworld.v1.BufferStats.DroppedChunksEntry\x12L\n\x12rejected_fragments\x18\x07 \x03(\x0b\x32\x30.overworld.v1.BufferStats.RejectedFragmentsEntry\x12\x15\n\rmodel_version\x18\x08 \x01(\x04\x12\x12\n\nmean_reuse\x18\t \x01(\x01\x12\x16\n\x0emean_staleness\x18\n \x01(\x01\x12\x15\n\rmax_staleness\x18\x0b \x01(\x04\x12\x17\n\x0f\x63\x61pacity_chunks\x18\x0c \x01(\x04\x12\x1a\n\x12reserved_fragments\x18\r \x01(\x04\x12\x1c\n\x14\x65xpired_reservations\x18\x0e \x01(\x04\x1a\x34\n\x12\x44roppedChunksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x38\n\x16RejectedFragmentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x15\n\x13GetStoreInfoRequest\">\n\tStoreInfo\x12\x16\n\x0e\x62lob_store_url\x18\x01 \x01(\t\x12\x19\n\x11ref_grace_seconds\x18\x02 \x01(\x01\x32\xd6\x03\n\x0cReplayBuffer\x12G\n\x06Insert\x12\x1b.overworld.v1.InsertRequest\x1a\x1c.overworld.v1.InsertResponse(\x01\x30\x01\x12\x43\n\x06Sample\x12\x1b.overworld.v1.SampleRequest\x1a\x1a.overworld.v1.SampledChunk0\x01\x12^\n\x0fSetModelVersion\x12$.overworld.v1.SetModelVersionRequest\x1a%.overworld.v1.SetModelVersionResponse\x12\x44\n\x08GetStats\x12\x1d.overworld.v1.GetStatsRequest\x1a\x19.overworld.v1.BufferStats\x12J\n\x0cGetStoreInfo\x12!.overworld.v1.GetStoreInfoRequest\x1a\x17.overworld.v1.StoreInfo\x12\x46\n\x07Reserve\x12\x1c.overworld.v1.ReserveRequest\x1a\x1d.overworld.v1.ReserveResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n overworld/v1/replay_buffer.proto\x12\x0coverworld.v1\x1a\x19overworld/v1/common.proto\"9\n\rInsertRequest\x12(\n\x08\x66ragment\x18\x01 \x01(\x0b\x32\x16.overworld.v1.Fragment\"W\n\x0eInsertResponse\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x10\n\x08\x65nv_slot\x18\x02 \x01(\r\x12\x10\n\x08sequence\x18\x03 \x01(\x04\x12\x0e\n\x06stored\x18\x04 \x01(\x08\"y\n\rSampleRequest\x12\x12\n\nnum_chunks\x18\x01 \x01(\r\x12\x17\n\x0ftimeout_seconds\x18\x02 \x01(\x01\x12\x11\n\treader_id\x18\x03 \x01(\t\x12\x15\n\rallow_partial\x18\x04 \x01(\x08\x12\x11\n\tblob_refs\x18\x05 \x01(\x08\"u\n\x0cSampledChunk\x12\x10\n\x08\x63hunk_id\x18\x01 \x01(\x04\x12)\n\tfragments\x18\x02 \x03(\x0b\x32\x16.overworld.v1.Fragment\x12\x15\n\rtimes_sampled\x18\x03 \x01(\r\x12\x11\n\tblob_keys\x18\x04 \x03(\t\"/\n\x16SetModelVersionRequest\x12\x15\n\rmodel_version\x18\x01 \x01(\x04\"1\n\x17SetModelVersionResponse\x12\x16\n\x0e\x64ropped_chunks\x18\x01 \x01(\x04\"q\n\x0eReserveRequest\x12\x11\n\tworker_id\x18\x01 \x01(\t\x12\x11\n\tfragments\x18\x02 \x01(\r\x12\x14\n\x0cwait_seconds\x18\x03 \x01(\x01\x12\x11\n\tgive_back\x18\x04 \x01(\r\x12\x10\n\x08starting\x18\x05 \x01(\r\"H\n\x0fReserveResponse\x12\x0f\n\x07granted\x18\x01 \x01(\r\x12\x0f\n\x07limited\x18\x02 \x01(\x08\x12\x13\n\x0bttl_seconds\x18\x03 \x01(\x01\"\x11\n\x0fGetStatsRequest\"\xa4\x04\n\x0b\x42ufferStats\x12\x11\n\tfragments\x18\x01 \x01(\x04\x12\x0e\n\x06\x63hunks\x18\x02 \x01(\x04\x12\r\n\x05\x62ytes\x18\x03 \x01(\x04\x12\x1a\n\x12inserted_fragments\x18\x04 \x01(\x04\x12\x16\n\x0esampled_chunks\x18\x05 \x01(\x04\x12\x44\n\x0e\x64ropped_chunks\x18\x06 \x03(\x0b\x32,.overworld.v1.BufferStats.DroppedChunksEntry\x12L\n\x12rejected_fragments\x18\x07 \x03(\x0b\x32\x30.overworld.v1.BufferStats.RejectedFragmentsEntry\x12\x15\n\rmodel_version\x18\x08 \x01(\x04\x12\x12\n\nmean_reuse\x18\t \x01(\x01\x12\x16\n\x0emean_staleness\x18\n \x01(\x01\x12\x15\n\rmax_staleness\x18\x0b \x01(\x04\x12\x17\n\x0f\x63\x61pacity_chunks\x18\x0c \x01(\x04\x12\x1a\n\x12reserved_fragments\x18\r \x01(\x04\x12\x1c\n\x14\x65xpired_reservations\x18\x0e \x01(\x04\x1a\x34\n\x12\x44roppedChunksEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\x1a\x38\n\x16RejectedFragmentsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x04:\x02\x38\x01\"\x15\n\x13GetStoreInfoRequest\">\n\tStoreInfo\x12\x16\n\x0e\x62lob_store_url\x18\x01 \x01(\t\x12\x19\n\x11ref_grace_seconds\x18\x02 \x01(\x01\x32\xd6\x03\n\x0cReplayBuffer\x12G\n\x06Insert\x12\x1b.overworld.v1.InsertRequest\x1a\x1c.overworld.v1.InsertResponse(\x01\x30\x01\x12\x43\n\x06Sample\x12\x1b.overworld.v1.SampleRequest\x1a\x1a.overworld.v1.SampledChunk0\x01\x12^\n\x0fSetModelVersion\x12$.overworld.v1.SetModelVersionRequest\x1a%.overworld.v1.SetModelVersionResponse\x12\x44\n\x08GetStats\x12\x1d.overworld.v1.GetStatsRequest\x1a\x19.overworld.v1.BufferStats\x12J\n\x0cGetStoreInfo\x12!.overworld.v1.GetStoreInfoRequest\x1a\x17.overworld.v1.StoreInfo\x12\x46\n\x07Reserve\x12\x1c.overworld.v1.ReserveRequest\x1a\x1d.overworld.v1.ReserveResponseb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -49,21 +49,21 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_SETMODELVERSIONRESPONSE']._serialized_start=516
   _globals['_SETMODELVERSIONRESPONSE']._serialized_end=565
   _globals['_RESERVEREQUEST']._serialized_start=567
-  _globals['_RESERVEREQUEST']._serialized_end=662
-  _globals['_RESERVERESPONSE']._serialized_start=664
-  _globals['_RESERVERESPONSE']._serialized_end=736
-  _globals['_GETSTATSREQUEST']._serialized_start=738
-  _globals['_GETSTATSREQUEST']._serialized_end=755
-  _globals['_BUFFERSTATS']._serialized_start=758
-  _globals['_BUFFERSTATS']._serialized_end=1306
-  _globals['_BUFFERSTATS_DROPPEDCHUNKSENTRY']._serialized_start=1196
-  _globals['_BUFFERSTATS_DROPPEDCHUNKSENTRY']._serialized_end=1248
-  _globals['_BUFFERSTATS_REJECTEDFRAGMENTSENTRY']._serialized_start=1250
-  _globals['_BUFFERSTATS_REJECTEDFRAGMENTSENTRY']._serialized_end=1306
-  _globals['_GETSTOREINFOREQUEST']._serialized_start=1308
-  _globals['_GETSTOREINFOREQUEST']._serialized_end=1329
-  _globals['_STOREINFO']._serialized_start=1331
-  _globals['_STOREINFO']._serialized_end=1393
-  _globals['_REPLAYBUFFER']._serialized_start=1396
-  _globals['_REPLAYBUFFER']._serialized_end=1866
+  _globals['_RESERVEREQUEST']._serialized_end=680
+  _globals['_RESERVERESPONSE']._serialized_start=682
+  _globals['_RESERVERESPONSE']._serialized_end=754
+  _globals['_GETSTATSREQUEST']._serialized_start=756
+  _globals['_GETSTATSREQUEST']._serialized_end=773
+  _globals['_BUFFERSTATS']._serialized_start=776
+  _globals['_BUFFERSTATS']._serialized_end=1324
+  _globals['_BUFFERSTATS_DROPPEDCHUNKSENTRY']._serialized_start=1214
+  _globals['_BUFFERSTATS_DROPPEDCHUNKSENTRY']._serialized_end=1266
+  _globals['_BUFFERSTATS_REJECTEDFRAGMENTSENTRY']._serialized_start=1268
+  _globals['_BUFFERSTATS_REJECTEDFRAGMENTSENTRY']._serialized_end=1324
+  _globals['_GETSTOREINFOREQUEST']._serialized_start=1326
+  _globals['_GETSTOREINFOREQUEST']._serialized_end=1347
+  _globals['_STOREINFO']._serialized_start=1349
+  _globals['_STOREINFO']._serialized_end=1411
+  _globals['_REPLAYBUFFER']._serialized_start=1414
+  _globals['_REPLAYBUFFER']._serialized_end=1884
 # @@protoc_insertion_point(module_scope)

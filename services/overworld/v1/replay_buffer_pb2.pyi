@@ -64,16 +64,18 @@ class SetModelVersionResponse(_message.Message):
     def __init__(self, dropped_chunks: _Optional[int] = ...) -> None: ...
 
 class ReserveRequest(_message.Message):
-    __slots__ = ("worker_id", "fragments", "wait_seconds", "give_back")
+    __slots__ = ("worker_id", "fragments", "wait_seconds", "give_back", "starting")
     WORKER_ID_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_FIELD_NUMBER: _ClassVar[int]
     WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     GIVE_BACK_FIELD_NUMBER: _ClassVar[int]
+    STARTING_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     fragments: int
     wait_seconds: float
     give_back: int
-    def __init__(self, worker_id: _Optional[str] = ..., fragments: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., give_back: _Optional[int] = ...) -> None: ...
+    starting: int
+    def __init__(self, worker_id: _Optional[str] = ..., fragments: _Optional[int] = ..., wait_seconds: _Optional[float] = ..., give_back: _Optional[int] = ..., starting: _Optional[int] = ...) -> None: ...
 
 class ReserveResponse(_message.Message):
     __slots__ = ("granted", "limited", "ttl_seconds")

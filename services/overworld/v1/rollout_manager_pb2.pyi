@@ -46,7 +46,7 @@ class RegisterResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., run_id: _Optional[str] = ..., worker_index: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "env_steps", "fragments_sent", "model_version", "env_steps_per_second", "env_restarts", "fragments_dropped", "send_queue_depth", "fragments_completed", "envs_ready")
+    __slots__ = ("worker_id", "env_steps", "fragments_sent", "model_version", "env_steps_per_second", "env_restarts", "fragments_dropped", "send_queue_depth", "fragments_completed", "envs_ready", "room_wait_seconds", "env_slot_seconds")
     class EnvRestartsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -64,6 +64,8 @@ class HeartbeatRequest(_message.Message):
     SEND_QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_COMPLETED_FIELD_NUMBER: _ClassVar[int]
     ENVS_READY_FIELD_NUMBER: _ClassVar[int]
+    ROOM_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ENV_SLOT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     env_steps: int
     fragments_sent: int
@@ -74,7 +76,9 @@ class HeartbeatRequest(_message.Message):
     send_queue_depth: int
     fragments_completed: int
     envs_ready: int
-    def __init__(self, worker_id: _Optional[str] = ..., env_steps: _Optional[int] = ..., fragments_sent: _Optional[int] = ..., model_version: _Optional[int] = ..., env_steps_per_second: _Optional[float] = ..., env_restarts: _Optional[_Mapping[str, int]] = ..., fragments_dropped: _Optional[int] = ..., send_queue_depth: _Optional[int] = ..., fragments_completed: _Optional[int] = ..., envs_ready: _Optional[int] = ...) -> None: ...
+    room_wait_seconds: float
+    env_slot_seconds: float
+    def __init__(self, worker_id: _Optional[str] = ..., env_steps: _Optional[int] = ..., fragments_sent: _Optional[int] = ..., model_version: _Optional[int] = ..., env_steps_per_second: _Optional[float] = ..., env_restarts: _Optional[_Mapping[str, int]] = ..., fragments_dropped: _Optional[int] = ..., send_queue_depth: _Optional[int] = ..., fragments_completed: _Optional[int] = ..., envs_ready: _Optional[int] = ..., room_wait_seconds: _Optional[float] = ..., env_slot_seconds: _Optional[float] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("lease_valid", "record_video", "video_request_id")
@@ -142,7 +146,7 @@ class GetFleetStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class WorkerInfo(_message.Message):
-    __slots__ = ("worker_id", "hostname", "address", "num_envs", "env_steps", "fragments_sent", "model_version", "seconds_since_heartbeat", "env_steps_per_second", "env_restarts", "fragments_dropped", "send_queue_depth", "fragments_completed", "envs_ready")
+    __slots__ = ("worker_id", "hostname", "address", "num_envs", "env_steps", "fragments_sent", "model_version", "seconds_since_heartbeat", "env_steps_per_second", "env_restarts", "fragments_dropped", "send_queue_depth", "fragments_completed", "envs_ready", "room_wait_seconds", "env_slot_seconds")
     class EnvRestartsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -164,6 +168,8 @@ class WorkerInfo(_message.Message):
     SEND_QUEUE_DEPTH_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_COMPLETED_FIELD_NUMBER: _ClassVar[int]
     ENVS_READY_FIELD_NUMBER: _ClassVar[int]
+    ROOM_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ENV_SLOT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     hostname: str
     address: str
@@ -178,7 +184,21 @@ class WorkerInfo(_message.Message):
     send_queue_depth: int
     fragments_completed: int
     envs_ready: int
-    def __init__(self, worker_id: _Optional[str] = ..., hostname: _Optional[str] = ..., address: _Optional[str] = ..., num_envs: _Optional[int] = ..., env_steps: _Optional[int] = ..., fragments_sent: _Optional[int] = ..., model_version: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ..., env_steps_per_second: _Optional[float] = ..., env_restarts: _Optional[_Mapping[str, int]] = ..., fragments_dropped: _Optional[int] = ..., send_queue_depth: _Optional[int] = ..., fragments_completed: _Optional[int] = ..., envs_ready: _Optional[int] = ...) -> None: ...
+    room_wait_seconds: float
+    env_slot_seconds: float
+    def __init__(self, worker_id: _Optional[str] = ..., hostname: _Optional[str] = ..., address: _Optional[str] = ..., num_envs: _Optional[int] = ..., env_steps: _Optional[int] = ..., fragments_sent: _Optional[int] = ..., model_version: _Optional[int] = ..., seconds_since_heartbeat: _Optional[float] = ..., env_steps_per_second: _Optional[float] = ..., env_restarts: _Optional[_Mapping[str, int]] = ..., fragments_dropped: _Optional[int] = ..., send_queue_depth: _Optional[int] = ..., fragments_completed: _Optional[int] = ..., envs_ready: _Optional[int] = ..., room_wait_seconds: _Optional[float] = ..., env_slot_seconds: _Optional[float] = ...) -> None: ...
+
+class ListLeasesRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class Leases(_message.Message):
+    __slots__ = ("worker_ids", "lease_seconds")
+    WORKER_IDS_FIELD_NUMBER: _ClassVar[int]
+    LEASE_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    worker_ids: _containers.RepeatedScalarFieldContainer[str]
+    lease_seconds: float
+    def __init__(self, worker_ids: _Optional[_Iterable[str]] = ..., lease_seconds: _Optional[float] = ...) -> None: ...
 
 class TaskStats(_message.Message):
     __slots__ = ("task", "episodes", "mean_return_last_100", "mean_length_last_100", "mean_discounted_return_last_100", "mean_extras_last_100", "total_return", "total_discounted_return", "total_length", "total_extras")
@@ -219,7 +239,7 @@ class TaskStats(_message.Message):
     def __init__(self, task: _Optional[str] = ..., episodes: _Optional[int] = ..., mean_return_last_100: _Optional[float] = ..., mean_length_last_100: _Optional[float] = ..., mean_discounted_return_last_100: _Optional[float] = ..., mean_extras_last_100: _Optional[_Mapping[str, float]] = ..., total_return: _Optional[float] = ..., total_discounted_return: _Optional[float] = ..., total_length: _Optional[int] = ..., total_extras: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class FleetStatus(_message.Message):
-    __slots__ = ("run_id", "workers", "env_steps", "episodes", "mean_return_last_100", "tasks", "videos", "pending_video_requests", "fragments_sent", "fragments_lost", "fleet_id")
+    __slots__ = ("run_id", "workers", "env_steps", "episodes", "mean_return_last_100", "tasks", "videos", "pending_video_requests", "fragments_sent", "fragments_lost", "fleet_id", "room_wait_seconds", "env_slot_seconds")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     ENV_STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -231,6 +251,8 @@ class FleetStatus(_message.Message):
     FRAGMENTS_SENT_FIELD_NUMBER: _ClassVar[int]
     FRAGMENTS_LOST_FIELD_NUMBER: _ClassVar[int]
     FLEET_ID_FIELD_NUMBER: _ClassVar[int]
+    ROOM_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    ENV_SLOT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
     env_steps: int
@@ -242,7 +264,9 @@ class FleetStatus(_message.Message):
     fragments_sent: int
     fragments_lost: int
     fleet_id: str
-    def __init__(self, run_id: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., env_steps: _Optional[int] = ..., episodes: _Optional[int] = ..., mean_return_last_100: _Optional[float] = ..., tasks: _Optional[_Iterable[_Union[TaskStats, _Mapping]]] = ..., videos: _Optional[int] = ..., pending_video_requests: _Optional[int] = ..., fragments_sent: _Optional[int] = ..., fragments_lost: _Optional[int] = ..., fleet_id: _Optional[str] = ...) -> None: ...
+    room_wait_seconds: float
+    env_slot_seconds: float
+    def __init__(self, run_id: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., env_steps: _Optional[int] = ..., episodes: _Optional[int] = ..., mean_return_last_100: _Optional[float] = ..., tasks: _Optional[_Iterable[_Union[TaskStats, _Mapping]]] = ..., videos: _Optional[int] = ..., pending_video_requests: _Optional[int] = ..., fragments_sent: _Optional[int] = ..., fragments_lost: _Optional[int] = ..., fleet_id: _Optional[str] = ..., room_wait_seconds: _Optional[float] = ..., env_slot_seconds: _Optional[float] = ...) -> None: ...
 
 class RequestVideoRequest(_message.Message):
     __slots__ = ("iteration",)

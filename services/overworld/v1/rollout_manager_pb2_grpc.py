@@ -70,6 +70,11 @@ class RolloutManagerStub:
                 request_serializer=overworld_dot_v1_dot_rollout__manager__pb2.GetFleetStatusRequest.SerializeToString,
                 response_deserializer=overworld_dot_v1_dot_rollout__manager__pb2.FleetStatus.FromString,
                 _registered_method=True)
+        self.ListLeases = channel.unary_unary(
+                '/overworld.v1.RolloutManager/ListLeases',
+                request_serializer=overworld_dot_v1_dot_rollout__manager__pb2.ListLeasesRequest.SerializeToString,
+                response_deserializer=overworld_dot_v1_dot_rollout__manager__pb2.Leases.FromString,
+                _registered_method=True)
         self.RequestVideo = channel.unary_unary(
                 '/overworld.v1.RolloutManager/RequestVideo',
                 request_serializer=overworld_dot_v1_dot_rollout__manager__pb2.RequestVideoRequest.SerializeToString,
@@ -135,6 +140,14 @@ class RolloutManagerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def ListLeases(self, request, context):
+        """The workers holding a live lease: the replay buffer reserves room only for them, and gives back
+        the room of a worker whose lease is gone.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
     def RequestVideo(self, request, context):
         """Episode videos. RequestVideo queues a request (the trainer may call it every
         record_video_interval iterations; without such calls the manager requests one whenever the
@@ -195,6 +208,11 @@ def add_RolloutManagerServicer_to_server(servicer, server):
                     servicer.GetFleetStatus,
                     request_deserializer=overworld_dot_v1_dot_rollout__manager__pb2.GetFleetStatusRequest.FromString,
                     response_serializer=overworld_dot_v1_dot_rollout__manager__pb2.FleetStatus.SerializeToString,
+            ),
+            'ListLeases': grpc.unary_unary_rpc_method_handler(
+                    servicer.ListLeases,
+                    request_deserializer=overworld_dot_v1_dot_rollout__manager__pb2.ListLeasesRequest.FromString,
+                    response_serializer=overworld_dot_v1_dot_rollout__manager__pb2.Leases.SerializeToString,
             ),
             'RequestVideo': grpc.unary_unary_rpc_method_handler(
                     servicer.RequestVideo,
@@ -401,6 +419,33 @@ class RolloutManager:
             '/overworld.v1.RolloutManager/GetFleetStatus',
             overworld_dot_v1_dot_rollout__manager__pb2.GetFleetStatusRequest.SerializeToString,
             overworld_dot_v1_dot_rollout__manager__pb2.FleetStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def ListLeases(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/overworld.v1.RolloutManager/ListLeases',
+            overworld_dot_v1_dot_rollout__manager__pb2.ListLeasesRequest.SerializeToString,
+            overworld_dot_v1_dot_rollout__manager__pb2.Leases.FromString,
             options,
             channel_credentials,
             insecure,
