@@ -57,6 +57,9 @@ def main(argv: list[str] | None = None) -> int:
     r.add_argument("--max-env-steps", type=int, default=None)
     r.add_argument("--target-return", type=float, default=None,
                    help="stop once the mean return of the last 100 episodes reaches this")
+    r.add_argument("--keep-going", action="store_true",
+                   help="with --target-return: note when it is reached (the summary's steps_to_target) and run on "
+                        "to --max-env-steps or the last iteration")
     r.add_argument("--summary", default=None, help="write the JSON run summary here")
     r.add_argument("--workdir", default=None, help="default: runs/<run_id>")
     r.add_argument("--resume", default=None, metavar="latest|CHECKPOINT_ID",
@@ -87,8 +90,10 @@ def main(argv: list[str] | None = None) -> int:
         from overworld.launch.run import run
 
         try:
+            if args.keep_going and args.target_return is None:
+                raise ConfigError("--keep-going goes with --target-return (the return to note on the way)")
             summary = run(args.config, args.set, args.max_env_steps, args.summary, args.workdir, args.target_return,
-                          args.resume, secure=not args.insecure)
+                          args.resume, secure=not args.insecure, keep_going=args.keep_going)
         except ConfigError as err:
             print(f"error: {err}", file=sys.stderr)
             return 2

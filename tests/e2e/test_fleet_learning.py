@@ -54,8 +54,9 @@ def test_a_fleet_learns_cartpole_as_one_worker_does(tmp_path: Path, relay: bool,
     progress = f"{summary['status']} at {summary['env_steps']:,} steps, return {summary['mean_return_last_100']}"
     assert summary["status"] == "target_reached", progress
     assert summary["env_steps"] <= MAX_ENV_STEPS, progress
-    # The learner trained on most of what the fleet stepped: little was dropped stale at the buffer's door.
+    # The learner trained on nearly every step the fleet took (the bench holds the >= 97% figure, over more
+    # runs: bench/bench_fleet_learning.py); what it did not train on is accounted for.
     buffer = summary["replay_buffer"]
-    stale = buffer["dropped_chunks"].get("stale", 0)
-    assert summary["samples_trained"] >= 0.5 * summary["env_steps"], (summary["samples_trained"], buffer)
-    assert stale <= 0.5 * buffer["inserted_fragments"], buffer
+    stale = buffer["dropped_chunks"].get("stale", 0) + buffer["dropped_chunks"].get("stale_on_arrival", 0)
+    assert summary["env_steps_used"] >= 0.9, (summary["env_steps_used"], summary["env_steps_not_trained"], buffer)
+    assert stale <= 0.03 * buffer["inserted_fragments"], buffer

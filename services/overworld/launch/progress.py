@@ -24,6 +24,7 @@ class Budget:
     max_env_steps: int | None = None
     iterations: int | None = None  # train_config.num_iterations: the trainer finishes there
     target_return: float | None = None  # the mean return of the last 100 episodes
+    keep_going: bool = False  # at the target return: note when (steps_to_target) and run on to the other limits
 
 
 @dataclass(frozen=True)

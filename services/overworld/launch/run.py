@@ -20,6 +20,7 @@ from overworld.core.config import ConfigError, RunConfig, check_generators, load
 from overworld.core.imports import import_object
 from overworld.core.service import EXIT_CONFIG
 from overworld.envs.task_metrics import declared_task_metrics
+from overworld.launch import env_steps
 from overworld.launch.credentials import RunSecurity
 from overworld.launch.curve import append_point, curve_point, task_figures
 from overworld.launch.milestones import STARTUP_POLL_SECONDS, StartupMilestones
@@ -99,7 +100,7 @@ class RunFollower:
         self.buffer: replay_buffer_pb2.BufferStats | None = None
         self.last_trainer_error = ""
         self.last_record = 0.0
-        self.outcome: dict[str, Any] = {}  # steps_to_target, target_reached_unix
+        self.outcome: dict[str, Any] = {}  # steps_to_target, target_reached_unix, wall_seconds_to_target
 
     def offset(self) -> int:
         """A resumed run's services count env steps from zero; the checkpoint knows where it was."""
@@ -139,9 +140,12 @@ class RunFollower:
             reached = (self.budget.target_return is not None and self.fleet.episodes >= 100
                        and self.fleet.mean_return_last_100 >= self.budget.target_return)
             out_of_steps = self.budget.max_env_steps is not None and self.env_steps() >= self.budget.max_env_steps
-            self.tick(time.monotonic(), force=reached or out_of_steps)  # the curve's last point
-            if reached:
-                self.outcome.update(steps_to_target=self.env_steps(), target_reached_unix=time.time())
+            first_reach = reached and "steps_to_target" not in self.outcome
+            self.tick(time.monotonic(), force=first_reach or out_of_steps)  # the curve's point at each
+            if first_reach:
+                self.outcome.update(steps_to_target=self.env_steps(), target_reached_unix=time.time(),
+                                    wall_seconds_to_target=round(time.monotonic() - self.started, 2))
+            if reached and not self.budget.keep_going:
                 return "target_reached"
             if out_of_steps:
                 return "max_env_steps"
@@ -198,6 +202,37 @@ class RunFollower:
             return None
         return push.push_seconds if push.complete and push.acked else None
 
+    def read_final_counts(self) -> None:
+        """Once the trainer and the workers have stopped (the workers' last heartbeats counted, the trainer's
+        last checkpoint written) and before the services stop: the final counts of the fleet, the learner
+        and the buffer, so that the summary's figures are of the whole run."""
+        try:
+            with RolloutManagerClient(self.supervisor.addresses["rollout-manager"]) as manager:
+                self.fleet = manager.fleet_status(timeout=5.0)
+        except (grpc.RpcError, KeyError):
+            pass  # the last poll's counts stand
+        self.buffer = self.buffer_stats() or self.buffer
+        self.adopt_last_checkpoint()
+
+    def adopt_last_checkpoint(self) -> None:
+        """The trainer checkpoints when it stops: its counters there are newer than its last report (it
+        trained on between the last poll and the stop)."""
+        if self.trainer is None:
+            return
+        from overworld.trainer import checkpoint  # here: the launcher itself does without torch
+
+        try:
+            store = checkpoint.checkpoint_store(self.config, str(self.workdir))
+            latest = store.resolve("latest")
+            state = store.load(latest, []).state if latest is not None else None
+        except Exception as err:  # noqa: BLE001 - any store's failure: the summary keeps the last report
+            self.display.message(f"could not read the last checkpoint ({err}); the summary has the trainer's last report")
+            return
+        if state is not None and int(state.get("iteration", 0)) >= self.trainer.iteration:
+            self.trainer.iteration, self.trainer.updates = int(state["iteration"]), int(state["updates"])
+            self.trainer.samples_trained = int(state["samples_trained"])
+            self.trainer.model_version = int(state["model_version"])
+
     def buffer_stats(self) -> replay_buffer_pb2.BufferStats | None:
         try:
             with ReplayBufferClient(self.supervisor.addresses["replay-buffer"]) as buffer:
@@ -229,12 +264,16 @@ class RunFollower:
             out.update(env_steps=self.env_steps(), episodes=f.episodes,
                        mean_return_last_100=f.mean_return_last_100 if f.episodes else None,
                        fragments_acknowledged=f.fragments_sent, fragments_lost=f.fragments_lost,
-                       tasks=task_figures(f, self.task_metrics))
+                       tasks=task_figures(f, self.task_metrics),
+                       idle_share=env_steps.idle_share(f.room_wait_seconds, f.env_slot_seconds))
         if self.trainer is not None:
             t = self.trainer
             out.update(model_version=t.model_version, updates=t.updates, iterations=t.iteration,
                        samples_trained=t.samples_trained,
                        env_steps_used=round(t.samples_trained / out["env_steps"], 3) if out["env_steps"] else None,
+                       env_steps_not_trained=env_steps.not_trained(self.config, out["env_steps"], t.samples_trained,
+                                                                   self.buffer),
+                       policy_lag=env_steps.policy_lag(t.metrics),
                        resumed_from=t.resumed_from or None,
                        start_env_steps=t.start_env_steps if self.resumed else 0,
                        start_model_version=t.start_model_version, start_rho=t.start_rho,
@@ -265,7 +304,7 @@ def stop_on_signals() -> None:
 
 def run(config_source: str, overrides: list[str], max_env_steps: int | None, summary_path: str | None,
         workdir: str | None, target_return: float | None, resume: str | None = None,
-        progress_interval: float = 2.0, secure: bool = True) -> dict[str, Any]:
+        progress_interval: float = 2.0, secure: bool = True, keep_going: bool = False) -> dict[str, Any]:
     """Train on this machine, every service its own process; the summary (also written to
     `summary_path`). `progress_interval`: seconds between two learning-curve points."""
     config, work = prepare_workdir(config_source, overrides, workdir, resume)
@@ -278,7 +317,8 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
           flush=True)
     supervisor = Supervisor(config, work, work / "config.yaml", security)
     follower = RunFollower(config, supervisor, work, Budget(max_env_steps, config.train_config.num_iterations,
-                                                            target_return), bool(resume), progress_interval)
+                                                            target_return, keep_going), bool(resume),
+                           progress_interval)
     stop_on_signals()
     status, error = "failed", None
     try:
@@ -292,7 +332,7 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
         follower.display.message(f"error: {err}", sys.stderr)
     finally:
         follower.display.message("interrupted: stopping services..." if status == "interrupted" else "stopping services...")
-        supervisor.stop()
+        supervisor.stop(after_workers=follower.read_final_counts)
         tls.reset()
     summary = follower.summary(status, error)
     write_run_status(work, {**follower.status_record(status), "summary": summary_path})

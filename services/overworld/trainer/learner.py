@@ -23,6 +23,7 @@ import contextlib
 import copy
 import logging
 import math
+from collections import Counter
 from collections.abc import Iterator
 from typing import Any
 
@@ -58,6 +59,7 @@ class PPOLearner(TrainerRuntime):
     rho: float  # the KL coefficient, decayed every iteration
     updates: int  # optimizer steps
     samples_trained: int  # env steps trained on (chains x length, every epoch once)
+    lag_steps: Counter[int]  # env steps trained on, by policy lag (versions behind); since this learner began
     reference: Policy | None  # the frozen KL reference, when kl_divergence_coef_rho > 0
     scaler: torch.amp.GradScaler | None  # fp16 only
     amp_dtype: torch.dtype | None  # autocast type with use_amp
@@ -195,6 +197,8 @@ class PPOLearner(TrainerRuntime):
         losses = LossMeans()
         skipped = sum(self._epoch(epoch, batch, old_value, losses) for epoch in range(t.epochs_per_iteration))
         self.samples_trained += batch.size * batch.length
+        lags, counts = torch.unique((self.model_version - batch.model_version).clamp(min=0), return_counts=True)
+        self.lag_steps.update(dict(zip(lags.tolist(), counts.tolist(), strict=True)))
         return {
             **losses.metrics(),
             "trainer/learning_rate": self.optimizer.param_groups[0]["lr"], "trainer/rho": self.rho,
@@ -204,6 +208,9 @@ class PPOLearner(TrainerRuntime):
             "trainer/buffer_reward": float(batch.reward.sum(1).mean()),
             "trainer/skipped_steps": float(skipped),
             "trainer/policy_lag": float((self.model_version - batch.model_version.float()).mean()),
+            # over every step trained on since this learner began (the summary's and the bench's figures)
+            "trainer/policy_lag_p50": percentile(self.lag_steps, 0.5),
+            "trainer/policy_lag_p95": percentile(self.lag_steps, 0.95),
         }
 
     @around("post_epoch", arguments=("epoch",))
@@ -362,6 +369,17 @@ def amp_settings(use_amp: bool, device: torch.device,
     if fp16:
         return torch.float16, torch.amp.GradScaler(device.type)
     return torch.bfloat16, None
+
+
+def percentile(counts: Counter[int], q: float) -> float:
+    """The q-quantile of values given as {value: how many}: the smallest value with at least q of them at
+    or below it."""
+    total, seen = sum(counts.values()), 0
+    for value in sorted(counts):
+        seen += counts[value]
+        if seen >= q * total:
+            return float(value)
+    return math.nan
 
 
 @torch.no_grad()

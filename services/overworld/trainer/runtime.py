@@ -17,6 +17,7 @@ import hashlib
 import logging
 import math
 import time
+from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -74,6 +75,7 @@ class TrainerRuntime:
         self.iteration = 0
         self.updates = 0
         self.samples_trained = 0
+        self.lag_steps: Counter[int] = Counter()
         self.env_steps = 0  # every env step of the run: those before this fleet and this fleet's
         self.fleet: FleetMark = {"id": "", "env_steps": 0}
         self.rho = config.train_config.kl_divergence_coef_rho
