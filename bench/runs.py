@@ -70,6 +70,50 @@ def provenance() -> dict[str, Any]:
             "command": " ".join(["python", *sys.argv])}
 
 
+# A run is marked loaded when the machine's 1-minute load average exceeds this at its start or end (2 cores:
+# two runnable processes per core), or when the bench itself loads it (busy processes beside the run).
+LOADED_ABOVE = 4.0
+
+
+def _tree() -> dict[str, Any]:
+    return {"commit": _git("rev-parse", "HEAD"),
+            "tree_modified": bool(_git("status", "--porcelain", "--untracked-files=no"))}
+
+
+def wait_for_quiet(limit: float = 120.0) -> float:
+    """Wait (at most `limit` seconds) until the 1-minute load average is at most LOADED_ABOVE: a run after a
+    fleet of twelve would otherwise start on the previous run's load. Returns the seconds waited."""
+    started = time.monotonic()
+    while os.getloadavg()[0] > LOADED_ABOVE and time.monotonic() - started < limit:
+        time.sleep(2.0)
+    return round(time.monotonic() - started, 1)
+
+
+class RunRecord:
+    """What one run of a benchmark ran on, written as it runs: the commit and whether the tree had changes,
+    its start and end, and the machine's load at both (never filled in afterwards).
+
+        with RunRecord(busy_processes=2) as record:
+            ...                               # the run
+        result = {**record.fields, ...}
+    """
+
+    def __init__(self, busy_processes: int = 0) -> None:
+        self.busy_processes = busy_processes
+        self.fields: dict[str, Any] = {}
+
+    def __enter__(self) -> RunRecord:
+        self.fields = {**_tree(), "started": time.strftime("%Y-%m-%dT%H:%M:%S"),
+                       "load_average_at_start": round(os.getloadavg()[0], 2), "busy_processes": self.busy_processes}
+        return self
+
+    def __exit__(self, *_: object) -> None:
+        end = round(os.getloadavg()[0], 2)
+        start = self.fields["load_average_at_start"]
+        self.fields.update(finished=time.strftime("%Y-%m-%dT%H:%M:%S"), load_average_at_end=end,
+                           loaded=bool(self.busy_processes) or max(start, end) > LOADED_ABOVE)
+
+
 def write(name: str, result: dict[str, Any], directory: Path = RESULTS) -> Path:
     directory.mkdir(parents=True, exist_ok=True)
     path = directory / f"{name}.json"
