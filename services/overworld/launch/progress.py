@@ -45,8 +45,12 @@ class Snapshot:
     @property
     def used(self) -> float | None:
         """The share of the env steps that the learner trained on: low when the fleet steps more than the
-        learner samples (its data goes stale at the buffer's door); None before the learner trained."""
-        return self.samples_trained / self.env_steps if self.env_steps and self.samples_trained else None
+        learner samples (its data goes stale at the buffer's door); None before the learner trained. At
+        most 1 while running: the fleet's steps arrive with its heartbeats (up to 2 s late), so the learner
+        can be ahead of them; the summary's `env_steps_used` is read once the fleet has stopped."""
+        if not self.env_steps or not self.samples_trained:
+            return None
+        return min(1.0, self.samples_trained / self.env_steps)
 
     @classmethod
     def of(cls, fleet: Any, trainer: Any, wall_seconds: float, offset: int = 0) -> Snapshot:

@@ -35,6 +35,9 @@ VERSION = Gauge("overworld_trainer_model_version", "Model version published")
 LOSS = Gauge("overworld_trainer_loss", "Loss terms of the last iteration", ["term"])
 APPROX_KL = Gauge("overworld_trainer_approx_kl", "Approximate KL to the behaviour policy")
 LAST_UPDATE = Gauge("overworld_trainer_last_update_timestamp_seconds", "Unix time of the last iteration")
+SAMPLE_WAIT = Counter("overworld_trainer_sample_wait_seconds_total",
+                      "Seconds the learner (rank 0) spent getting its batches from the replay buffer: over wall "
+                      "seconds, the share of its time it waits for the fleet")
 
 STOP_TIMEOUT_SECONDS = 120
 # A trainer that ended by itself keeps answering GetStatus this long, until its final state has been
@@ -79,9 +82,11 @@ class TrainerStatusService(trainer_pb2_grpc.TrainerServicer):
         return out
 
     def ReportProgress(self, request, context):
+        waited = request.metrics.get("trainer/sample_wait_seconds_total", 0.0)
         with self._lock:
             UPDATES.inc(max(0, request.updates - self.status.updates))
             SAMPLES.inc(max(0, request.samples_trained - self.status.samples_trained))
+            SAMPLE_WAIT.inc(max(0.0, waited - self.status.metrics.get("trainer/sample_wait_seconds_total", 0.0)))
             self.status.CopyFrom(request)
         ITERATION.set(request.iteration)
         VERSION.set(request.model_version)

@@ -23,6 +23,7 @@ import contextlib
 import copy
 import logging
 import math
+import time
 from collections import Counter
 from collections.abc import Iterator
 from typing import Any
@@ -60,6 +61,7 @@ class PPOLearner(TrainerRuntime):
     updates: int  # optimizer steps
     samples_trained: int  # env steps trained on (chains x length, every epoch once)
     lag_steps: Counter[int]  # env steps trained on, by policy lag (versions behind); since this learner began
+    sample_wait_seconds: float  # seconds spent getting batches from the replay buffer; since this learner began
     reference: Policy | None  # the frozen KL reference, when kl_divergence_coef_rho > 0
     scaler: torch.amp.GradScaler | None  # fp16 only
     amp_dtype: torch.dtype | None  # autocast type with use_amp
@@ -116,7 +118,10 @@ class PPOLearner(TrainerRuntime):
     def sample(self) -> Batch:
         """This rank's share of the iteration's fragments, as chains (B, L) in host memory."""
         with self.timed("sample"):
-            return chains_from_chunks(self.reader.next())
+            started = time.monotonic()
+            chunks = self.reader.next()
+            self.sample_wait_seconds += time.monotonic() - started  # waiting for the fleet's data, mostly
+            return chains_from_chunks(chunks)
 
     # -- values and advantages -------------------------------------------------------------------------
     @around("post_collect", result="batch")
@@ -211,6 +216,7 @@ class PPOLearner(TrainerRuntime):
             # over every step trained on since this learner began (the summary's and the bench's figures)
             "trainer/policy_lag_p50": percentile(self.lag_steps, 0.5),
             "trainer/policy_lag_p95": percentile(self.lag_steps, 0.95),
+            "trainer/sample_wait_seconds_total": self.sample_wait_seconds,
         }
 
     @around("post_epoch", arguments=("epoch",))

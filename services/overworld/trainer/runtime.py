@@ -76,6 +76,7 @@ class TrainerRuntime:
         self.updates = 0
         self.samples_trained = 0
         self.lag_steps: Counter[int] = Counter()
+        self.sample_wait_seconds = 0.0
         self.env_steps = 0  # every env step of the run: those before this fleet and this fleet's
         self.fleet: FleetMark = {"id": "", "env_steps": 0}
         self.rho = config.train_config.kl_divergence_coef_rho
