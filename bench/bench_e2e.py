@@ -33,7 +33,7 @@ from typing import Any
 import gymnasium as gym
 import numpy as np
 
-from bench.runs import ROOT, overworld_run, write
+from bench.runs import ROOT, RunRecord, overworld_run, write
 from overworld.launch.milestones import STARTUP_MILESTONES
 
 NUM_ENVS = 8  # as examples/cartpole.yaml and rl-zoo
@@ -76,42 +76,49 @@ def iteration_timeline(summary: dict[str, Any]) -> dict[str, float | None]:
 
 def sb3_seed(seed: int, target: float) -> dict[str, Any]:
     python = os.environ.get("BENCH_SB3_PYTHON", str(ROOT / ".venv-sb3" / "bin" / "python"))
-    spawned = time.time()
-    out = subprocess.run([python, str(ROOT / "bench" / "sb3_cartpole.py"), str(seed), str(target)],
-                         capture_output=True, text=True, timeout=1800, check=True)
+    with RunRecord() as record:
+        spawned = time.time()
+        out = subprocess.run([python, str(ROOT / "bench" / "sb3_cartpole.py"), str(seed), str(target)],
+                             capture_output=True, text=True, timeout=1800, check=True)
     result = json.loads(out.stdout.strip().splitlines()[-1])
     reached = result["reached"]
     return {"reached": reached is not None, "env_steps_to_target": reached["env_steps"] if reached else None,
             "wall_seconds_to_target": round(reached["reached_unix"] - spawned, 2) if reached else None,
-            "env_steps": result["env_steps"], "mean_return_last_100": result["mean_return_last_100"]}
+            "env_steps": result["env_steps"], "mean_return_last_100": result["mean_return_last_100"],
+            **record.fields}
 
 
 def overworld_seed(seed: int, target: float, max_steps: int, tmp: Path) -> dict[str, Any]:
     workdir = tmp / f"cartpole-seed{seed}"
-    spawned = time.time()
-    summary = overworld_run("examples/cartpole.yaml", workdir, "--max-env-steps", str(max_steps),
-                            "--target-return", str(target), "--set", f"seed={seed}")
+    with RunRecord() as record:
+        spawned = time.time()
+        summary = overworld_run("examples/cartpole.yaml", workdir, "--max-env-steps", str(max_steps),
+                                "--target-return", str(target), "--set", f"seed={seed}")
     reached = summary.get("status") == "target_reached"
     return {"reached": reached, "env_steps_to_target": summary.get("steps_to_target"),
             "wall_seconds_to_target": round(summary["target_reached_unix"] - spawned, 2) if reached else None,
             "status": summary.get("status"), "env_steps": summary.get("env_steps"),
             "mean_return_last_100": summary.get("mean_return_last_100"),
+            "env_steps_used": summary.get("env_steps_used"),
             "startup": startup_timeline(summary, spawned), "iteration": iteration_timeline(summary),
-            "curve": summary.get("curve", [])}
+            "curve": summary.get("curve", []), **record.fields}
 
 
 def crafter_pipeline(max_steps: int, tmp: Path) -> dict[str, Any]:
     """Env steps/s of the whole pipeline once training runs (from the first progress point with env steps
     to the last), so that the start cost, reported apart, does not dilute it."""
-    spawned = time.time()
-    summary = overworld_run("examples/crafter_cow.yaml", tmp / "crafter", "--max-env-steps", str(max_steps))
+    with RunRecord() as record:
+        spawned = time.time()
+        summary = overworld_run("examples/crafter_cow.yaml", tmp / "crafter", "--max-env-steps", str(max_steps))
     curve = [p for p in summary.get("curve", []) if p["env_steps"] > 0]
     rate = ((curve[-1]["env_steps"] - curve[0]["env_steps"]) / (curve[-1]["wall_seconds"] - curve[0]["wall_seconds"])
             if len(curve) >= 2 else None)
     return {"status": summary.get("status"), "env_steps": summary.get("env_steps"),
             "env_steps_per_second_training": round(rate, 1) if rate else None,
             "env_steps_per_second_with_startup": summary.get("env_steps_per_second"),
-            "updates": summary.get("updates"), "startup": startup_timeline(summary, spawned)}
+            "updates": summary.get("updates"), "env_steps_used": summary.get("env_steps_used"),
+            "env_steps_not_trained": summary.get("env_steps_not_trained"), "idle_share": summary.get("idle_share"),
+            "startup": startup_timeline(summary, spawned), **record.fields}
 
 
 def ratio(a: float | None, b: float | None) -> float | None:

@@ -29,7 +29,7 @@ from typing import Any
 
 import numpy as np
 
-from bench.runs import RESULTS, overworld_run, read_run, write
+from bench.runs import RESULTS, RunRecord, overworld_run, read_run, write
 from overworld.core.config import load_config
 from overworld.core.imports import call_generator, import_object
 from overworld.envs.crafter_cow_scripted import ScriptedCowHunter
@@ -156,20 +156,23 @@ def main() -> None:
             entry["seeds"] = {k: v for k, v in earlier.get("seeds", {}).items() if int(k) not in seeds}
         result["tasks"][task] = entry
         for seed in seeds:
+            ran: dict[str, Any] = {}  # the run's commit, start and load, as it ran (none for a run read back)
             with tempfile.TemporaryDirectory() as tmp:
                 run_dir = Path(workdir) / f"{task}-seed{seed}" if workdir else Path(tmp) / "run"
                 if (run_dir / "summary.json").exists() and read_run(run_dir).get("status") == "max_env_steps":
                     summary = read_run(run_dir)  # finished before: a bench that was cut short goes on from here
                 else:  # a run cut short resumes from its latest checkpoint, counters and curve carried on
                     resume = ["--resume", "latest"] if (run_dir / "config.yaml").exists() else []
-                    summary = overworld_run(config, run_dir, "--max-env-steps", str(steps), "--set", f"seed={seed}",
-                                            *resume)
+                    with RunRecord() as record:
+                        summary = overworld_run(config, run_dir, "--max-env-steps", str(steps), "--set",
+                                                f"seed={seed}", *resume)
+                    ran = record.fields
                 written = run_dir / "summary.json"  # when the seed finished, also for one read back
                 finished = time.localtime(written.stat().st_mtime if written.exists() else None)
             entry["seeds"][str(seed)] = {"finished": time.strftime("%Y-%m-%dT%H:%M:%S", finished)} | {k: summary.get(k) for k in (
                 "status", "env_steps", "episodes", "mean_return_last_100", "wall_seconds", "wall_seconds_all_segments",
-                "env_steps_per_second", "resumed_from",
-                "model_version", "updates", "tasks")} | {"curve": downsample(summary.get("curve", []))}
+                "env_steps_per_second", "resumed_from", "env_steps_used", "env_steps_not_trained", "idle_share",
+                "model_version", "updates", "tasks")} | ran | {"curve": downsample(summary.get("curve", []))}
             if summary.get("wall_seconds_all_segments"):  # a seed run in segments: its rate over all of them
                 entry["seeds"][str(seed)]["env_steps_per_second"] = round(
                     summary["env_steps"] / summary["wall_seconds_all_segments"], 1)

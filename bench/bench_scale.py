@@ -38,7 +38,7 @@ from typing import Any
 
 import torch
 
-from bench.runs import RESULTS, write
+from bench.runs import RESULTS, RunRecord, write
 from overworld.core import weights
 from rehearsal import scale_standin
 from rehearsal.netns import wait_until
@@ -141,6 +141,10 @@ def window(fleet: Fleet, seconds: float, workers: int) -> dict[str, Any]:
         "push_seconds_median": round(statistics.median(pushes), 2) if pushes else None,
         "push_seconds_max": round(max(pushes), 2) if pushes else None,
         "policy_lag": lag,
+        # env-slot seconds waiting for room in the replay buffer over all env-slot seconds, in the window
+        "idle_share": (round((fleet1.room_wait_seconds - fleet0.room_wait_seconds)
+                             / (fleet1.env_slot_seconds - fleet0.env_slot_seconds), 3)
+                       if fleet1.env_slot_seconds > fleet0.env_slot_seconds else None),
         "cost": cost(use0, use1, workers),
     }
 
@@ -378,6 +382,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--soak-minutes", type=float, default=30.0, help="0: no soak")
     p.add_argument("--workdir", default="/var/tmp/overworld-scale")
     p.add_argument("--results", type=Path, default=RESULTS, help="where scale.json and scale.png go")
+    p.add_argument("--name", default="scale", help="the result's name: NAME.json (and NAME.png)")
+    p.add_argument("--training-only", action="store_true",
+                   help="only the pipeline while training at each size: no pushes with the trainer stopped, no churn")
     args = p.parse_args(argv)
     if os.geteuid() != 0:
         print("bench_scale needs root: the scale rehearsal builds network namespaces", file=sys.stderr)
@@ -411,13 +418,19 @@ def measure(args: argparse.Namespace, store: ImageStore, argv: list[str] | None)
                 settle_trainer(fleet, running=True)
                 fleet.wait_fleet(n)
                 time.sleep(15)  # new pods past their first version and their imports
-                pipeline = window(fleet, args.window, n)
+                with RunRecord() as record:
+                    pipeline = window(fleet, args.window, n)
+                pipeline["measured"] = record.fields  # its commit, start and the load at start and end
                 log(f"  pipeline: {json.dumps({k: v for k, v in pipeline.items() if k != 'cost'})}")
+                if args.training_only:
+                    rows.append({"workers": n, "relay_fanout": fanout, "pipeline": pipeline})
+                    write(args.name, result, args.results)
+                    continue
                 settle_trainer(fleet, running=False)
                 push = pushes(fleet, args.pushes, args.weights_mb)
                 rows.append({"workers": n, "relay_fanout": fanout, "pipeline": pipeline, "push": push})
-                write("scale", result, args.results)
-            if mode == "relay":
+                write(args.name, result, args.results)
+            if mode == "relay" and not args.training_only:
                 log("relay: churn")
                 result["churn"] = churn(fleet, args.weights_mb)
                 log(f"  {result['churn']}")
@@ -428,9 +441,10 @@ def measure(args: argparse.Namespace, store: ImageStore, argv: list[str] | None)
                     settle_trainer(fleet, running=False)
                 result["churn"]["accounting"] = drained_accounting(fleet)
                 log(f"  {result['churn']['accounting']}")
-            write("scale", result, args.results)
-    plot(result, args.results / "scale.png")
-    write("scale", result, args.results)
+            write(args.name, result, args.results)
+    if not args.training_only:
+        plot(result, args.results / f"{args.name}.png")
+    write(args.name, result, args.results)
     return 0
 
 

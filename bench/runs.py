@@ -49,11 +49,15 @@ def _git(*args: str) -> str:
     return out.stdout.strip()
 
 
+# A run is marked loaded when the machine's 1-minute load average exceeds this at its start or end (2 cores:
+# two runnable processes per core), or when the bench itself loads it (busy processes beside the run).
+LOADED_ABOVE = 4.0
+
 # The tree as it was when this benchmark started: a result measured for an hour names the code it ran,
 # not the commit someone made while it ran.
 STARTED = {"commit": _git("rev-parse", "HEAD"),
            "tree_modified": bool(_git("status", "--porcelain", "--untracked-files=no")),
-           "date": time.strftime("%Y-%m-%dT%H:%M:%S")}
+           "date": time.strftime("%Y-%m-%dT%H:%M:%S"), "load_average_at_start": round(os.getloadavg()[0], 2)}
 
 
 def provenance() -> dict[str, Any]:
@@ -65,14 +69,11 @@ def provenance() -> dict[str, Any]:
                 if line.startswith("model name")), "unknown") if Path("/proc/cpuinfo").exists() else "unknown"
     memory = next((int(line.split()[1]) // 1024**2 for line in Path("/proc/meminfo").read_text().splitlines()
                    if line.startswith("MemTotal")), 0) if Path("/proc/meminfo").exists() else 0
-    return {**STARTED, "finished": time.strftime("%Y-%m-%dT%H:%M:%S"),
+    end = round(os.getloadavg()[0], 2)
+    return {**STARTED, "finished": time.strftime("%Y-%m-%dT%H:%M:%S"), "load_average_at_end": end,
+            "loaded": max(STARTED["load_average_at_start"], end) > LOADED_ABOVE,
             "machine": {"cpu": cpu, "cpus": os.cpu_count(), "memory_gib": memory, "kernel": os.uname().release},
             "command": " ".join(["python", *sys.argv])}
-
-
-# A run is marked loaded when the machine's 1-minute load average exceeds this at its start or end (2 cores:
-# two runnable processes per core), or when the bench itself loads it (busy processes beside the run).
-LOADED_ABOVE = 4.0
 
 
 def _tree() -> dict[str, Any]:

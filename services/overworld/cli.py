@@ -29,7 +29,7 @@ def _serve_parser(sub: argparse._SubParsersAction) -> None:
 
 def serve_args(argv: list[str]) -> argparse.Namespace:
     """`overworld serve SERVICE ...`'s flags as parsed (defaults from the environment), for code that
-    builds a service in its own process (services.BUILDERS)."""
+    builds a service in its own process (`overworld.serve.builder`)."""
     from overworld.serve import parse
 
     service, *flags = argv

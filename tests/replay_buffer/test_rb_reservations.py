@@ -12,7 +12,7 @@ import time
 
 import grpc
 import pytest
-from rb_support import insert, sample, stats
+from rb_support import insert, sample, stats, wait_until
 
 from overworld.replay_buffer.reservations import Reservations
 from overworld.v1 import replay_buffer_pb2
@@ -232,9 +232,7 @@ def test_the_client_grants_everything_when_the_buffer_has_no_limiter(make_buffer
     room = Reservations(client, "w1")
     try:
         room.want(8)
-        deadline = time.monotonic() + 10
-        while not room.unlimited and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: room.unlimited, what="the client to learn the buffer does not limit")
         assert room.take(8) == 8
     finally:
         room.close()
@@ -255,16 +253,12 @@ def test_a_client_that_met_an_old_front_asks_again_later(make_buffer, monkeypatc
     room = Reservations(client, "w1")
     try:
         room.want(5)
-        deadline = time.monotonic() + 10
-        while not room.unlimited and time.monotonic() < deadline:
-            time.sleep(0.02)
+        wait_until(lambda: room.unlimited, what="the client to step unreserved")
         assert room.take(5) == 5  # unreserved, for now
         old.stop(0)
         buf = make_buffer(fronts=0, **LIMITED)
         buf.add_front(port=port)
-        deadline = time.monotonic() + 10
-        while (room.unlimited or room.held < 2) and time.monotonic() < deadline:
-            time.sleep(0.05)
+        wait_until(lambda: not room.unlimited and room.held == 2, what="the client to ask the new front again")
         assert room.take(5) == 2  # asked again: the new front grants the band, two, and no more
         assert room.take(5) == 0
     finally:
