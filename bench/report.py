@@ -291,6 +291,14 @@ def readme_rows(results: dict[str, dict[str, Any]]) -> list[str]:
             f"trained on | {on['env_steps_per_second']:.0f} vs {off['env_steps_per_second']:.0f} "
             f"({d['env_steps_per_second_lost_to_reservations']:.1%}), {on['idle_share']:.0%} vs {off['idle_share']:.0%}, "
             f"{on['env_steps_used']:.1%} vs {off['env_steps_used']:.1%} | {_at(d)} |")
+    if "crafter_used" in results:
+        d = results["crafter_used"]
+        cells = "; ".join(f"{r['workers']}-{r['mode']} {r['env_steps_used']:.1%} (idle {r['idle_share']:.0%}, lag "
+                          f"{r['policy_lag_p50']:g}/{r['policy_lag_p95']:g}, {r['env_steps_per_second']:.0f} env steps/s)"
+                          for r in d["runs"])
+        add(f"| Crafter cow task (`{d['config']}`), fleets (workers-weights) to {d['budget_env_steps']:,} env steps: share "
+            f"of env steps trained on (idle share, policy lag median / p95, env steps/s) | {cells} (goal ≥ 97%) "
+            f"| {_at(d)} |")
     if "policy_lag" in results:
         d = results["policy_lag"]
         medians = d["median_env_steps_to_target"]

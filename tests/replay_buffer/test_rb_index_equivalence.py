@@ -46,9 +46,10 @@ def test_random_operations_match(redis_server, seed, order, limited):
                 # or the holder's lease gone
                 holder, kind = rng.choice(["h1", "h2", "h3"]), rng.random()
                 if kind < 0.6:
-                    n = rng.randrange(0, 4)
+                    n, fleet = rng.randrange(0, 4), rng.choice([1, 2, 3])
                     starting = rng.randrange(0, n + 1)
-                    assert mem.reserve(holder, n, 60.0, starting) == red.reserve(holder, n, 60.0, starting), step
+                    assert mem.reserve(holder, n, 60.0, starting, fleet) == red.reserve(holder, n, 60.0, starting,
+                                                                                        fleet), step
                 elif kind < 0.85:
                     n = rng.randrange(1, 4)
                     mem.release(holder, n)

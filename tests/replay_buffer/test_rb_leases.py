@@ -9,7 +9,7 @@ from collections.abc import Iterator
 
 import grpc
 import pytest
-from rb_support import SPACES, stats
+from rb_support import SPACES, insert, sample, stats
 
 from overworld.core.config import load_config
 from overworld.core.grpc_util import serve
@@ -79,3 +79,16 @@ def test_a_live_worker_keeps_its_room_past_the_refreshes(make_buffer, manager):
         manager.heartbeat(pb.HeartbeatRequest(worker_id=worker))
         time.sleep(0.2)
     assert stats(buf.client).reserved_fragments == 2
+
+
+def test_a_worker_that_joins_gets_its_share_of_the_band(make_buffer, manager):
+    """Fragments that would begin episodes wait behind the others' episodes under way, but only behind
+    each other worker's share of the band (the band over the workers holding leases): a worker that joins
+    a fleet whose first worker could use the whole band is not left idle for good."""
+    first, joined = register(manager), register(manager)  # two leases: a share of one fragment each
+    buf = leased_buffer(make_buffer, manager)
+    assert buf.client.reserve(first, 2, timeout=5).granted == 2  # the whole band
+    assert buf.client.reserve(first, 2, timeout=5).granted == 0  # and it waits to go on with two more
+    insert(buf.client, [buf.fragment(worker=first, slot=s, seq=0) for s in range(2)])
+    assert len(sample(buf.client, 2)) == 2  # room for two
+    assert buf.client.reserve(joined, 2, starting=2, timeout=5).granted == 1  # beyond the first's share of one

@@ -25,7 +25,9 @@ Semantics (MineStudio's replay_buffer_config, made exact):
   its last grant or fragment goes back too (the fallback while the rollout-manager cannot be asked). A
   call granted nothing does not keep a holder's room alive. Of a request, the fragments that would begin
   a new episode (`starting`) get room only beyond what other holders wait for to go on with episodes
-  they began (their unmet asks, remembered for DEMAND_SECONDS): the fleet finishes what it started.
+  they began (their unmet asks, remembered for DEMAND_SECONDS), each counted up to its share of the band
+  (the band over the `fleet`'s workers): the fleet finishes what it started, and a worker that joins gets
+  its share.
 - A blob key that the orphan sweeper claimed (`claim_orphans`) is never indexed afterwards: `add`
   answers "swept" and the front writes the blob again under a new key. So an index entry always has
   its blob.
@@ -37,6 +39,7 @@ Semantics (MineStudio's replay_buffer_config, made exact):
 from __future__ import annotations
 
 import bisect
+import math
 import random
 import threading
 import time
@@ -131,7 +134,7 @@ class ReplayIndex(Protocol):
 
     def add(self, meta: FragmentMeta) -> AddResult: ...
     def can_insert(self) -> bool: ...
-    def reserve(self, holder: str, n: int, ttl: float, starting: int = 0) -> int: ...
+    def reserve(self, holder: str, n: int, ttl: float, starting: int = 0, fleet: int = 1) -> int: ...
     def release(self, holder: str, n: int) -> None: ...
     def holders(self) -> list[str]: ...
     def forget_holders(self, holders: list[str]) -> int: ...
@@ -268,9 +271,9 @@ class MemoryIndex:
             return self.limiter is None or self.limiter.can_insert()
 
     # -- reservations ------------------------------------------------------------------------------
-    def reserve(self, holder: str, n: int, ttl: float, starting: int = 0) -> int:
+    def reserve(self, holder: str, n: int, ttl: float, starting: int = 0, fleet: int = 1) -> int:
         """Reserve room for up to n fragments of `holder` (all n without a rate limiter), of which `starting`
-        would begin new episodes; returns how many."""
+        would begin new episodes; `fleet`: the workers that share the band. Returns how many."""
         with self._lock:
             if self.limiter is None:
                 return n
@@ -279,8 +282,9 @@ class MemoryIndex:
             room = self.limiter.room(self.fragments_per_chunk)
             continuing = n - starting
             going_on = min(continuing, room)
+            share = max(1, math.ceil(self.limiter.band(self.fragments_per_chunk) / max(1, fleet)))
             self._demand = {h: d for h, d in self._demand.items() if d[1] > now and h != holder}
-            others = sum(count for count, _ in self._demand.values())
+            others = sum(min(count, share) for count, _ in self._demand.values())
             granted = going_on + min(starting, max(0, room - going_on - others))
             if continuing > going_on:
                 self._demand[holder] = (continuing - going_on, now + DEMAND_SECONDS)

@@ -40,6 +40,11 @@ class Leases:
             self.refresh()
         return worker_id in self._live
 
+    @property
+    def count(self) -> int:
+        """How many workers hold a lease, as last heard (at least 1: the one asking)."""
+        return max(1, len(self._live))
+
     def refresh(self) -> bool:
         """Fetch the list; False when the rollout-manager could not be asked (the last list stands)."""
         try:

@@ -62,6 +62,10 @@ class RateLimiter:
         per_fragment = self.samples_per_insert / fragments_per_chunk
         return max(0, math.floor((self.offset + self.error - self.insert_diff) / per_fragment + 1e-9))
 
+    def band(self, fragments_per_chunk: int) -> int:
+        """How many fragments may be in flight at most (reserved or inserted and not yet sampled)."""
+        return math.floor((self.offset + self.error) / (self.samples_per_insert / fragments_per_chunk) + 1e-9)
+
     def removed(self, times_sampled: int) -> None:
         self.credit += max(0.0, self.samples_per_insert - times_sampled)
 

@@ -153,14 +153,15 @@ class RedisIndex:
         assert limiter is not None
         return limiter.can_insert()
 
-    def reserve(self, holder: str, n: int, ttl: float, starting: int = 0) -> int:
+    def reserve(self, holder: str, n: int, ttl: float, starting: int = 0, fleet: int = 1) -> int:
         if self.limiter is None:
             return n
-        return int(self._run(self._reserve, holder, n, ttl, self.fragments_per_chunk, 0, starting, DEMAND_SECONDS))
+        return int(self._run(self._reserve, holder, n, ttl, self.fragments_per_chunk, 0, starting, DEMAND_SECONDS,
+                             fleet))
 
     def release(self, holder: str, n: int) -> None:
         if self.limiter is not None:
-            self._run(self._reserve, holder, 0, 0, self.fragments_per_chunk, n, 0, DEMAND_SECONDS)
+            self._run(self._reserve, holder, 0, 0, self.fragments_per_chunk, n, 0, DEMAND_SECONDS, 1)
 
     def holders(self) -> list[str]:
         keys: list[Any] = self._call(lambda: self.client.hkeys(self.prefix + "resv"))

@@ -202,11 +202,11 @@ return out
 """
 
 # ARGV[5..]: holder, fragments wanted, ttl, fragments_per_chunk, fragments given back, of the fragments
-# wanted those that would begin an episode, how long an unmet ask to go on with one counts. Returns the
-# fragments granted.
+# wanted those that would begin an episode, how long an unmet ask to go on with one counts, the workers
+# sharing the band. Returns the fragments granted.
 RESERVE = PRELUDE + r"""
 local holder, n, ttl, fpc, back = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
-local starting, demand_seconds = tonumber(ARGV[10]), tonumber(ARGV[11])
+local starting, demand_seconds, fleet = tonumber(ARGV[10]), tonumber(ARGV[11]), tonumber(ARGV[12])
 local now = now_seconds()
 expire_reservations(now)
 local count, held_ttl = reservation(holder)
@@ -214,7 +214,9 @@ if ttl <= 0 then ttl = held_ttl end  -- a release alone keeps the holder's ttl
 back = math.min(back, count)
 count = count - back
 local room = math.max(0, math.floor((SPI * MINSIZE + ERR - insert_diff(fpc) + back * SPI / fpc) / (SPI / fpc) + 1e-9))
--- what the other holders wait for to go on with their episodes (asks expire: their holders ask again)
+-- what the other holders wait for to go on with their episodes (asks expire: their holders ask again),
+-- each counted up to its share of the band
+local share = math.max(1, math.ceil(math.floor((SPI * MINSIZE + ERR) / (SPI / fpc) + 1e-9) / math.max(1, fleet)))
 local others = 0
 local wants = redis.call('HGETALL', WANT)
 for i = 1, #wants, 2 do
@@ -222,7 +224,7 @@ for i = 1, #wants, 2 do
   if tonumber(untl) <= now then
     redis.call('HDEL', WANT, wants[i])
   elseif wants[i] ~= holder then
-    others = others + tonumber(c)
+    others = others + math.min(tonumber(c), share)
   end
 end
 local continuing = n - starting

@@ -277,7 +277,7 @@ class ReplayBufferService(replay_buffer_pb2_grpc.ReplayBufferServicer):
             while True:
                 seen = self.generation
                 granted = self.index.reserve(request.worker_id, request.fragments, self.reservation_ttl,
-                                             request.starting)
+                                             request.starting, self.leases.count if self.leases else 1)
                 left = deadline - time.monotonic()
                 if granted or not request.fragments or left <= 0 or self.stopping.is_set() or not context.is_active():
                     break
