@@ -22,7 +22,7 @@ def test_a_small_scale_run_measures_every_part(tmp_path: Path) -> None:
     results = tmp_path / "results"
     done = subprocess.run(
         [sys.executable, "-m", "bench.bench_scale", "--sizes", "4", "--modes", "relay", "--window", "20",
-         "--pushes", "1", "--soak-minutes", "2", "--workdir", str(tmp_path / "work"), "--results", str(results)],
+         "--pushes", "1", "--soak-minutes", "1", "--workdir", str(tmp_path / "work"), "--results", str(results)],
         cwd=ROOT, capture_output=True, text=True, timeout=1800)
     assert done.returncode == 0, done.stdout[-4000:] + done.stderr[-4000:]
     result = json.loads((results / "scale.json").read_text())

@@ -25,7 +25,7 @@ Semantics (MineStudio's replay_buffer_config, made exact):
   its last grant or fragment goes back too (the fallback while the rollout-manager cannot be asked). A
   call granted nothing does not keep a holder's room alive. Of a request, the fragments that would begin
   a new episode (`starting`) get room only beyond what other holders wait for to go on with episodes
-  they began (their unmet asks, remembered for DEMAND_SECONDS), each counted up to its share of the band
+  they began (their unmet asks, remembered for room.DEMAND_SECONDS), each counted up to its share of the band
   (the band over the `fleet`'s workers): the fleet finishes what it started, and a worker that joins gets
   its share.
 - A blob key that the orphan sweeper claimed (`claim_orphans`) is never indexed afterwards: `add`
@@ -39,7 +39,6 @@ Semantics (MineStudio's replay_buffer_config, made exact):
 from __future__ import annotations
 
 import bisect
-import math
 import random
 import threading
 import time
@@ -48,6 +47,7 @@ from dataclasses import dataclass, field
 from typing import Protocol
 
 from overworld.replay_buffer.rate_limiter import RateLimiter
+from overworld.replay_buffer.room import MemoryRoom
 
 # add() statuses
 OK = "ok"
@@ -57,7 +57,6 @@ SWEPT = "swept"  # the blob key was claimed by the orphan sweeper: write the blo
 
 SWEPT_RETENTION_SECONDS = 24 * 3600.0  # how long a sweeper tombstone is kept
 SAMPLE_ORDERS = ("oldest", "uniform")
-DEMAND_SECONDS = 2.0  # how long a holder's unmet ask for room to go on with its episodes counts (it asks again)
 
 
 class IndexUnavailable(RuntimeError):
@@ -150,17 +149,6 @@ class ReplayIndex(Protocol):
     def close(self) -> None: ...
 
 
-@dataclass
-class _Reservation:
-    ttl: float
-    fragments: int = 0
-    expires_at: float = 0.0
-
-    def touch(self) -> None:
-        """The holder is alive (it reserved, or a fragment of its arrived): its room is kept ttl longer."""
-        self.expires_at = time.monotonic() + self.ttl
-
-
 class MemoryIndex:
     def __init__(self, max_chunks: int, max_reuse: int, max_staleness: int, fragments_per_chunk: int,
                  rate_limiter: RateLimiter | None = None, seed: int | None = None,
@@ -193,13 +181,9 @@ class MemoryIndex:
         self._dropped: dict[str, int] = defaultdict(int)
         self._reuse_sum = 0
         self._reuse_count = 0
-        self._reservations: dict[str, _Reservation] = {}  # by holder
-        self._demand: dict[str, tuple[int, float]] = {}  # holder -> (continuing fragments it waits for, until)
-        self._reserved = 0  # fragments, all holders
-        self._expired = 0
         if self.limiter:
             self.limiter.inserts, self.limiter.samples, self.limiter.credit = 0, 0, 0.0
-            self.limiter.reserved = 0.0
+        self._room = MemoryRoom(self.limiter, self.fragments_per_chunk) if self.limiter else None
 
     def _is_stale(self, first_version: int) -> bool:
         return first_version < self._version - self.max_staleness
@@ -225,7 +209,7 @@ class MemoryIndex:
                 # A resend: the original is (or was) indexed. Same key: a retried add of this very blob.
                 own = [] if meta.blob_key in self._live else [meta.blob_key]
                 return AddResult(True, own, DUPLICATE)
-            if self.limiter and not self._take_reservation(meta.holder) and not self.limiter.can_insert():
+            if self._room is not None and not self._room.take(meta.holder) and not self._room.limiter.can_insert():
                 return AddResult(False, [], BLOCKED)
             self._last_seq[meta.slot_key] = meta.sequence
             self._inserted += 1
@@ -270,88 +254,28 @@ class MemoryIndex:
         with self._lock:
             return self.limiter is None or self.limiter.can_insert()
 
-    # -- reservations ------------------------------------------------------------------------------
+    # -- reservations (room.py) ----------------------------------------------------------------------
     def reserve(self, holder: str, n: int, ttl: float, starting: int = 0, fleet: int = 1) -> int:
         """Reserve room for up to n fragments of `holder` (all n without a rate limiter), of which `starting`
         would begin new episodes; `fleet`: the workers that share the band. Returns how many."""
         with self._lock:
-            if self.limiter is None:
-                return n
-            self._expire()
-            now = time.monotonic()
-            room = self.limiter.room(self.fragments_per_chunk)
-            continuing = n - starting
-            going_on = min(continuing, room)
-            share = max(1, math.ceil(self.limiter.band(self.fragments_per_chunk) / max(1, fleet)))
-            self._demand = {h: d for h, d in self._demand.items() if d[1] > now and h != holder}
-            others = sum(min(count, share) for count, _ in self._demand.values())
-            granted = going_on + min(starting, max(0, room - going_on - others))
-            if continuing > going_on:
-                self._demand[holder] = (continuing - going_on, now + DEMAND_SECONDS)
-            if granted:
-                held = self._reservations.setdefault(holder, _Reservation(ttl))
-                held.fragments += granted
-                held.ttl = ttl
-                held.touch()
-                self._reserved += granted
-                self._sync_limiter()
-            return granted
+            return n if self._room is None else self._room.reserve(holder, n, ttl, starting, fleet)
 
     def release(self, holder: str, n: int) -> None:
         with self._lock:
-            self._demand.pop(holder, None)
-            held = self._reservations.get(holder)
-            if held is not None:
-                self._give_back(holder, held, min(n, held.fragments))
-                self._sync_limiter()
+            if self._room is not None:
+                self._room.release(holder, n)
 
     def holders(self) -> list[str]:
         """The holders that hold room now."""
         with self._lock:
-            return sorted(self._reservations)
+            return sorted(self._room.reservations) if self._room is not None else []
 
     def forget_holders(self, holders: list[str]) -> int:
         """Give back all the room of these holders (their leases are gone), counted as expired; returns
         how many fragments' room came back."""
         with self._lock:
-            back = 0
-            for holder in holders:
-                self._demand.pop(holder, None)
-                held = self._reservations.pop(holder, None)
-                if held is not None:
-                    back += held.fragments
-            self._reserved -= back
-            self._expired += back
-            self._sync_limiter()
-            return back
-
-    def _take_reservation(self, holder: str) -> bool:
-        self._expire()
-        held = self._reservations.get(holder)
-        if held is None:
-            return False
-        held.touch()
-        self._give_back(holder, held, 1)
-        self._sync_limiter()
-        return True
-
-    def _give_back(self, holder: str, held: _Reservation, n: int) -> None:
-        held.fragments -= n
-        self._reserved -= n
-        if held.fragments <= 0:
-            del self._reservations[holder]
-
-    def _expire(self) -> None:
-        now = time.monotonic()
-        for holder in [h for h, held in self._reservations.items() if held.expires_at <= now]:
-            count = self._reservations.pop(holder).fragments
-            self._reserved -= count
-            self._expired += count
-        self._sync_limiter()
-
-    def _sync_limiter(self) -> None:
-        if self.limiter:
-            self.limiter.reserved = self._reserved / self.fragments_per_chunk
+            return self._room.forget(holders) if self._room is not None else 0
 
     def claim(self, n: int, by_ref: bool = False) -> list[Claim]:
         """Claim up to n distinct chunks in `sample_order`, as far as the rate limiter allows. by_ref: the
@@ -414,8 +338,8 @@ class MemoryIndex:
                 mean_reuse=self._reuse_sum / self._reuse_count if self._reuse_count else 0.0,
                 mean_staleness=sum(staleness) / len(staleness) if staleness else 0.0,
                 max_staleness=max(staleness, default=0),
-                reserved_fragments=self._reserved,
-                expired_reservations=self._expired,
+                reserved_fragments=self._room.reserved if self._room is not None else 0,
+                expired_reservations=self._room.expired if self._room is not None else 0,
             )
 
     def describe_wait(self) -> str:

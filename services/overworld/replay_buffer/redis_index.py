@@ -42,7 +42,6 @@ from redis.retry import Retry
 
 from overworld.replay_buffer.index import (
     BLOCKED,
-    DEMAND_SECONDS,
     DUPLICATE,
     OK,
     SAMPLE_ORDERS,
@@ -69,6 +68,7 @@ from overworld.replay_buffer.redis_scripts import (
     STATS,
     UNREFERENCED,
 )
+from overworld.replay_buffer.room import DEMAND_SECONDS
 
 T = TypeVar("T")
 
