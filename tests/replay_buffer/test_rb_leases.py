@@ -92,3 +92,19 @@ def test_a_worker_that_joins_gets_its_share_of_the_band(make_buffer, manager):
     insert(buf.client, [buf.fragment(worker=first, slot=s, seq=0) for s in range(2)])
     assert len(sample(buf.client, 2)) == 2  # room for two
     assert buf.client.reserve(joined, 2, starting=2, timeout=5).granted == 1  # beyond the first's share of one
+
+
+def test_a_joining_worker_gets_its_share_though_the_first_asks_first_each_time(make_buffer, manager):
+    """A worker that could use the whole band and always asks first when room frees (its Reserve call
+    waits at the front) takes for its episodes under way only its share while a joined worker waits:
+    the joined worker's first episodes go ahead of what is beyond the first worker's share."""
+    first, joined = register(manager), register(manager)  # two leases: a share of one fragment each
+    buf = leased_buffer(make_buffer, manager)
+    assert buf.client.reserve(first, 2, timeout=5).granted == 2
+    insert(buf.client, [buf.fragment(worker=first, slot=s, seq=0) for s in range(2)])
+    assert buf.client.reserve(joined, 2, starting=2, timeout=5).granted == 0  # no room: it waits
+    for seq in range(1, 4):
+        assert len(sample(buf.client, 2)) == 2  # room for two, and the first asks first
+        assert buf.client.reserve(first, 2, timeout=5).granted == 1, f"round {seq}: beyond its share"
+        assert buf.client.reserve(joined, 2, starting=2, timeout=5).granted == 1, f"round {seq}: its share"
+        insert(buf.client, [buf.fragment(worker=first, slot=0, seq=seq), buf.fragment(worker=joined, slot=0, seq=seq)])

@@ -23,11 +23,12 @@ Semantics (MineStudio's replay_buffer_config, made exact):
   will not use (`release`); the front gives back the room of a holder whose lease is gone
   (`forget_holders`, replay_buffer/leases.py); and room a holder leaves unused for `ttl` seconds after
   its last grant or fragment goes back too (the fallback while the rollout-manager cannot be asked). A
-  call granted nothing does not keep a holder's room alive. Of a request, the fragments that would begin
-  a new episode (`starting`) get room only beyond what other holders wait for to go on with episodes
-  they began (their unmet asks, remembered for room.DEMAND_SECONDS), each counted up to its share of the band
-  (the band over the `fleet`'s workers): the fleet finishes what it started, and a worker that joins gets
-  its share.
+  call granted nothing does not keep a holder's room alive. Room goes out in tiers (room.grant): fragments
+  that go on with an episode under way within the worker's share of the band (the band over the
+  `fleet`'s workers, less the room it holds), then fragments that would begin one (`starting`) within
+  it, then each beyond the share; a tier waits behind the other holders' unmet asks of the tiers before
+  it (remembered for room.DEMAND_SECONDS). The fleet finishes what it started, and a worker that joins
+  gets its share even when the others ask first every time room frees.
 - A blob key that the orphan sweeper claimed (`claim_orphans`) is never indexed afterwards: `add`
   answers "swept" and the front writes the blob again under a new key. So an index entry always has
   its blob.

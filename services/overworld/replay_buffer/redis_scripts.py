@@ -202,7 +202,7 @@ return out
 """
 
 # ARGV[5..]: holder, fragments wanted, ttl, fragments_per_chunk, fragments given back, of the fragments
-# wanted those that would begin an episode, how long an unmet ask to go on with one counts, the workers
+# wanted those that would begin an episode, how long an unmet ask counts ahead of the others', the workers
 # sharing the band. Returns the fragments granted.
 RESERVE = PRELUDE + r"""
 local holder, n, ttl, fpc, back = ARGV[5], tonumber(ARGV[6]), tonumber(ARGV[7]), tonumber(ARGV[8]), tonumber(ARGV[9])
@@ -214,24 +214,39 @@ if ttl <= 0 then ttl = held_ttl end  -- a release alone keeps the holder's ttl
 back = math.min(back, count)
 count = count - back
 local room = math.max(0, math.floor((SPI * MINSIZE + ERR - insert_diff(fpc) + back * SPI / fpc) / (SPI / fpc) + 1e-9))
--- what the other holders wait for to go on with their episodes (asks expire: their holders ask again),
--- each counted up to its share of the band
+-- room.grant in Lua: the tiers of an ask are (continuing, starting) within the holder's share of the band
+-- less what it holds, then beyond; each tier of the asker waits behind the other holders' unmet asks
+-- (remembered until their holders ask again) of the tiers before it
 local share = math.max(1, math.ceil(math.floor((SPI * MINSIZE + ERR) / (SPI / fpc) + 1e-9) / math.max(1, fleet)))
-local others = 0
+local function tiers(c, s, held)
+  local within = math.max(0, share - held)
+  local c1 = math.min(c, within)
+  local s1 = math.min(s, within - c1)
+  return {c1, s1, c - c1, s - s1}
+end
+local ahead = {0, 0, 0, 0}
 local wants = redis.call('HGETALL', WANT)
 for i = 1, #wants, 2 do
-  local c, untl = string.match(wants[i + 1], '^(%d+)|(.*)$')
-  if tonumber(untl) <= now then
+  local c, s, untl = string.match(wants[i + 1], '^(%d+)|(%d+)|(.*)$')
+  if not untl or tonumber(untl) <= now then
     redis.call('HDEL', WANT, wants[i])
   elseif wants[i] ~= holder then
-    others = others + math.min(tonumber(c), share)
+    local t = tiers(tonumber(c), tonumber(s), (reservation(wants[i])))
+    for k = 1, 4 do ahead[k] = ahead[k] + t[k] end
   end
 end
 local continuing = n - starting
-local going_on = math.min(continuing, room)
-local granted = going_on + math.max(0, math.min(starting, room - going_on - others))
-if continuing > going_on then
-  redis.call('HSET', WANT, holder, (continuing - going_on) .. '|' .. (now + demand_seconds))
+local mine = tiers(continuing, starting, count)
+local got, before = {0, 0, 0, 0}, 0
+for k = 1, 4 do
+  got[k] = math.max(0, math.min(mine[k], room - before))
+  room = room - got[k]
+  before = before + ahead[k]
+end
+local going_on, begun = got[1] + got[3], got[2] + got[4]
+local granted = going_on + begun
+if going_on < continuing or begun < starting then
+  redis.call('HSET', WANT, holder, (continuing - going_on) .. '|' .. (starting - begun) .. '|' .. (now + demand_seconds))
 else
   redis.call('HDEL', WANT, holder)
 end
