@@ -121,7 +121,7 @@ def fetch_as_a_relay_does(address: str, version: int, size: int, identity: Path)
 
         out = bytearray(chunk)
         stream = open_stream(f"{address.rpartition(':')[0]}:{announcement.weights_port}", request, 30.0, 60.0,
-                             lambda: False)
+                             lambda: False, "model-registry")
         received = 0
         try:
             while (frame := stream.next(lambda i, n: memoryview(out)[:n])).kind != END:

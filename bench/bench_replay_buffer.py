@@ -206,7 +206,7 @@ def run_ingest(addresses: list[str], requests: list[bytes]) -> float:
 
     def stream(address: str, part: list[bytes]) -> None:
         try:
-            with channel(address) as ch:
+            with channel(address, "replay-buffer") as ch:
                 insert = ch.stream_stream("/overworld.v1.ReplayBuffer/Insert", request_serializer=None,
                                           response_deserializer=replay_buffer_pb2.InsertResponse.FromString)
                 acks = list(insert(iter(part), timeout=300))
@@ -239,7 +239,7 @@ def run_sample(addresses: list[str], total: int, fragment_bytes: int) -> tuple[f
 
     def read(address: str) -> None:
         try:
-            with channel(address) as ch:
+            with channel(address, "replay-buffer") as ch:
                 sample = ch.unary_stream("/overworld.v1.ReplayBuffer/Sample",
                                          request_serializer=replay_buffer_pb2.SampleRequest.SerializeToString,
                                          response_deserializer=None)

@@ -53,19 +53,19 @@ PROBE_BATCH = {"reward": np.ones((1, 4), np.float32), "value": np.zeros((1, 4), 
                "truncated": np.zeros((1, 4), bool), "next_value": np.zeros(1, np.float32)}
 
 
-def identity_channel(address: str, tls_root: Path, identity: str = "operator") -> grpc.Channel:
-    """A channel as one of the run's identities (its certificates under `tls_root`); plaintext when the
-    run has none (--insecure)."""
+def identity_channel(address: str, tls_root: Path, peer: str, identity: str = "operator") -> grpc.Channel:
+    """A channel as one of the run's identities (its certificates under `tls_root`) to the service `peer`;
+    plaintext when the run has none (--insecure)."""
     if not (tls_root / identity / tls.CERT).exists():
         return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-    return tls.ReloadingChannel(address, tls.CredentialFiles(tls_root / identity), CHANNEL_OPTIONS)
+    return tls.ReloadingChannel(address, tls.CredentialFiles(tls_root / identity), CHANNEL_OPTIONS, peer)
 
 
 def probe(service: str, address: str, tls_root: Path) -> None:
     """One call of the service's own API at `address` (grpc.RpcError if it does not answer): a status
     read as the operator, Estimate as the trainer (the only identity that may call it)."""
     name = service.split("#")[0]
-    with identity_channel(address, tls_root, "trainer" if name == "gae" else "operator") as ch:
+    with identity_channel(address, tls_root, name, "trainer" if name == "gae" else "operator") as ch:
         if name == "gae":
             GaeClient(address, channel=ch).estimate(PROBE_BATCH, 0.9, 0.9, timeout=PROBE_TIMEOUT)
         elif name == "model-registry":
@@ -138,7 +138,8 @@ class ChaosRun:
             found = self.services()
             if not self._clients and "rollout-manager" in found and "model-registry" in found:
                 manager_at, registry_at = found["rollout-manager"]["address"], found["model-registry"]["address"]
-                self._channels = [identity_channel(manager_at, self.tls_root), identity_channel(registry_at, self.tls_root)]
+                self._channels = [identity_channel(manager_at, self.tls_root, "rollout-manager"),
+                                  identity_channel(registry_at, self.tls_root, "model-registry")]
                 self._clients = (RolloutManagerClient(manager_at, channel=self._channels[0]),
                                  ModelRegistryClient(registry_at, channel=self._channels[1]))
             steps = episodes = version = None

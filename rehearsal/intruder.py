@@ -39,10 +39,11 @@ def health(channel: grpc.Channel) -> str:
     return "OK"
 
 
-def secure(address: str, directory: str) -> grpc.Channel:
+def secure(address: str, directory: str, service: str) -> grpc.Channel:
+    """A channel as the identity in `directory`, to `service` (the certificate its server must show)."""
     cert, key, ca = tls.CredentialFiles(Path(directory)).pems
     return grpc.secure_channel(address, grpc.ssl_channel_credentials(ca, key, cert),
-                               options=[("grpc.ssl_target_name_override", tls.SERVER_NAME)])
+                               options=[("grpc.ssl_target_name_override", tls.server_name(service))])
 
 
 def jobs_api(address: str, token: str | None) -> int:
@@ -85,15 +86,15 @@ def main(spec_path: str) -> int:
         print(json.dumps(out))
         return 0
     out.update({"plaintext": {}, "other_ca": {}, "denied": {}})
-    for pod, (_, address) in spec["targets"].items():
+    for pod, (service, address) in spec["targets"].items():
         with grpc.insecure_channel(address) as channel:
             out["plaintext"][pod] = health(channel)
-        with secure(address, spec["other_ca"]) as channel:
+        with secure(address, spec["other_ca"], service) as channel:
             out["other_ca"][pod] = health(channel)
     for identity, directory in spec["stolen"].items():
         answers: dict[str, list[Any]] = {}
         for pod, (service, address) in spec["targets"].items():
-            with secure(address, directory) as channel:
+            with secure(address, directory, service) as channel:
                 for rpc in RPCS:
                     if rpc.service == service and not authz.allowed(identity, rpc.path):
                         code, details = call_raw(channel, rpc, [b""], 5)

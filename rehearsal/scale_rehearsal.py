@@ -43,7 +43,7 @@ from rehearsal.cluster import NAMESPACE, RELEASE, Cluster, Pod, Workload
 from rehearsal.netns import netem_available, remove_leftovers, wait_until
 from rehearsal.oci_images import REGISTRY as IMAGES
 from rehearsal.oci_images import TAG, ImageStore
-from rehearsal.training_rehearsal import pod_images
+from rehearsal.training_rehearsal import SERVICE_AT_PORT, pod_images
 
 STANDIN_IN_IMAGE = "/opt/overworld-standin/scale_standin.py"  # the same file in the scale images
 SCALE_IMAGES = "localhost/overworld-scale"  # docker/images.mk's SCALE_IMAGES
@@ -199,7 +199,7 @@ class Fleet:
             cert, key_pem, ca = tls.CredentialFiles(directory).pems
             self._channels[key] = grpc.secure_channel(
                 self.cluster.forward(target, port), grpc.ssl_channel_credentials(ca, key_pem, cert),
-                options=[("grpc.ssl_target_name_override", tls.SERVER_NAME),
+                options=[("grpc.ssl_target_name_override", tls.server_name(SERVICE_AT_PORT[port])),
                          ("grpc.max_receive_message_length", 256 << 20), ("grpc.max_send_message_length", 256 << 20)])
         return self._channels[key]
 

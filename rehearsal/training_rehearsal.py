@@ -23,6 +23,7 @@ from overworld.core import tls
 from overworld.model_registry.client import ModelRegistryClient
 from overworld.replay_buffer.client import ReplayBufferClient
 from overworld.rollout_manager.client import RolloutManagerClient
+from overworld.serve import DEFAULT_PORTS
 from overworld.trainer.client import TrainerClient
 from overworld.v1 import replay_buffer_pb2, rollout_manager_pb2, trainer_pb2
 from rehearsal.chart import CHART, by_kind, render, values_from_files
@@ -38,6 +39,8 @@ SERVICES = tuple(f"{RELEASE}-{name}" for name in ("rollout-manager", "model-regi
                                                    "rollout-worker"))
 CONTROLLER = f"{RELEASE}-run-controller"
 SERVICE_ACCOUNT_MOUNT = "/var/run/secrets/kubernetes.io/serviceaccount"
+
+SERVICE_AT_PORT = {port: service for service, port in DEFAULT_PORTS.items()}  # whose certificate it shows
 
 
 SCRAPE_INTERVAL = 5.0  # seconds: the monitors' interval, and Prometheus' rule evaluation
@@ -174,7 +177,8 @@ class Rehearsal:
         """A channel over mutual TLS as the operator (`overworld status`'s identity), through a forward."""
         cert, key, ca = tls.CredentialFiles(self.identity("operator")).pems
         return grpc.secure_channel(self.cluster.forward(target, port), grpc.ssl_channel_credentials(ca, key, cert),
-                                   options=[("grpc.ssl_target_name_override", tls.SERVER_NAME)])
+                                   options=[("grpc.ssl_target_name_override",
+                                             tls.server_name(SERVICE_AT_PORT[port]))])
 
     def registry_version(self) -> int:
         registry = f"{RELEASE}-model-registry"

@@ -49,7 +49,7 @@ def main() -> int:
             handle = serve.BUILDERS[name](args, done)
             handles.append(handle)
             addresses[name] = handle.server.address
-            wait_healthy(addresses[name], timeout=30)
+            wait_healthy(addresses[name], timeout=30, peer=name)
         report["run_id"] = RolloutManagerClient(addresses["rollout-manager"]).run_config().run_id
         data = save({"w": np.linspace(-3, 3, 1000, dtype=np.float32), "steps": np.arange(4, dtype=np.int64)})
         registry = ModelRegistryClient(addresses["model-registry"])

@@ -113,7 +113,7 @@ def fuzz(fleet: Fleet, rpc: Rpc, cases: int) -> Pipeline:
     baseline = rss_baseline(fleet)
     caller = authz.callers(rpc.path)[0]
     tls.use(fleet.credentials[caller])
-    ch = channel(fleet.addresses[rpc.service])
+    ch = channel(fleet.addresses[rpc.service], rpc.service)
     pipeline = Pipeline(ch, rpc)
 
     # Each example is a batch of BATCH cases derived from one drawn message (the draw is the costly part).
@@ -128,7 +128,7 @@ def fuzz(fleet: Fleet, rpc: Rpc, cases: int) -> Pipeline:
         one()
         pipeline.drain()
         # Still healthy, still doing its job, memory bounded.
-        wait_healthy(fleet.addresses[rpc.service], 30)
+        wait_healthy(fleet.addresses[rpc.service], 30, peer=rpc.service)
         GOOD_DATA[rpc.service](fleet)
         grown = fleet.rss_bytes() - baseline
         assert grown < RSS_GROWTH_LIMIT, f"the fleet grew by {grown >> 20} MiB fuzzing {rpc}"
@@ -163,7 +163,7 @@ def test_thousands_of_concurrent_streams_from_one_client(fleet: Fleet, path: str
     rpc = next(r for r in RPCS if r.path == path)
     baseline = rss_baseline(fleet)
     tls.use(fleet.credentials[authz.callers(path)[0]])
-    ch = channel(fleet.addresses[rpc.service])
+    ch = channel(fleet.addresses[rpc.service], rpc.service)
     pipeline = Pipeline(ch, rpc)
     pipeline.deadline = 3.0
     never = threading.Event()
@@ -189,7 +189,7 @@ def test_thousands_of_concurrent_streams_from_one_client(fleet: Fleet, path: str
             assert call.code() != grpc.StatusCode.UNKNOWN, call.details()
         assert time.monotonic() - started < 60
         never.set()
-        wait_healthy(fleet.addresses[rpc.service], 60)
+        wait_healthy(fleet.addresses[rpc.service], 60, peer=rpc.service)
         GOOD_DATA[rpc.service](fleet)
         assert fleet.rss_bytes() - baseline < RSS_GROWTH_LIMIT
         if REPORT:

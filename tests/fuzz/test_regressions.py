@@ -20,7 +20,7 @@ def test_undecodable_requests_get_invalid_argument_and_leak_no_memory(fleet: Fle
     assert fleet.credentials is not None
     tls.use(fleet.credentials["operator"])
     try:
-        with channel(fleet.addresses["replay-buffer"]) as ch:
+        with channel(fleet.addresses["replay-buffer"], "replay-buffer") as ch:
             stats = ch.unary_unary("/overworld.v1.ReplayBuffer/GetStats", request_serializer=_identity,
                                    response_deserializer=_identity)
             try:
@@ -54,7 +54,7 @@ def test_a_fetch_cannot_ask_for_a_message_per_byte(fleet: Fleet) -> None:
     assert fleet.credentials is not None
     tls.use(fleet.credentials["rollout-worker"])
     try:
-        with channel(fleet.addresses["model-registry"]) as ch:
+        with channel(fleet.addresses["model-registry"], "model-registry") as ch:
             fetch = ch.unary_stream("/overworld.v1.ModelRegistry/Fetch", request_serializer=pb.FetchRequest.SerializeToString,
                                     response_deserializer=pb.WeightsChunk.FromString)
             try:

@@ -299,7 +299,7 @@ def test_a_relay_answers_bad_requests_with_a_status(registry: Registry) -> None:
         address = watchers[0].address
 
         def fetch(request: pb.FetchRequest) -> bytes:
-            stream = open_stream(address, request, 5.0, 30.0, lambda: False)
+            stream = open_stream(address, request, 5.0, 30.0, lambda: False, "rollout-worker")
             out = bytearray(held.size)
             try:
                 while stream.next(lambda i, n: memoryview(out)[i * held.chunk:i * held.chunk + n]).kind != 3:

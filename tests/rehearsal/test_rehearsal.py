@@ -629,7 +629,7 @@ def insert_malformed_fragment(rehearsal: Rehearsal) -> None:
     front = rehearsal.cluster.pod(BUFFER)
     address = rehearsal.cluster.forward(front.ip, SERVICE_PORTS["replay-buffer"])
     with grpc.secure_channel(address, grpc.ssl_channel_credentials(ca, key, cert),
-                             options=[("grpc.ssl_target_name_override", tls.SERVER_NAME)]) as channel:
+                             options=[("grpc.ssl_target_name_override", tls.server_name("replay-buffer"))]) as channel:
         buffer = ReplayBufferClient(address, channel=channel)  # through the port-forward, as that worker
         header = common_pb2.FragmentHeader(worker_id="rehearsal-faulty-worker", length=1)
         request = replay_buffer_pb2.InsertRequest(fragment=common_pb2.Fragment(header=header))

@@ -176,7 +176,8 @@ def test_cert_manager_certificates() -> None:
         assert spec["secretName"] == f"overworld-tls-{identity}" and spec["commonName"] == identity
         assert spec["uris"] == [f"spiffe://overworld/overworld/{identity}"]
         assert spec["issuerRef"]["name"] == "overworld-ca"
-        assert ("overworld.internal" in spec.get("dnsNames", [])) == (identity not in ("run-controller", "operator"))
+        assert (f"{identity}.overworld.internal" in spec.get("dnsNames", [])) == (identity not in ("run-controller", "operator"))
+        assert "overworld.internal" not in spec.get("dnsNames", [])  # no name every service shares
     shared = render({"tls": {"certManager": {"enabled": True, "issuerRef": {"name": "lab-ca", "kind": "ClusterIssuer"}}}})
     assert not by_kind(shared, "Issuer")
     assert by_kind(shared, "Certificate")["overworld-tls-gae"]["spec"]["issuerRef"]["name"] == "lab-ca"

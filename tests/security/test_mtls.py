@@ -52,7 +52,7 @@ def test_a_client_of_another_ca_is_refused_by_every_service(fleet: Fleet, tmp_pa
     for identity in ("trainer", "operator"):
         tls.use(other[identity])
         for service, address in fleet.addresses.items():
-            with channel(address) as ch:
+            with channel(address, service) as ch:
                 assert health(ch) == grpc.StatusCode.UNAVAILABLE, (identity, service)
 
 
@@ -60,7 +60,7 @@ def test_each_identity_may_call_exactly_its_methods(fleet: Fleet) -> None:
     assert fleet.credentials is not None
     for identity in authz.IDENTITIES:
         tls.use(fleet.credentials[identity])
-        channels = {service: channel(address) for service, address in fleet.addresses.items()}
+        channels = {service: channel(address, service) for service, address in fleet.addresses.items()}
         try:
             for service, ch in channels.items():
                 assert health(ch) == grpc.StatusCode.OK, (identity, service)
@@ -104,10 +104,61 @@ def test_a_server_with_a_client_only_certificate_is_not_trusted(fleet: Fleet) ->
     impostor = serve([(gae_pb2_grpc.add_GaeServicer_to_server, GaeService(), "overworld.v1.Gae")])
     try:
         tls.use(fleet.credentials["trainer"])
-        with channel(impostor.address) as ch:
-            assert health(ch, 3) == grpc.StatusCode.UNAVAILABLE
+        with channel(impostor.address, "gae") as ch:
+            assert health(ch, 3) == grpc.StatusCode.UNAUTHENTICATED
     finally:
         impostor.stop(0)
+
+
+CLIENTS = {"rollout-manager": "overworld.rollout_manager.client:RolloutManagerClient",
+           "replay-buffer": "overworld.replay_buffer.client:ReplayBufferClient",
+           "gae": "overworld.gae.client:GaeClient",
+           "model-registry": "overworld.model_registry.client:ModelRegistryClient",
+           "trainer": "overworld.trainer.client:TrainerClient",
+           "rollout-worker": "overworld.rollout_worker.client:RolloutWorkerClient"}
+
+
+@pytest.fixture(scope="module")
+def impostors(fleet: Fleet) -> dict[str, str]:
+    """A server of each serving identity of the run, holding its genuine certificate (a pod of the run that
+    was compromised, or an address that points at the wrong pod): identity -> address."""
+    assert fleet.credentials is not None
+    servers = {}
+    for identity in authz.SERVING:
+        tls.use(fleet.credentials[identity])
+        servers[identity] = serve([(gae_pb2_grpc.add_GaeServicer_to_server, GaeService(), "overworld.v1.Gae")])
+    tls.reset()
+    yield {identity: server.address for identity, server in servers.items()}
+    for server in servers.values():
+        server.stop(0)
+
+
+@pytest.mark.parametrize("meant", sorted(CLIENTS))
+def test_every_client_refuses_a_server_of_another_identity(fleet: Fleet, impostors: dict[str, str], meant: str) -> None:
+    """A certificate of the run is not enough: each client talks only to the identity it meant to reach
+    (a rollout worker runs game code and must not pass as the registry). The refusal names both."""
+    from google.protobuf import message_factory
+
+    from overworld.core.imports import import_object
+
+    assert fleet.credentials is not None
+    client_class = import_object(CLIENTS[meant])
+    rpc = next(r for r in RPCS if r.service == meant and not r.client_streaming and not r.server_streaming)
+    request = message_factory.GetMessageClass(rpc.request_type)()  # it never arrives: anything goes
+    tls.use(fleet.credentials["operator"])
+    try:
+        for posing, address in impostors.items():
+            with client_class(address) as client, pytest.raises(grpc.RpcError) as err:
+                client.call(rpc.name, request, timeout=5)
+            if posing == meant:  # the identity meant: the handshake passes (the stand-in serves only Gae)
+                assert not isinstance(err.value, tls.WrongPeer), err.value
+                continue
+            assert isinstance(err.value, tls.WrongPeer), (meant, posing, err.value)
+            assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
+            details = err.value.details()
+            assert f"presented {posing}'s certificate of run fleet-run, not the {meant}" in details, details
+    finally:
+        tls.reset()
 
 
 def test_the_health_port_answers_kubelet_probes_and_nothing_else(fleet: Fleet, monkeypatch: pytest.MonkeyPatch
@@ -147,7 +198,7 @@ def test_certificates_rotate_without_a_restart(tmp_path: Path, monkeypatch: pyte
     tls.use(live["trainer"])
     gae = GaeClient(server.address)
     try:
-        wait_healthy(server.address, 10)
+        wait_healthy(server.address, 10, peer="gae")
         with pytest.raises(grpc.RpcError) as err:
             gae.call("Estimate", gae_pb2.EstimateRequest(), timeout=5)
         assert err.value.code() == grpc.StatusCode.INVALID_ARGUMENT  # through TLS and authorization
@@ -158,7 +209,7 @@ def test_certificates_rotate_without_a_restart(tmp_path: Path, monkeypatch: pyte
         old = tmp_path / "old"
         shutil.copytree(first["trainer"], old)
         tls.use(old)
-        with channel(server.address) as stale:
+        with channel(server.address, "gae") as stale:
             assert health(stale, 3) == grpc.StatusCode.UNAVAILABLE
         with pytest.raises(grpc.RpcError) as err:  # the open channel follows its files
             gae.call("Estimate", gae_pb2.EstimateRequest(), timeout=5)

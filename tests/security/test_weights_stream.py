@@ -59,15 +59,19 @@ def endpoints(identities: dict[str, Path], tmp_path_factory: pytest.TempPathFact
         server.stop(0)
 
 
+# whose certificate each endpoint's server presents: the identity a client of it means to reach
+PEER = {authz.WEIGHTS_FROM_REGISTRY: "model-registry", authz.WEIGHTS_FROM_RELAY: "rollout-worker"}
+
+
 def request(version: int = 1) -> pb.FetchRequest:
     return pb.FetchRequest(version=version, chunk_size=relay_chunk_bytes(1))
 
 
-def answer(address: str) -> grpc.StatusCode:
+def answer(address: str, peer: str = "model-registry") -> grpc.StatusCode:
     """What the endpoint answers this process's identity (OK: it streamed the whole version, sealed)."""
     out = bytearray(8 << 20)
     try:
-        stream = open_stream(address, request(), 5.0, 15.0, lambda: False)
+        stream = open_stream(address, request(), 5.0, 15.0, lambda: False, peer)
         try:
             while stream.next(lambda i, n: memoryview(out)[:n]).kind != END:
                 pass
@@ -86,10 +90,10 @@ def test_each_identity_may_use_exactly_the_endpoints_the_table_gives_it(identiti
         for method, address in endpoints.items():
             if authz.allowed(identity, method):
                 # the registry streams version 1; the relay holds nothing: NOT_FOUND, past the check
-                assert answer(address) in (grpc.StatusCode.OK, grpc.StatusCode.NOT_FOUND), (identity, method)
+                assert answer(address, PEER[method]) in (grpc.StatusCode.OK, grpc.StatusCode.NOT_FOUND), (identity, method)
                 continue
             with pytest.raises(StreamError) as err:
-                open_stream(address, request(), 5.0, 15.0, lambda: False)
+                open_stream(address, request(), 5.0, 15.0, lambda: False, PEER[method])
             assert err.value.code == grpc.StatusCode.PERMISSION_DENIED, (identity, method, err.value)
             assert identity in err.value.message and method in err.value.message, err.value.message
     assert authz.callers(authz.WEIGHTS_FROM_RELAY) == ["rollout-worker"]
@@ -98,15 +102,28 @@ def test_each_identity_may_use_exactly_the_endpoints_the_table_gives_it(identiti
 def test_a_plaintext_client_and_a_client_of_another_ca_are_refused_at_the_handshake(
         endpoints: dict[str, str], tmp_path: Path) -> None:
     tls.use(None)
-    for address in endpoints.values():
+    for method, address in endpoints.items():
         with pytest.raises((OSError, ssl.SSLError, StreamError)) as err:
-            open_stream(address, request(), 5.0, 15.0, lambda: False)
+            open_stream(address, request(), 5.0, 15.0, lambda: False, PEER[method])
         assert not (isinstance(err.value, StreamError) and err.value.code == grpc.StatusCode.OK)
     other = tls.write_run_credentials(tmp_path, RUN)  # same run and identity names, another CA
     tls.use(other["rollout-worker"])
-    for address in endpoints.values():
+    for method, address in endpoints.items():
         with pytest.raises(ssl.SSLError):
-            open_stream(address, request(), 5.0, 15.0, lambda: False)
+            open_stream(address, request(), 5.0, 15.0, lambda: False, PEER[method])
+
+
+def test_a_stream_server_of_another_identity_is_refused(identities: dict[str, Path],
+                                                         endpoints: dict[str, str]) -> None:
+    """A certificate of the run is not enough: a worker's relay port asked as if it were the registry, and
+    the registry's asked as if it were a relay, are refused at the handshake, naming both identities."""
+    tls.use(identities["rollout-worker"])
+    for method, meant in ((authz.WEIGHTS_FROM_RELAY, "model-registry"), (authz.WEIGHTS_FROM_REGISTRY, "rollout-worker")):
+        with pytest.raises(StreamError) as err:
+            open_stream(endpoints[method], request(), 5.0, 15.0, lambda: False, meant)
+        presented = PEER[method]
+        assert err.value.code == grpc.StatusCode.UNAUTHENTICATED, err.value
+        assert f"presented {presented}'s certificate of run {RUN}, not the {meant}" in err.value.message, err.value
 
 
 def test_a_worker_of_another_run_from_the_same_issuer_is_refused(endpoints: dict[str, str], tmp_path: Path,
@@ -121,7 +138,7 @@ def test_a_worker_of_another_run_from_the_same_issuer_is_refused(endpoints: dict
     try:
         tls.use(tmp_path / "other-run" / "rollout-worker")
         with pytest.raises(StreamError) as err:
-            open_stream(f"127.0.0.1:{relay.port}", request(), 5.0, 15.0, lambda: False)
+            open_stream(f"127.0.0.1:{relay.port}", request(), 5.0, 15.0, lambda: False, "rollout-worker")
         assert err.value.code == grpc.StatusCode.PERMISSION_DENIED and "other-run" in err.value.message
     finally:
         relay.stop()
@@ -146,7 +163,7 @@ def test_a_frame_changed_on_the_way_is_refused(identities: dict[str, Path], endp
     connection's key) is DATA_LOSS, not a chunk."""
     tls.use(identities["rollout-worker"])
     flip_a_byte_of_each_sealed_chunk(monkeypatch)
-    stream = open_stream(endpoints[authz.WEIGHTS_FROM_REGISTRY], request(), 5.0, 15.0, lambda: False)
+    stream = open_stream(endpoints[authz.WEIGHTS_FROM_REGISTRY], request(), 5.0, 15.0, lambda: False, "model-registry")
     out = bytearray(8 << 20)
     try:
         with pytest.raises(StreamError) as err:
@@ -168,13 +185,32 @@ def test_a_request_that_is_not_one_is_answered(identities: dict[str, Path], endp
     for sent in (struct.pack("!I", 40) + b"\xff" * 40, struct.pack("!I", 1 << 30)):
         host, port = endpoints[authz.WEIGHTS_FROM_REGISTRY].rsplit(":", 1)
         with socket.create_connection((host, int(port)), timeout=10) as raw, \
-                ctx.wrap_socket(raw, server_hostname=tls.SERVER_NAME) as conn:
+                ctx.wrap_socket(raw, server_hostname=tls.server_name("model-registry")) as conn:
             conn.sendall(sent)
             n = struct.unpack("!I", conn.recv(4))[0]
             reply = conn.recv(n)
             assert reply[0] == grpc.StatusCode.INVALID_ARGUMENT.value[0], reply
     # and the endpoint still serves
     assert answer(endpoints[authz.WEIGHTS_FROM_REGISTRY]) == grpc.StatusCode.OK
+
+
+def test_a_caller_is_refused_before_its_request_is_read(identities: dict[str, Path], endpoints: dict[str, str]) -> None:
+    """Authorization comes straight after the handshake: an identity the table refuses gets
+    PERMISSION_DENIED even for bytes that are not a request (they are never parsed)."""
+    tls.use(identities["gae"])  # may use neither endpoint
+    files = tls.credentials()
+    assert files is not None
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.load_cert_chain(files.directory / tls.CERT, files.directory / tls.KEY)
+    ctx.load_verify_locations(files.directory / tls.CA)
+    host, port = endpoints[authz.WEIGHTS_FROM_REGISTRY].rsplit(":", 1)
+    with socket.create_connection((host, int(port)), timeout=10) as raw, \
+            ctx.wrap_socket(raw, server_hostname=tls.server_name("model-registry")) as conn:
+        conn.sendall(struct.pack("!I", 40) + b"\xff" * 40)  # not a FetchRequest
+        n = struct.unpack("!I", conn.recv(4))[0]
+        reply = conn.recv(n)
+    assert reply[0] == grpc.StatusCode.PERMISSION_DENIED.value[0], reply
+    assert b"gae" in reply
 
 
 @pytest.mark.parametrize("in_place", [True, False], ids=["cryptography-46+", "cryptography-45"])
@@ -193,7 +229,7 @@ def test_the_whole_version_arrives_sealed_with_either_aead_api(identities: dict[
         end = max(end, index * chunk + n)
         return memoryview(out)[index * chunk:index * chunk + n]
 
-    stream = open_stream(endpoints[authz.WEIGHTS_FROM_REGISTRY], request(), 5.0, 15.0, lambda: False)
+    stream = open_stream(endpoints[authz.WEIGHTS_FROM_REGISTRY], request(), 5.0, 15.0, lambda: False, "model-registry")
     try:
         while stream.next(into).kind != END:
             pass

@@ -21,8 +21,9 @@ class ServiceClient:
     """A client of one service at `address` (host:port).
 
     Construction: `XClient(address)` opens a channel with this process's credentials (`grpc_util.channel`:
-    mutual TLS when the process has an identity, `tls.use` or $OVERWORLD_TLS_DIR; plaintext otherwise)
-    and `close()` closes it. `XClient(address, channel=ch)` calls over a channel made otherwise (a
+    mutual TLS when the process has an identity, `tls.use` or $OVERWORLD_TLS_DIR; plaintext otherwise),
+    on which the server must present the certificate of the client's service (a rollout worker's, say,
+    is refused where the registry was meant: `tls.WrongPeer`), and `close()` closes it. `XClient(address, channel=ch)` calls over a channel made otherwise (a
     port-forward's, one channel per client in a benchmark, a kubelet-like plaintext one in a test): it
     stays its maker's, and `close()` leaves it open. Either way the client is a context manager.
 
@@ -44,12 +45,13 @@ class ServiceClient:
     builds or reaches a stub (tests/test_client_shape.py).
     """
 
-    def __init__(self, address: str, stub: Callable[[grpc.Channel], Any], *,
+    def __init__(self, address: str, stub: Callable[[grpc.Channel], Any], peer: str, *,
                  channel: grpc.Channel | None = None) -> None:
-        """`stub`: the service's generated stub class (a subclass passes its own)."""
+        """`stub`: the service's generated stub class; `peer`: the identity its server must present (a
+        subclass passes its own: ReplayBufferClient "replay-buffer", ...)."""
         self._address = address
         self._owns_channel = channel is None
-        self._channel: grpc.Channel = grpc_util.channel(address) if channel is None else channel
+        self._channel: grpc.Channel = grpc_util.channel(address, peer) if channel is None else channel
         self._stub = stub(self._channel)
 
     @property

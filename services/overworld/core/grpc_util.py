@@ -239,12 +239,17 @@ def add_overriding(add_generated: Callable[[Any, Any], None], servicer: Any, ser
     server.add_registered_method_handlers(name, captured)
 
 
-def channel(address: str) -> grpc.Channel:
-    """A channel to `address` with this process's credentials (mutual TLS), or plaintext without."""
+def channel(address: str, peer: str | None = None) -> grpc.Channel:
+    """A channel to `address` with this process's credentials (mutual TLS), or plaintext without. With
+    mutual TLS the server must present the certificate of `peer`, the identity the caller means to reach
+    ("model-registry", ...; core/authz.py SERVING), or the calls fail with tls.WrongPeer."""
     files = tls.credentials()
     if files is None:
         return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)
-    return tls.ReloadingChannel(address, files, CHANNEL_OPTIONS)
+    if peer not in authz.SERVING:
+        raise ValueError(f"a mutual TLS channel to {address} needs the identity it means to reach, one of "
+                         f"{', '.join(authz.SERVING)}; got {peer!r}")
+    return tls.ReloadingChannel(address, files, CHANNEL_OPTIONS, peer)
 
 
 def health_status(ch: grpc.Channel, service: str = "", timeout: float = 1.0, wait_for_ready: bool = False) -> int:
@@ -263,10 +268,11 @@ def serving(ch: grpc.Channel, service: str = "", timeout: float = 1.0) -> bool:
         return False
 
 
-def wait_healthy(address: str, timeout: float = 30.0, service: str = "") -> None:
-    """Block until the server at `address` reports SERVING, or raise TimeoutError."""
+def wait_healthy(address: str, timeout: float = 30.0, service: str = "", peer: str | None = None) -> None:
+    """Block until the server at `address` (the identity `peer`, with mutual TLS) reports SERVING, or raise
+    TimeoutError."""
     deadline = time.monotonic() + timeout
-    with channel(address) as ch:
+    with channel(address, peer) as ch:
         while time.monotonic() < deadline:
             if serving(ch, service, timeout=2.0):
                 return

@@ -9,9 +9,12 @@ unless told ``--insecure`` / ``tls.enabled=false``).
 
 Servers ask for a client certificate of the CA and re-read their files on the next handshake after a
 change (gRPC's certificate-configuration fetcher). Clients check the server's certificate against the
-CA and the name SERVER_NAME, which only the certificates of serving identities carry (service
-addresses are pod IPs and per-attempt Ray head names, so no real hostname could be pinned); a channel
-whose files changed opens its next connections with the new files.
+CA and against the name of the identity they meant to reach, `server_name(identity)`
+("model-registry.overworld.internal"), which only that identity's certificates carry: service
+addresses are pod IPs and per-attempt Ray head names, so no real hostname could be pinned, and a
+certificate of the run is not enough (a rollout worker runs game code and must not pass as the
+registry). A peer that presents another identity's certificate is refused with `WrongPeer`, which names
+both. A channel whose files changed opens its next connections with the new files.
 """
 
 from __future__ import annotations
@@ -29,10 +32,15 @@ import grpc
 
 from overworld.core import authz
 
-SERVER_NAME = "overworld.internal"
+SERVER_DOMAIN = "overworld.internal"
 CERT, KEY, CA = "tls.crt", "tls.key", "ca.crt"
 TLS_DIR_ENV = "OVERWORLD_TLS_DIR"
 RELOAD_CHECK_SECONDS = 5.0  # how often a client channel looks at its files
+
+
+def server_name(identity: str) -> str:
+    """The name a client checks a server's certificate for when it means to reach `identity`."""
+    return f"{identity}.{SERVER_DOMAIN}"
 
 
 # -- issuing (overworld run, `overworld certs`, tests) --------------------------------------------------
@@ -84,7 +92,7 @@ class Authority:
 
     def issue(self, identity: str, run: str, days: int = 365, dns_names: Sequence[str] = ()) -> tuple[bytes, bytes]:
         """(certificate PEM, key PEM) for `identity` of `run`: CN and SAN URI name it; serving
-        identities also carry SERVER_NAME (and `dns_names`)."""
+        identities also carry their server name, `server_name(identity)` (and `dns_names`)."""
         from cryptography import x509
         from cryptography.hazmat.primitives import hashes
         from cryptography.x509.oid import ExtendedKeyUsageOID, NameOID
@@ -92,7 +100,7 @@ class Authority:
         key = _new_key()
         names: list[x509.GeneralName] = [x509.UniformResourceIdentifier(authz.spiffe_id(run, identity))]
         if identity in authz.SERVING:
-            names += [x509.DNSName(n) for n in (SERVER_NAME, *dns_names)]
+            names += [x509.DNSName(n) for n in (server_name(identity), *dns_names)]
         now = datetime.datetime.now(datetime.UTC)
         cert = (x509.CertificateBuilder()
                 .subject_name(x509.Name([x509.NameAttribute(NameOID.COMMON_NAME, identity)]))
@@ -267,6 +275,94 @@ def credentials() -> CredentialFiles | None:
 
 # -- client channels that follow their files ----------------------------------------------------------
 
+class WrongPeer(grpc.RpcError):
+    """The server at an address presented a certificate that is not of the identity the client meant to
+    reach: another identity of the run (a rollout worker where the registry should be), or not of the run
+    at all. Not retried (UNAUTHENTICATED): talking to it would hand the wrong peer what the real one gets."""
+
+    def __init__(self, address: str, expected: str, presented: str) -> None:
+        super().__init__(address, expected, presented)
+        self.address, self.expected, self.presented = address, expected, presented
+
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAUTHENTICATED
+
+    def details(self) -> str:
+        return (f"the server at {self.address} presented {self.presented}, not the {self.expected} this client "
+                f"meant to reach: refused (a wrong address, or a peer posing as {self.expected}; see \"Security\" "
+                "in docs/operations.md)")
+
+    def __str__(self) -> str:
+        return self.details()
+
+
+def certificate_identity(der: bytes) -> tuple[str, str]:
+    """(run, identity) a certificate names in its SPIFFE URI (run "" and the common name without one)."""
+    from cryptography import x509
+
+    cert = x509.load_der_x509_certificate(der)
+    try:
+        san = cert.extensions.get_extension_for_class(x509.SubjectAlternativeName).value
+        for uri in san.get_values_for_type(x509.UniformResourceIdentifier):
+            if uri.startswith(authz.SPIFFE_PREFIX):
+                run, _, identity = uri[len(authz.SPIFFE_PREFIX):].rpartition("/")
+                return run, identity
+    except x509.ExtensionNotFound:
+        pass
+    names = cert.subject.get_attributes_for_oid(x509.oid.NameOID.COMMON_NAME)
+    return "", str(names[0].value) if names else "?"
+
+
+def presented_identity(address: str, files: CredentialFiles, timeout: float = 3.0) -> str:
+    """What the server at `address` presents, in words ("rollout-worker's certificate of run r1"),
+    checked against this identity's CA but not against any name: why a handshake that checked the name
+    failed. Looked up only after such a failure."""
+    import socket
+    import ssl
+
+    host, _, port = address.rpartition(":")
+    ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_CLIENT)
+    ctx.check_hostname = False
+    ctx.load_cert_chain(files.directory / CERT, files.directory / KEY)
+    ctx.load_verify_locations(files.directory / CA)
+    ctx.set_alpn_protocols(["h2"])
+    try:
+        with socket.create_connection((host.strip("[]"), int(port)), timeout=timeout) as sock, \
+                ctx.wrap_socket(sock) as conn:
+            der = conn.getpeercert(binary_form=True)
+    except ssl.SSLCertVerificationError:
+        return "a certificate not of this run's CA"
+    except (OSError, ValueError) as err:
+        return f"a certificate that could not be read ({err})"
+    if der is None:
+        return "no certificate"
+    run, identity = certificate_identity(der)
+    return f"{identity}'s certificate of run {run}" if run else f"the certificate of {identity!r}"
+
+
+def _hostname_check_failed(err: grpc.RpcError) -> bool:
+    return err.code() == grpc.StatusCode.UNAVAILABLE and "Hostname Verification" in (err.details() or "")
+
+
+class _CheckedStream:
+    """A streaming call's replies, with a failed check of the server's name raised as WrongPeer."""
+
+    def __init__(self, call: Any, owner: ReloadingChannel) -> None:
+        self._call, self._owner = call, owner
+
+    def __iter__(self) -> _CheckedStream:
+        return self
+
+    def __next__(self) -> Any:
+        try:
+            return next(self._call)
+        except grpc.RpcError as err:
+            raise self._owner.explain(err) from None
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._call, name)
+
+
 class _Multicallable:
     """A stub's method bound to whatever channel is current (stubs bind methods once, at creation)."""
 
@@ -283,22 +379,30 @@ class _Multicallable:
         return self._bound
 
     def __call__(self, *args: Any, **kwargs: Any) -> Any:
-        return self._current()(*args, **kwargs)
+        try:
+            out = self._current()(*args, **kwargs)
+        except grpc.RpcError as err:
+            raise self._owner.explain(err) from None
+        return _CheckedStream(out, self._owner) if self._kind.endswith("_stream") else out
 
     def future(self, *args: Any, **kwargs: Any) -> Any:
         return self._current().future(*args, **kwargs)
 
     def with_call(self, *args: Any, **kwargs: Any) -> Any:
-        return self._current().with_call(*args, **kwargs)
+        try:
+            return self._current().with_call(*args, **kwargs)
+        except grpc.RpcError as err:
+            raise self._owner.explain(err) from None
 
 
 class ReloadingChannel(grpc.Channel):
-    """A secure channel that, once its credential files change, opens a new channel with them for the
-    calls that follow. Calls in flight finish on the old one (closed with this channel)."""
+    """A secure channel to `peer` (the identity the client means to reach: its server must present that
+    identity's certificate) that, once its credential files change, opens a new channel with them for
+    the calls that follow. Calls in flight finish on the old one (closed with this channel)."""
 
-    def __init__(self, address: str, files: CredentialFiles, options: Sequence[tuple[str, Any]]) -> None:
-        self._address, self._files = address, files
-        self._options = [*options, ("grpc.ssl_target_name_override", SERVER_NAME)]
+    def __init__(self, address: str, files: CredentialFiles, options: Sequence[tuple[str, Any]], peer: str) -> None:
+        self._address, self._files, self.peer = address, files, peer
+        self._options = [*options, ("grpc.ssl_target_name_override", server_name(peer))]
         self._lock = threading.Lock()
         self._pems = files.pems
         self._channel = self._open()
@@ -320,6 +424,13 @@ class ReloadingChannel(grpc.Channel):
                         self._old.append(self._channel)
                         self._channel = self._open()
         return self._channel
+
+    def explain(self, err: grpc.RpcError) -> grpc.RpcError:
+        """`err`, or WrongPeer when the server failed the check of its name: it presented a certificate of
+        another identity (the lookup of which costs one more handshake, on failure only)."""
+        if not _hostname_check_failed(err):
+            return err
+        return WrongPeer(self._address, self.peer, presented_identity(self._address, self._files))
 
     def subscribe(self, callback: Any, try_to_connect: bool = False) -> None:
         self.current().subscribe(callback, try_to_connect)
@@ -350,12 +461,12 @@ class ReloadingChannel(grpc.Channel):
         self.close()
 
 
-def aio_channel(address: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
-    """An asyncio channel with this process's credentials (files read at each call: the run-controller
-    opens one per status read)."""
+def aio_channel(address: str, peer: str, options: Sequence[tuple[str, Any]] = ()) -> grpc.aio.Channel:
+    """An asyncio channel to `peer` (the identity its server must present) with this process's credentials
+    (files read at each call: the run-controller opens one per status read)."""
     files = credentials()
     if files is None:
         return grpc.aio.insecure_channel(address, options=list(options))
     files.reload()
     return grpc.aio.secure_channel(address, files.channel_credentials(),
-                                   options=[*options, ("grpc.ssl_target_name_override", SERVER_NAME)])
+                                   options=[*options, ("grpc.ssl_target_name_override", server_name(peer))])

@@ -13,7 +13,7 @@ from overworld.v1 import gae_pb2, gae_pb2_grpc
 
 class GaeClient(ServiceClient):
     def __init__(self, address: str, *, channel: grpc.Channel | None = None) -> None:
-        super().__init__(address, gae_pb2_grpc.GaeStub, channel=channel)
+        super().__init__(address, gae_pb2_grpc.GaeStub, "gae", channel=channel)
 
     def estimate(self, batch: dict[str, np.ndarray], discount: float, gae_lambda: float,
                  vtrace: bool = False, rho_clip: float = 1.0, c_clip: float = 1.0, *,

@@ -242,7 +242,7 @@ class Supervisor:
         ServiceFailed at once when any service refused its configuration meanwhile."""
         deadline = time.monotonic() + timeout
         waiting = {name: self.child(name) for name in names}
-        channels = {name: channel(child.address) for name, child in waiting.items()}
+        channels = {name: channel(child.address, name.split("#")[0]) for name, child in waiting.items()}
         try:
             while waiting:
                 self.check_refusals()

@@ -31,7 +31,7 @@ class FetchBroken(Exception):
 
 class ModelRegistryClient(ServiceClient):
     def __init__(self, address: str, *, channel: grpc.Channel | None = None) -> None:
-        super().__init__(address, model_registry_pb2_grpc.ModelRegistryStub, channel=channel)
+        super().__init__(address, model_registry_pb2_grpc.ModelRegistryStub, "model-registry", channel=channel)
         self._acks: set[grpc.Future] = set()
         self._acks_lock = threading.Lock()
         # Publish and Fetch through hand-encoded messages (same bytes on the wire): one copy per chunk

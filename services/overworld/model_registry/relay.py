@@ -68,7 +68,8 @@ RECEIVING, VERIFIED, FAILED = "receiving", "verified", "failed"
 # The registry's answers that end a fetch (the version is gone or cannot be had): the others are retried.
 REGISTRY_FINAL = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ABORTED,
                   grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE,
-                  grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED)
+                  grpc.StatusCode.INVALID_ARGUMENT, grpc.StatusCode.PERMISSION_DENIED,
+                  grpc.StatusCode.UNAUTHENTICATED)
 
 
 class RelayFailed(Exception):
@@ -384,7 +385,8 @@ def _fetch_stripe(held: RelayedVersion, start: int, end: int, source: str, regis
 
         answered = False
         try:
-            stream = open_stream(source if from_relay else registry, request, STALL_SECONDS, DATA_STALL_SECONDS, stop)
+            stream = open_stream(source if from_relay else registry, request, STALL_SECONDS, DATA_STALL_SECONDS, stop,
+                                 "rollout-worker" if from_relay else "model-registry")
             answered = True
             try:
                 while True:

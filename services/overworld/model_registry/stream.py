@@ -7,7 +7,8 @@ records of 16 KB with two system calls each (1.2 CPU-s per GB received here); th
 
 1. TCP, then a TLS 1.3 handshake with the run's certificates, both ways (core/tls.py's files: the
    server asks for a client certificate of the run's CA, the client checks the server's against the
-   CA and SERVER_NAME, as gRPC does). The server reads the caller's identity from its certificate and
+   CA and the name of the identity it means to reach, as gRPC does: the registry's, or a relaying
+   worker's). The server reads the caller's identity from its certificate and
    checks it against core/authz.py's table, as the gRPC interceptor does.
 2. Inside TLS: the request (a FetchRequest, protobuf), the answer (a status; when OK a fresh AES-128
    key for this connection), and the client's "start". Nothing else goes through TLS.
@@ -108,13 +109,14 @@ class Envelope:
     """The handshake part of a connection: TLS through memory BIOs (so that this code, not OpenSSL,
     reads the socket and no byte of the frames after it is taken), or plaintext."""
 
-    def __init__(self, sock: socket.socket, ctx: ssl.SSLContext | None, server: bool) -> None:
+    def __init__(self, sock: socket.socket, ctx: ssl.SSLContext | None, server: bool, peer: str = "") -> None:
+        """`peer`: a client's, the identity whose certificate the server must present."""
         self.sock = sock
         self.obj: ssl.SSLObject | None = None
         if ctx is not None:
             self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
             self.obj = ctx.wrap_bio(self._in, self._out, server_side=server,
-                                    server_hostname=None if server else tls.SERVER_NAME)
+                                    server_hostname=None if server else tls.server_name(peer))
             while True:
                 try:
                     self.obj.do_handshake()
@@ -336,6 +338,9 @@ class WeightsStream:
         self.sock.close()
 
 
+HOSTNAME_MISMATCH = 62  # X509_V_ERR_HOSTNAME_MISMATCH: the certificate is of the run, but not of the peer meant
+
+
 def split_address(address: str) -> tuple[str, int]:
     host, _, port = address.rpartition(":")
     if not host or not port.isdigit():
@@ -344,15 +349,24 @@ def split_address(address: str) -> tuple[str, int]:
 
 
 def open_stream(address: str, request: pb.FetchRequest, stall: float, data_stall: float,
-                stop: Callable[[], bool], connect_timeout: float = HANDSHAKE_SECONDS) -> WeightsStream:
-    """Connect to a weights stream at `address`, ask for `request`, and return the frames' reader.
-    Raises OSError (nobody answers), ssl.SSLError (the handshake failed), StreamError (its answer)."""
+                stop: Callable[[], bool], peer: str, connect_timeout: float = HANDSHAKE_SECONDS) -> WeightsStream:
+    """Connect to a weights stream at `address`, served by `peer` (the registry, "model-registry", or a
+    relaying worker, "rollout-worker"), ask for `request`, and return the frames' reader. Raises OSError
+    (nobody answers), ssl.SSLError (the handshake failed), StreamError (its answer; UNAUTHENTICATED: the
+    server presented another identity's certificate)."""
     host, port = split_address(address)
     sock = socket.create_connection((host, port), timeout=connect_timeout)
     try:
         sock.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
-        made = contexts.get(tls.credentials(), server=False)
-        envelope = Envelope(sock, made[0] if made else None, server=False)
+        files = tls.credentials()
+        made = contexts.get(files, server=False)
+        try:
+            envelope = Envelope(sock, made[0] if made else None, server=False, peer=peer)
+        except ssl.SSLCertVerificationError as err:
+            if files is None or err.verify_code != HOSTNAME_MISMATCH:
+                raise
+            raise StreamError(grpc.StatusCode.UNAUTHENTICATED,
+                              tls.WrongPeer(address, peer, tls.presented_identity(address, files)).details()) from None
         envelope.send(request.SerializeToString())
         answer = envelope.receive(MAX_ERROR + KEY_BYTES)
         if not answer:

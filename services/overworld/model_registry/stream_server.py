@@ -36,6 +36,21 @@ log = logging.getLogger("overworld.model_registry.stream")
 Handler = Callable[[pb.FetchRequest, FrameWriter, Callable[[], bool]], None]
 
 
+def _drain(conn: socket.socket, limit: int = MAX_REQUEST + 4096, seconds: float = 1.0) -> None:
+    """After a refusal sent before the caller's request was read: end the sending side and read what the
+    caller sends meanwhile (unread, it would make the close a reset that can destroy the refusal on its
+    way), for at most `seconds` and `limit` bytes."""
+    with contextlib.suppress(OSError):
+        conn.shutdown(socket.SHUT_WR)
+        deadline, read = time.monotonic() + seconds, 0
+        while read < limit and (left := deadline - time.monotonic()) > 0:
+            conn.settimeout(left)
+            data = conn.recv(4096)
+            if not data:
+                return
+            read += len(data)
+
+
 class WeightsStreamServer:
     """Serves one weights-stream endpoint (`method`: authz.WEIGHTS_FROM_REGISTRY or _RELAY) on a TCP
     port: a thread per connection, each checked against core/authz.py's table before `handler` runs.
@@ -79,6 +94,14 @@ class WeightsStreamServer:
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             made = contexts.get(self._files, server=True)
             envelope = Envelope(conn, made[0] if made else None, server=True)
+            if made is not None:  # the caller first, straight after the handshake: a stranger's bytes go unread
+                run, identity = envelope.peer()
+                refused = authz.refusal(made[1], run, identity, self.method)
+                if refused:
+                    log.warning("weights stream: refused %s: %s", peer, refused)
+                    envelope.send(answer(grpc.StatusCode.PERMISSION_DENIED, refused.encode()))
+                    _drain(conn)
+                    return
             try:
                 request = pb.FetchRequest.FromString(envelope.receive(MAX_REQUEST))
             except StreamError as err:
@@ -87,13 +110,6 @@ class WeightsStreamServer:
             except DecodeError:
                 envelope.send(answer(grpc.StatusCode.INVALID_ARGUMENT, b"the request is not a FetchRequest"))
                 return
-            if made is not None:
-                run, identity = envelope.peer()
-                refused = authz.refusal(made[1], run, identity, self.method)
-                if refused:
-                    log.warning("weights stream: refused %s: %s", peer, refused)
-                    envelope.send(answer(grpc.StatusCode.PERMISSION_DENIED, refused.encode()))
-                    return
             key = os.urandom(KEY_BYTES) if made is not None else b""
             envelope.send(answer(grpc.StatusCode.OK, key))
             if envelope.receive(len(START)) != START:

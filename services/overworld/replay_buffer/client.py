@@ -28,7 +28,7 @@ from overworld.v1 import replay_buffer_pb2, replay_buffer_pb2_grpc
 
 class ReplayBufferClient(ServiceClient):
     def __init__(self, address: str, *, channel: grpc.Channel | None = None) -> None:
-        super().__init__(address, replay_buffer_pb2_grpc.ReplayBufferStub, channel=channel)
+        super().__init__(address, replay_buffer_pb2_grpc.ReplayBufferStub, "replay-buffer", channel=channel)
         self.blob_refs = BlobRefReader(lambda: self.store_info(timeout=10.0))
 
     # ----------------------------------------------------------------- writer
@@ -49,7 +49,7 @@ class ReplayBufferClient(ServiceClient):
         if not self._owns_channel:
             yield from self._stub.Insert(requests, timeout=timeout)
             return
-        with channel(self.address) as insert_channel:
+        with channel(self.address, "replay-buffer") as insert_channel:
             yield from replay_buffer_pb2_grpc.ReplayBufferStub(insert_channel).Insert(requests, timeout=timeout)
 
     def reserve(self, worker_id: str, fragments: int, *, starting: int = 0, wait: float = 0.0, give_back: int = 0,

@@ -20,7 +20,7 @@ PERIODIC_TIMEOUT = 5.0
 
 class RolloutManagerClient(ServiceClient):
     def __init__(self, address: str, *, channel: grpc.Channel | None = None) -> None:
-        super().__init__(address, rollout_manager_pb2_grpc.RolloutManagerStub, channel=channel)
+        super().__init__(address, rollout_manager_pb2_grpc.RolloutManagerStub, "rollout-manager", channel=channel)
 
     def run_config(self, *, timeout: float = 120.0) -> RunConfig:
         """The run's config. Retried (5 s attempts): waits for the manager to come up."""

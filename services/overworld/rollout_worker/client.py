@@ -12,7 +12,7 @@ from overworld.v1 import rollout_worker_pb2_grpc
 
 class RolloutWorkerClient(ServiceClient):
     def __init__(self, address: str, *, channel: grpc.Channel | None = None) -> None:
-        super().__init__(address, rollout_worker_pb2_grpc.RolloutWorkerStub, channel=channel)
+        super().__init__(address, rollout_worker_pb2_grpc.RolloutWorkerStub, "rollout-worker", channel=channel)
 
     def status(self, *, timeout: float = 5.0) -> pb.WorkerStatus:
         """The worker's status; one attempt (its callers poll)."""

@@ -13,7 +13,7 @@ from overworld.v1 import trainer_pb2_grpc
 
 class TrainerClient(ServiceClient):
     def __init__(self, address: str, *, channel: grpc.Channel | None = None) -> None:
-        super().__init__(address, trainer_pb2_grpc.TrainerStub, channel=channel)
+        super().__init__(address, trainer_pb2_grpc.TrainerStub, "trainer", channel=channel)
 
     def status(self, *, timeout: float = 5.0) -> pb.TrainerStatus:
         """The trainer's progress; one attempt (its callers poll)."""
@@ -28,5 +28,5 @@ class TrainerClient(ServiceClient):
 async def read_status(address: str, timeout: float = 5.0) -> pb.TrainerStatus:
     """The trainer's status from asyncio code (the run-controller); raises grpc.aio.AioRpcError when it
     does not answer."""
-    async with aio_channel(address) as ch:
+    async with aio_channel(address, "trainer") as ch:
         return await trainer_pb2_grpc.TrainerStub(ch).GetStatus(pb.GetTrainerStatusRequest(), timeout=timeout)
