@@ -386,7 +386,7 @@ def _fetch_stripe(held: RelayedVersion, start: int, end: int, source: str, regis
         answered = False
         try:
             stream = open_stream(source if from_relay else registry, request, STALL_SECONDS, DATA_STALL_SECONDS, stop,
-                                 "rollout-worker" if from_relay else "model-registry")
+                                 "rollout-worker" if from_relay else "model-registry", deadline=deadline)
             answered = True
             try:
                 while True:

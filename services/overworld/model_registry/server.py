@@ -42,7 +42,8 @@ from overworld.model_registry.payload import (
     message_bounds,
 )
 from overworld.model_registry.publish import Publishing
-from overworld.model_registry.relay import MAX_CHUNK, MIN_CHUNK, check_range
+from overworld.model_registry.relay import check_range
+from overworld.model_registry.relay_plan import relay_chunk_bytes
 from overworld.model_registry.store import RESERVED_TAGS, TAG_RE, manifest_key, weights_key
 from overworld.model_registry.stream import FrameWriter, StreamError
 from overworld.model_registry.stream_server import WeightsStreamServer
@@ -90,9 +91,6 @@ class ModelRegistryService(Publishing, Watching, model_registry_pb2_grpc.ModelRe
         precision) from `offset`, `limit` bytes (0: to the end), each a view into the encoded messages."""
         if request.version == 0 or request.tag:
             raise StreamError(grpc.StatusCode.INVALID_ARGUMENT, "the weights stream serves a version by number")
-        if not MIN_CHUNK <= request.chunk_size <= MAX_CHUNK:
-            raise StreamError(grpc.StatusCode.INVALID_ARGUMENT,
-                              f"chunk_size {request.chunk_size} is not within {MIN_CHUNK}..{MAX_CHUNK}")
         with self._lock:
             known = request.version in self._versions or request.version in self._cache
         if not known:
@@ -107,8 +105,12 @@ class ModelRegistryService(Publishing, Watching, model_registry_pb2_grpc.ModelRe
             raise StreamError(grpc.StatusCode.INVALID_ARGUMENT, str(err)) from None
         except PayloadFailed as err:
             raise StreamError(err.code, str(err)) from None
+        chunk = relay_chunk_bytes(payload.size)  # the size its announcement gave: no other (memory, hashes)
+        if request.chunk_size != chunk:
+            raise StreamError(grpc.StatusCode.INVALID_ARGUMENT,
+                              f"chunk_size {request.chunk_size}: version {request.version} is served in the chunks of "
+                              f"its announcement, {chunk} bytes")
         FETCHES.labels(request.precision or "stored").inc()
-        chunk = request.chunk_size
         first, last = check_range(request, chunk, payload.size, request.version)
         for index in range(first, last):
             data = payload.view(index * chunk, min((index + 1) * chunk, payload.size))

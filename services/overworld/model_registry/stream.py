@@ -52,10 +52,15 @@ KEY_BYTES = 16
 MAX_REQUEST = 4096  # a FetchRequest is tens of bytes
 MAX_FRAME = 64 << 20  # the largest chunk (relay.MAX_CHUNK)
 MAX_ERROR = 2048
-HANDSHAKE_SECONDS = 10.0  # TLS, request, answer and start: a peer slower than this is dropped
+HANDSHAKE_SECONDS = 10.0  # TLS, request, answer and start, all of it: a peer slower than this is dropped
 SEND_SECONDS = 60.0  # a receiver that takes nothing for this long is dropped (a stopped pod)
+# The least rate of data a frame is sent and received at, once it is under way (bytes/s): a frame of n
+# bytes has SEND_SECONDS + n / MIN_RATE seconds in all, whatever the socket's timeouts (a reader taking a
+# byte a minute, or a relay dripping a chunk now and then, is cut off and, a relay, reported).
+MIN_RATE = 1 << 20
 POLL_SECONDS = 0.25  # how often a receiver blocked on its socket looks at its stop and stall clocks
 MAX_CONNECTIONS = 512
+MAX_CONNECTIONS_PER_PEER = 16  # one host's open connections (a worker holds one per stripe it fetches)
 START = b"S"
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
 
@@ -109,9 +114,14 @@ class Envelope:
     """The handshake part of a connection: TLS through memory BIOs (so that this code, not OpenSSL,
     reads the socket and no byte of the frames after it is taken), or plaintext."""
 
-    def __init__(self, sock: socket.socket, ctx: ssl.SSLContext | None, server: bool, peer: str = "") -> None:
-        """`peer`: a client's, the identity whose certificate the server must present."""
+    def __init__(self, sock: socket.socket, ctx: ssl.SSLContext | None, server: bool, peer: str = "",
+                 deadline: float | None = None) -> None:
+        """`peer`: a client's, the identity whose certificate the server must present. `deadline`
+        (monotonic): when the whole exchange, handshake to start, must be over (HANDSHAKE_SECONDS from
+        now if None): each read waits only what is left, so a peer sending a byte now and then is cut
+        off all the same."""
         self.sock = sock
+        self.deadline = time.monotonic() + HANDSHAKE_SECONDS if deadline is None else deadline
         self.obj: ssl.SSLObject | None = None
         if ctx is not None:
             self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
@@ -132,7 +142,15 @@ class Envelope:
         if data:
             self.sock.sendall(data)
 
+    def _wait(self) -> None:
+        """Before a read: the socket waits only what is left of the exchange's time."""
+        left = self.deadline - time.monotonic()
+        if left <= 0:
+            raise TimeoutError(f"the handshake and request took more than {HANDSHAKE_SECONDS:g} s in all")
+        self.sock.settimeout(left)
+
     def _pump(self) -> None:
+        self._wait()
         data = self.sock.recv(16384)
         if not data:
             raise ConnectionError("the peer closed the connection")
@@ -156,6 +174,7 @@ class Envelope:
         out = bytearray()
         while len(out) < n:
             if self.obj is None:
+                self._wait()
                 part = self.sock.recv(n - len(out))
                 if not part:
                     raise ConnectionError("the peer closed the connection")
@@ -192,11 +211,22 @@ def _nonce(counter: int) -> bytes:
     return counter.to_bytes(12, "big")
 
 
-def send_parts(sock: socket.socket, parts: list[memoryview]) -> None:
-    """Send every byte of `parts` with as few system calls as the socket takes (no joined copy)."""
+def send_parts(sock: socket.socket, parts: list[memoryview], deadline: float | None = None) -> None:
+    """Send every byte of `parts` with as few system calls as the socket takes (no joined copy), all of
+    them by `deadline` (monotonic; TimeoutError after it, however the receiver takes them)."""
     views = [p for p in parts if len(p)]
+    total = sum(len(v) for v in views)
     while views:
-        sent = sock.sendmsg(views)
+        try:
+            if deadline is not None:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError
+                sock.settimeout(left)
+            sent = sock.sendmsg(views)
+        except TimeoutError:
+            raise TimeoutError(f"the receiver took a frame of {total} bytes too slowly ({total - sum(len(v) for v in views)}"
+                               " sent by its deadline)") from None
         while sent:
             if sent >= len(views[0]):
                 sent -= len(views.pop(0))
@@ -237,8 +267,9 @@ class FrameWriter:
 
     def _send(self, kind: int, index: int, payload: memoryview) -> None:
         header = HEADER.pack(kind, index, len(payload))
+        deadline = time.monotonic() + SEND_SECONDS + len(payload) / MIN_RATE  # a slow reader is cut off
         if self._aead is None:
-            send_parts(self.sock, [memoryview(header), payload])
+            send_parts(self.sock, [memoryview(header), payload], deadline)
             return
         need = len(payload) + TAG
         if len(self._out) < need:
@@ -249,7 +280,7 @@ class FrameWriter:
         else:
             sealed[:] = self._aead.encrypt(_nonce(self._counter), payload, header)
         self._counter += 1
-        send_parts(self.sock, [memoryview(header), sealed])
+        send_parts(self.sock, [memoryview(header), sealed], deadline)
 
 
 @dataclass
@@ -266,7 +297,10 @@ class WeightsStream:
     frame that does not open (DATA_LOSS: altered on the way)."""
 
     def __init__(self, sock: socket.socket, key: bytes, stall: float, data_stall: float,
-                 stop: Callable[[], bool]) -> None:
+                 stop: Callable[[], bool], deadline: float | None = None) -> None:
+        """`deadline` (monotonic): the fetch's; a frame under way when it passes ends the stream (Stalled),
+        however steadily its bytes drip."""
+        self.deadline = deadline
         self.sock = sock
         self._aead = AESGCM(key) if key else None
         self._counter = 0
@@ -295,6 +329,8 @@ class WeightsStream:
                 raise Stalled(f"nothing for {self.stall:.0f} s")
             if now - self.last_data > self.data_stall:
                 raise Stalled(f"no data for {self.data_stall:.0f} s (keep-alives only)")
+            if self.deadline is not None and now > self.deadline:
+                raise Stalled("the fetch's deadline passed with a frame under way")
 
     def next(self, into: Callable[[int, int], memoryview]) -> Frame:
         header = memoryview(self._header)
@@ -349,7 +385,8 @@ def split_address(address: str) -> tuple[str, int]:
 
 
 def open_stream(address: str, request: pb.FetchRequest, stall: float, data_stall: float,
-                stop: Callable[[], bool], peer: str, connect_timeout: float = HANDSHAKE_SECONDS) -> WeightsStream:
+                stop: Callable[[], bool], peer: str, connect_timeout: float = HANDSHAKE_SECONDS,
+                deadline: float | None = None) -> WeightsStream:
     """Connect to a weights stream at `address`, served by `peer` (the registry, "model-registry", or a
     relaying worker, "rollout-worker"), ask for `request`, and return the frames' reader. Raises OSError
     (nobody answers), ssl.SSLError (the handshake failed), StreamError (its answer; UNAUTHENTICATED: the
@@ -379,7 +416,7 @@ def open_stream(address: str, request: pb.FetchRequest, stall: float, data_stall
             raise StreamError(grpc.StatusCode.INTERNAL, f"a key of {len(key)} bytes")
         envelope.send(START)
         envelope.finish()
-        return WeightsStream(sock, key, stall, data_stall, stop)
+        return WeightsStream(sock, key, stall, data_stall, stop, deadline)
     except BaseException:
         sock.close()
         raise

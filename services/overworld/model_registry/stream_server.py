@@ -20,6 +20,7 @@ from overworld.model_registry.stream import (
     HANDSHAKE_SECONDS,
     KEY_BYTES,
     MAX_CONNECTIONS,
+    MAX_CONNECTIONS_PER_PEER,
     MAX_REQUEST,
     SEND_SECONDS,
     START,
@@ -64,6 +65,7 @@ class WeightsStreamServer:
                                               backlog=256)
         self.port: int = self._listener.getsockname()[1]
         self._open: set[socket.socket] = set()
+        self._per_peer: dict[str, int] = {}  # open connections by peer host
         self._lock = threading.Lock()
         self._stopped = threading.Event()
         self._thread = threading.Thread(target=self._accept, name=f"weights-stream-{self.port}", daemon=True)
@@ -72,24 +74,28 @@ class WeightsStreamServer:
     def _accept(self) -> None:
         while not self._stopped.is_set():
             try:
-                conn, _ = self._listener.accept()
+                conn, address = self._listener.accept()
             except OSError:
                 if self._stopped.is_set():
                     return
                 time.sleep(0.05)  # out of file descriptors, say: do not spin
                 continue
-            with self._lock:
-                if len(self._open) >= MAX_CONNECTIONS:
+            host = address[0]
+            with self._lock:  # a flood from one host (slow or not) takes its own slots, not everyone's
+                if len(self._open) >= MAX_CONNECTIONS or self._per_peer.get(host, 0) >= MAX_CONNECTIONS_PER_PEER:
+                    log.warning("weights stream: refused a connection from %s (%d open from it, %d in all)", host,
+                                self._per_peer.get(host, 0), len(self._open))
                     conn.close()
                     continue
                 self._open.add(conn)
-            threading.Thread(target=self._serve, args=(conn,), name="weights-stream-conn", daemon=True).start()
+                self._per_peer[host] = self._per_peer.get(host, 0) + 1
+            threading.Thread(target=self._serve, args=(conn, host), name="weights-stream-conn", daemon=True).start()
 
-    def _serve(self, conn: socket.socket) -> None:
-        peer = "?"
+    def _serve(self, conn: socket.socket, host: str) -> None:
+        peer = host
         try:
-            host, port = conn.getpeername()[:2]
-            peer = f"{host}:{port}"
+            name = conn.getpeername()
+            peer = f"{name[0]}:{name[1]}"
             conn.settimeout(HANDSHAKE_SECONDS)
             conn.setsockopt(socket.IPPROTO_TCP, socket.TCP_NODELAY, 1)
             made = contexts.get(self._files, server=True)
@@ -123,6 +129,8 @@ class WeightsStreamServer:
                 writer.error(err.code, err.message)
                 return
             writer.end()
+        except TimeoutError as err:  # the whole exchange's deadline, or a frame's: cut off
+            log.warning("weights stream to %s cut off: %s", peer, err)
         except (OSError, ssl.SSLError, StreamError) as err:
             log.debug("weights stream to %s ended: %r", peer, err)
         except Exception:  # a bug: said, and this connection closed; the server goes on
@@ -130,6 +138,9 @@ class WeightsStreamServer:
         finally:
             with self._lock:
                 self._open.discard(conn)
+                self._per_peer[host] -= 1
+                if not self._per_peer[host]:
+                    del self._per_peer[host]
             conn.close()
 
     def stop(self) -> None:
