@@ -10,6 +10,7 @@ import threading
 import time
 from collections.abc import Callable, Iterator
 from pathlib import Path
+from typing import Any
 
 import grpc
 import pytest
@@ -270,6 +271,117 @@ def test_a_relay_that_sends_keepalives_but_no_data_is_given_up_as_stalled(
             time.sleep(0.02)
         publish_and_wait(registry, watchers, 2, 2.0, timeout=60)
         assert registry.service._plans[(2, "")].children(wedged.address) == 0
+    finally:
+        for w in watchers:
+            w.close()
+
+
+def connect_in_order(registry: Registry, *specs: tuple[str, Relay]) -> list[Watcher]:
+    """Watchers connected one after the other, so that the plans place them in this order (the first is
+    the root of stripe 0's tree, the third and fifth its children, and so on)."""
+    watchers: list[Watcher] = []
+    for name, serve_it in specs:
+        watchers.append(Watcher(registry.server.address, name, relay=serve_it))
+        deadline = time.monotonic() + 10
+        while registry.client.push_status(0, timeout=5).connected_watchers < len(watchers):
+            assert time.monotonic() < deadline, f"{name} did not connect"
+            time.sleep(0.02)
+    return watchers
+
+
+@pytest.mark.parametrize("run", range(3))
+def test_a_keepalive_only_relay_is_blamed_and_its_honest_descendants_are_not(
+        registry: Registry, monkeypatch: pytest.MonkeyPatch, run: int) -> None:
+    """The production ratio of clocks, shortened (stall 1 s, keep-alive a third of it, data stall twice it):
+    the wedged root of stripe 0 holds its children, which hold theirs. Each level gives its source one
+    more data stall time than the level above gives its own (the announcement's depths), so the honest
+    children re-attach to the registry before their own children give up on them: exactly the wedged
+    relay is excluded (three runs: once was not enough to show it before)."""
+    monkeypatch.setattr(relay, "STALL_SECONDS", 1.0)
+    monkeypatch.setattr(relay, "KEEPALIVE_SECONDS", 1.0 / 3)
+    monkeypatch.setattr(relay, "DATA_STALL_SECONDS", 2.0)
+    watchers = connect_in_order(registry, ("wedged", keepalive_only_relay),
+                                *[(f"h{i}", serve_relay) for i in range(8)])
+    try:
+        publish_and_wait(registry, watchers, 1, 1.0, timeout=60)
+        plan = registry.service._plans[(1, "")]
+        wedged = watchers[0].address
+        deep = [w for w in watchers if plan.depth_of(0, w.address) == 3]
+        assert plan.depth_of(0, wedged) == 1 and deep, "the plan must put honest relays under the wedged one"
+        for w in watchers:
+            assert_holds(w, 1.0)
+        time.sleep(0.5)  # the last acknowledgements (they carry the faults)
+        assert registry.service._exclusions.excluded() == {"wedged"}
+    finally:
+        for w in watchers:
+            w.close()
+
+
+def test_a_fault_is_taken_only_from_a_child_of_that_relay(registry: Registry) -> None:
+    """A worker reporting a relay it was not given (to turn the fleet back into the star, say) changes
+    nothing; a child's report excludes the relay, by the watcher id the registry knows."""
+    watchers = connect_in_order(registry, *[(f"w{i}", serve_relay) for i in range(4)])
+    try:
+        publish_and_wait(registry, watchers, 1, 1.0)
+        plan = registry.service._plans[(1, "")]
+        parent = next(w for w in watchers if plan.children(w.address))
+        child = next(w for w in watchers if plan.is_source_of(parent.address, w.watcher.watcher_id))
+        stranger = next(w for w in watchers if w is not parent and not plan.is_source_of(parent.address,
+                                                                                         w.watcher.watcher_id))
+
+        def report(reporter: str) -> None:
+            registry.client.ack(reporter, 1, [pb.RelayFault(relay=parent.address, reason="lied", version=1)]).result(5)
+
+        report(stranger.watcher.watcher_id)
+        report("not-a-watcher")
+        assert registry.service._exclusions.excluded() == set()
+        report(child.watcher.watcher_id)
+        assert registry.service._exclusions.excluded() == {parent.watcher.watcher_id}
+    finally:
+        for w in watchers:
+            w.close()
+
+
+class _CorruptedOnTheWire:
+    """A relay's socket that flips a byte of each large sealed frame as it leaves: a tag that fails."""
+
+    def __init__(self, sock: Any) -> None:
+        self._sock = sock
+
+    def sendmsg(self, views: list[Any]) -> int:
+        if sum(len(v) for v in views) > 1000:
+            first = bytearray(views[-1])
+            first[len(first) // 2] ^= 0x01
+            views = [*views[:-1], memoryview(first)]
+        return self._sock.sendmsg(views)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self._sock, name)
+
+
+def corrupting_relay(shelf: RelayShelf) -> WeightsStreamServer:
+    def handler(request: pb.FetchRequest, writer: FrameWriter, active: Callable[[], bool]) -> None:
+        writer.sock = _CorruptedOnTheWire(writer.sock)  # type: ignore[assignment]
+        serve_relayed(shelf, request, writer, active)
+
+    return WeightsStreamServer(authz.WEIGHTS_FROM_RELAY, handler)
+
+
+def test_a_relay_whose_frames_do_not_open_counts_as_a_liar(registry: Registry) -> None:
+    """A bad tag (or header, or an ERROR frame) after the relay answered is the relay's doing: its children
+    report it as lying, as for a chunk that does not match its hash."""
+    watchers = connect_in_order(registry, ("corrupt", corrupting_relay), *[(f"h{i}", serve_relay) for i in range(4)])
+    try:
+        lied = counter("overworld_registry_relays_excluded_total", reason="lied")
+        publish_and_wait(registry, watchers, 1, 1.0, timeout=60)
+        assert registry.service._plans[(1, "")].children(watchers[0].address) >= 1
+        for w in watchers:
+            assert_holds(w, 1.0)
+        deadline = time.monotonic() + 10
+        while counter("overworld_registry_relays_excluded_total", reason="lied") == lied:
+            assert time.monotonic() < deadline, "the corrupting relay was not reported"
+            time.sleep(0.02)
+        assert registry.service._exclusions.excluded() == {"corrupt"}
     finally:
         for w in watchers:
             w.close()

@@ -14,6 +14,7 @@ from grpc_health.v1 import health_pb2
 
 from overworld.core import authz, tls
 from overworld.core.grpc_util import channel, health_status, serve, wait_healthy
+from overworld.core.peers import WrongPeer
 from overworld.gae.client import GaeClient
 from overworld.gae.server import GaeService
 from overworld.v1 import gae_pb2, gae_pb2_grpc
@@ -151,9 +152,9 @@ def test_every_client_refuses_a_server_of_another_identity(fleet: Fleet, imposto
             with client_class(address) as client, pytest.raises(grpc.RpcError) as err:
                 client.call(rpc.name, request, timeout=5)
             if posing == meant:  # the identity meant: the handshake passes (the stand-in serves only Gae)
-                assert not isinstance(err.value, tls.WrongPeer), err.value
+                assert not isinstance(err.value, WrongPeer), err.value
                 continue
-            assert isinstance(err.value, tls.WrongPeer), (meant, posing, err.value)
+            assert isinstance(err.value, WrongPeer), (meant, posing, err.value)
             assert err.value.code() == grpc.StatusCode.UNAUTHENTICATED
             details = err.value.details()
             assert f"presented {posing}'s certificate of run fleet-run, not the {meant}" in details, details

@@ -242,7 +242,7 @@ def add_overriding(add_generated: Callable[[Any, Any], None], servicer: Any, ser
 def channel(address: str, peer: str | None = None) -> grpc.Channel:
     """A channel to `address` with this process's credentials (mutual TLS), or plaintext without. With
     mutual TLS the server must present the certificate of `peer`, the identity the caller means to reach
-    ("model-registry", ...; core/authz.py SERVING), or the calls fail with tls.WrongPeer."""
+    ("model-registry", ...; core/authz.py SERVING), or the calls fail with peers.WrongPeer."""
     files = tls.credentials()
     if files is None:
         return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)

@@ -32,6 +32,7 @@ from overworld.model_registry.relay_plan import REGISTRY, stripe_bounds
 from overworld.model_registry.stream import (
     DATA,
     END,
+    Altered,
     FrameWriter,
     Stalled,
     StreamError,
@@ -307,13 +308,16 @@ class _Lied(Exception):
 
 
 def fetch_relayed(held: RelayedVersion, sources: list[str], registry: str, stop: Callable[[], bool],
-                  timeout: float, faults: list[tuple[str, str]]) -> None:
+                  timeout: float, faults: list[tuple[str, str]], depths: list[int] | None = None) -> None:
     """Fill `held`, stripe i from sources[i] ("" is the registry's weights stream at `registry`), every
     chunk checked against its hash. Marks `held` verified, or failed and raises FetchBroken: a source
     that fails hands its stripe to the registry, so only the registry's own answer (the version is gone)
     or the fetch's deadline ends a fetch without the version. Relays that lied or stalled are appended
-    to `faults` as (address, "lied" | "stalled"). One stripe that cannot finish stops the others."""
+    to `faults` as (address, "lied" | "stalled"). One stripe that cannot finish stops the others.
+    `depths`: each source's depth in its stripe's tree (the announcement's; 1 each when absent): a relay
+    of depth d is given d data stall times, one more than it gives its own source."""
     deadline = time.monotonic() + timeout
+    depths = depths if depths and len(depths) == len(sources) else [1] * len(sources)
     errors: list[BaseException] = []
     failed = threading.Event()
     stripes = [(i, start, end) for i, (start, end) in enumerate(stripe_bounds(held.size, held.chunk, len(sources)))
@@ -324,7 +328,7 @@ def fetch_relayed(held: RelayedVersion, sources: list[str], registry: str, stop:
 
     def run(stripe: int, start: int, end: int) -> None:
         try:
-            _fetch_stripe(held, start, end, sources[stripe], registry, give_up, deadline, faults)
+            _fetch_stripe(held, start, end, sources[stripe], registry, give_up, deadline, faults, depths[stripe])
         except BaseException as err:  # handed to the caller
             errors.append(err)
             failed.set()
@@ -352,8 +356,9 @@ def fetch_relayed(held: RelayedVersion, sources: list[str], registry: str, stop:
 
 
 def _fetch_stripe(held: RelayedVersion, start: int, end: int, source: str, registry: str,
-                  stop: Callable[[], bool], deadline: float, faults: list[tuple[str, str]]) -> None:
-    """Chunks [start, end) of `held` from `source`; from the registry once that fails."""
+                  stop: Callable[[], bool], deadline: float, faults: list[tuple[str, str]], depth: int = 1) -> None:
+    """Chunks [start, end) of `held` from `source` (at `depth` in its stripe's tree); from the registry once
+    that fails."""
     index, last = start // held.chunk, -(-end // held.chunk)
     backoff = Backoff(0.1)
     unanswered = 0  # attempts in a row on which a relay answered nothing at all
@@ -385,7 +390,10 @@ def _fetch_stripe(held: RelayedVersion, start: int, end: int, source: str, regis
 
         answered = False
         try:
-            stream = open_stream(source if from_relay else registry, request, STALL_SECONDS, DATA_STALL_SECONDS, stop,
+            # a relay waiting on its own (silent) source keeps this stripe waiting too, until it gives that
+            # source up after its own data stall time: so one more stall time for each level above it
+            data_stall = DATA_STALL_SECONDS * max(1, depth) if from_relay else DATA_STALL_SECONDS
+            stream = open_stream(source if from_relay else registry, request, STALL_SECONDS, data_stall, stop,
                                  "rollout-worker" if from_relay else "model-registry", deadline=deadline)
             answered = True
             try:
@@ -419,11 +427,13 @@ def _fetch_stripe(held: RelayedVersion, start: int, end: int, source: str, regis
                 backoff.wait()
         except StreamError as err:
             if from_relay:
-                give_up("broken", err)
-            elif err.code in REGISTRY_FINAL:
-                raise FetchBroken(f"the registry answered {err}") from None
+                # once it answered, whatever breaks its frames (a tag, a header, an ERROR frame) is the
+                # relay's doing: reported; a refusal before that only sends the stripe to the registry
+                give_up("bad" if answered else "broken", err)
+            elif isinstance(err, Altered) or err.code not in REGISTRY_FINAL:
+                backoff.wait()  # the registry's frame did not open here (the path, not the registry): again
             else:
-                backoff.wait()
+                raise FetchBroken(f"the registry answered {err}") from None
         except (OSError, ssl.SSLError) as err:
             if stop():
                 raise FetchBroken("stopped") from None

@@ -71,8 +71,10 @@ class RelayPlan:
             raise ValueError("a relay plan needs a fanout of at least 1")
         self.fanout = fanout
         self.sources: dict[str, list[str]] = {}
+        self.depth: dict[tuple[int, str], int] = {}  # (stripe, relay address) -> its depth (the registry's: 0)
         self._slots: list[deque[str]] = []
         relays = [m for m in members if m.address]
+        self._relays = {m.address: m.watcher for m in relays}
         for stripe in range(fanout):
             # fewer relays than stripes: some relay is interior in two trees (and still sends less
             # than a copy, having fewer children than the fanout)
@@ -86,6 +88,8 @@ class RelayPlan:
                     slots.extend([leaves.popleft().address] * fanout)
                 parent = slots.popleft() if slots else REGISTRY
                 self.sources.setdefault(member.watcher, []).append(parent)
+                if member.address:
+                    self.depth[(stripe, member.address)] = self.depth_of(stripe, parent) + 1
                 if member.watcher in inner:
                     slots.extend([member.address] * fanout)
                 elif member.address:
@@ -103,6 +107,22 @@ class RelayPlan:
             self.sources[member.watcher] = [] if all(s == REGISTRY for s in sources) else sources
         return self.sources[member.watcher]
 
+    def depth_of(self, stripe: int, source: str) -> int:
+        """How deep `source` is in stripe `stripe`'s tree: the registry 0, its children 1, ..."""
+        return 0 if source == REGISTRY else self.depth.get((stripe, source), 1)
+
+    def source_depths(self, watcher: str) -> list[int]:
+        """The depth of each of a placed watcher's sources, stripe by stripe."""
+        return [self.depth_of(stripe, source) for stripe, source in enumerate(self.sources.get(watcher, []))]
+
+    def is_source_of(self, relay: str, watcher: str) -> bool:
+        """Whether the plan gave `watcher` the relay at address `relay` as the source of some stripe."""
+        return bool(relay) and relay in self.sources.get(watcher, [])
+
+    def watcher_at(self, relay: str) -> str | None:
+        """The watcher that relays from `relay` (an address) in this plan."""
+        return self._relays.get(relay)
+
     def _star_if_alone(self, member: Member) -> None:
         """A watcher that does not relay and has no relay to fetch from fetches as from the star: in
         the registry's own messages, which it views without a copy."""
@@ -115,12 +135,14 @@ class RelayPlan:
 
 
 class RelayExclusions:
-    """Relays the watchers reported (a chunk that did not match its hash, or no data for the data stall
-    time): each is a leaf, never a parent, in the plans of the next EXCLUDED_VERSIONS versions. A
-    report is a worker's word; the worst a false one does is make a relay a leaf for a while."""
+    """Relays the watchers reported (a chunk that did not match its hash, a frame that did not open, or no
+    data for its data stall time): each is a leaf, never a parent, in the plans of the next
+    EXCLUDED_VERSIONS versions. Keyed by the watcher the registry knows (its Watch), not by an address a
+    caller declares; the registry takes a report only from a watcher the plan gave that relay as a source
+    (watch.py), so the worst a lying worker does is make its own parents leaves for a while."""
 
     def __init__(self) -> None:
-        self._until: dict[str, int] = {}  # relay address -> the last version it is left out of
+        self._until: dict[str, int] = {}  # relay's watcher id -> the last version it is left out of
 
     def report(self, relay: str, reason: str, version: int) -> None:
         if reason not in FAULTS or not relay:
@@ -131,8 +153,12 @@ class RelayExclusions:
                         version + 1, version + EXCLUDED_VERSIONS)
         self._until[relay] = max(self._until.get(relay, 0), version + EXCLUDED_VERSIONS)
 
+    def excluded(self) -> set[str]:
+        """The watchers left out of plans now."""
+        return set(self._until)
+
     def apply(self, members: list[Member], version: int) -> list[Member]:
         """`members` for the plan of `version`: the excluded ones as leaves (no address to relay from)."""
         for relay in [r for r, until in self._until.items() if until < version]:
             del self._until[relay]
-        return [replace(m, address="") if m.address in self._until else m for m in members]
+        return [replace(m, address="") if m.watcher in self._until else m for m in members]

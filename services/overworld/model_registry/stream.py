@@ -41,6 +41,7 @@ from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
 from overworld.core import authz, tls
+from overworld.core.peers import WrongPeer, presented_identity
 from overworld.v1 import model_registry_pb2 as pb
 
 log = logging.getLogger("overworld.model_registry.stream")
@@ -72,6 +73,13 @@ class StreamError(Exception):
         super().__init__(f"{code.name}: {message}")
         self.code = code
         self.message = message
+
+
+class Altered(StreamError):
+    """A frame that did not open here (its tag did not match): changed on the way, or by the sender."""
+
+    def __init__(self) -> None:
+        super().__init__(grpc.StatusCode.DATA_LOSS, "a frame was altered on the way")
 
 
 class Stalled(Exception):
@@ -367,7 +375,7 @@ class WeightsStream:
             else:
                 dest[:] = self._aead.decrypt(_nonce(self._counter), sealed, header)
         except InvalidTag:
-            raise StreamError(grpc.StatusCode.DATA_LOSS, "a frame was altered on the way") from None
+            raise Altered() from None
         self._counter += 1
 
     def close(self) -> None:
@@ -403,7 +411,7 @@ def open_stream(address: str, request: pb.FetchRequest, stall: float, data_stall
             if files is None or err.verify_code != HOSTNAME_MISMATCH:
                 raise
             raise StreamError(grpc.StatusCode.UNAUTHENTICATED,
-                              tls.WrongPeer(address, peer, tls.presented_identity(address, files)).details()) from None
+                              WrongPeer(address, peer, presented_identity(address, files.directory)).details()) from None
         envelope.send(request.SerializeToString())
         answer = envelope.receive(MAX_ERROR + KEY_BYTES)
         if not answer:

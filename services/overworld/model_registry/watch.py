@@ -16,7 +16,7 @@ from overworld.core import safetensors_format
 from overworld.core.grpc_util import Refused
 from overworld.model_registry import chunks
 from overworld.model_registry.payload import Payload, PayloadFailed
-from overworld.model_registry.relay_plan import REGISTRY, Member, RelayPlan, relay_chunk_bytes
+from overworld.model_registry.relay_plan import FAULTS, REGISTRY, Member, RelayPlan, relay_chunk_bytes
 from overworld.model_registry.store import RegistryStore, log
 from overworld.v1 import model_registry_pb2 as pb
 
@@ -139,6 +139,7 @@ class Watching(RegistryStore):
             log.warning("not announcing version %d to %s: %s", version, member.watcher, err)
             return None
         sources: list[str] = []
+        depths: list[int] = []
         if self.relay_fanout:
             with self._lock:
                 key = (version, member.precision)
@@ -149,8 +150,10 @@ class Watching(RegistryStore):
                     for old in sorted(self._plans)[:-RELAY_PLANS_KEPT]:
                         del self._plans[old]
                 sources = plan.place(member)
+                depths = plan.source_depths(member.watcher)
         return pb.Announcement(info=info, sources=sources or [REGISTRY], chunk_bytes=chunk,
-                               weights_port=self.weights_port, chunk_hashes=hashes, chunk_hash=chunks.CHUNK_HASH)
+                               weights_port=self.weights_port, chunk_hashes=hashes, chunk_hash=chunks.CHUNK_HASH,
+                               source_depths=depths if sources else [0])
 
     def AckVersion(self, request: pb.AckVersionRequest, context: grpc.ServicerContext) -> pb.AckVersionResponse:
         now = time.monotonic()
@@ -158,11 +161,20 @@ class Watching(RegistryStore):
             self._pushes.ack(request.watcher_id, request.version, now)
             newest = max(self.latest(), self._head.info.version if self._head else 0)
             for fault in request.relay_faults[:MAX_FAULTS]:
-                try:
-                    # a fault is of a version announced: none later (a report cannot exclude a relay for good)
-                    self._exclusions.report(fault.relay[:300], fault.reason, min(fault.version, newest))
-                except ValueError as err:
-                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"AckVersionRequest.relay_faults: {err}") from None
+                if fault.reason not in FAULTS:
+                    raise Refused(grpc.StatusCode.INVALID_ARGUMENT, f"AckVersionRequest.relay_faults: a reason is one of "
+                                  f"{FAULTS}, not {fault.reason[:50]!r}")
+                # believed only from a child of that relay in the plan of that version (a worker cannot
+                # report relays it was not given), and applied to the watcher that relays there
+                plans = [plan for (version, _), plan in self._plans.items() if version == fault.version]
+                relay = next((plan.watcher_at(fault.relay) for plan in plans
+                              if plan.is_source_of(fault.relay, request.watcher_id)), None)
+                if relay is None:
+                    log.warning("relay fault from %s ignored: %s was not its source for version %d", request.watcher_id,
+                                fault.relay[:300], fault.version)
+                    continue
+                # a fault is of a version announced: none later (a report cannot exclude a relay for good)
+                self._exclusions.report(relay, fault.reason, min(fault.version, newest))
         return pb.AckVersionResponse()
 
     def GetPushStatus(self, request: pb.PushStatusRequest, context: grpc.ServicerContext) -> pb.PushStatus:

@@ -206,7 +206,7 @@ class WeightsWatcher:
         faults: list[tuple[str, str]] = []
         try:
             fetch_relayed(held, sources, f"{self.registry_host}:{announcement.weights_port}", self._stop.is_set,
-                          timeout, faults)
+                          timeout, faults, list(announcement.source_depths))
             held.hold()  # the worker's, from here until it takes a newer version
         finally:
             with self._cond:

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!overworld/v1/model_registry.proto\x12\x0coverworld.v1\"\x86\x02\n\x0bVersionInfo\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0e\n\x06parent\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x12\n\nsize_bytes\x18\x04 \x01(\x04\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x39\n\x08\x63ounters\x18\x06 \x03(\x0b\x32\'.overworld.v1.VersionInfo.CountersEntry\x12\x13\n\x0b\x63onfig_hash\x18\x07 \x01(\t\x12\x14\n\x0c\x63reated_unix\x18\x08 \x01(\x01\x12\x0c\n\x04tags\x18\t \x03(\t\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"j\n\x0ePublishRequest\x12-\n\x08manifest\x18\x01 \x01(\x0b\x32\x19.overworld.v1.VersionInfoH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x12\x10\n\x06sha256\x18\x03 \x01(\tH\x00\x42\x06\n\x04kind\"r\n\x0c\x46\x65tchRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0b\n\x03tag\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x12\n\nchunk_size\x18\x04 \x01(\r\x12\x11\n\tprecision\x18\x05 \x01(\t\x12\r\n\x05limit\x18\x06 \x01(\x04\"U\n\x0cWeightsChunk\x12\'\n\x04info\x18\x01 \x01(\x0b\x32\x19.overworld.v1.VersionInfo\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"t\n\x0cWatchRequest\x12\x12\n\nwatcher_id\x18\x01 \x01(\t\x12\x15\n\rknown_version\x18\x02 \x01(\x04\x12\x12\n\nrelay_port\x18\x03 \x01(\r\x12\x11\n\tprecision\x18\x04 \x01(\t\x12\x12\n\nrelay_host\x18\x05 \x01(\t\"\x9d\x01\n\x0c\x41nnouncement\x12\'\n\x04info\x18\x01 \x01(\x0b\x32\x19.overworld.v1.VersionInfo\x12\x0f\n\x07sources\x18\x02 \x03(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\x12\x14\n\x0cweights_port\x18\x04 \x01(\r\x12\x14\n\x0c\x63hunk_hashes\x18\x05 \x01(\x0c\x12\x12\n\nchunk_hash\x18\x06 \x01(\t\"\x15\n\x13ListVersionsRequest\"C\n\x14ListVersionsResponse\x12+\n\x08versions\x18\x01 \x03(\x0b\x32\x19.overworld.v1.VersionInfo\"=\n\rSetTagRequest\x12\x0b\n\x03tag\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0e\n\x06remove\x18\x03 \x01(\x08\"h\n\x11\x41\x63kVersionRequest\x12\x12\n\nwatcher_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12.\n\x0crelay_faults\x18\x03 \x03(\x0b\x32\x18.overworld.v1.RelayFault\"<\n\nRelayFault\x12\r\n\x05relay\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x04\"\x14\n\x12\x41\x63kVersionResponse\":\n\x11PushStatusRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x14\n\x0cwait_seconds\x18\x02 \x01(\x01\"\xce\x02\n\nPushStatus\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x10\n\x08watchers\x18\x02 \x01(\r\x12\r\n\x05\x61\x63ked\x18\x03 \x01(\r\x12\x10\n\x08\x63omplete\x18\x04 \x01(\x08\x12\x14\n\x0cpush_seconds\x18\x05 \x01(\x01\x12L\n\x13workers_per_version\x18\x06 \x03(\x0b\x32/.overworld.v1.PushStatus.WorkersPerVersionEntry\x12\x1a\n\x12\x63onnected_watchers\x18\x07 \x01(\r\x12\x16\n\x0epublished_unix\x18\x08 \x01(\x01\x12\x15\n\rlast_ack_unix\x18\t \x01(\x01\x12\x13\n\x0b\x61\x63k_seconds\x18\n \x03(\x01\x1a\x38\n\x16WorkersPerVersionEntry\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x32\xe0\x04\n\rModelRegistry\x12\x44\n\x07Publish\x12\x1c.overworld.v1.PublishRequest\x1a\x19.overworld.v1.VersionInfo(\x01\x12\x41\n\x05\x46\x65tch\x12\x1a.overworld.v1.FetchRequest\x1a\x1a.overworld.v1.WeightsChunk0\x01\x12@\n\x05Watch\x12\x1a.overworld.v1.WatchRequest\x1a\x19.overworld.v1.VersionInfo0\x01\x12N\n\x12WatchAnnouncements\x12\x1a.overworld.v1.WatchRequest\x1a\x1a.overworld.v1.Announcement0\x01\x12U\n\x0cListVersions\x12!.overworld.v1.ListVersionsRequest\x1a\".overworld.v1.ListVersionsResponse\x12@\n\x06SetTag\x12\x1b.overworld.v1.SetTagRequest\x1a\x19.overworld.v1.VersionInfo\x12O\n\nAckVersion\x12\x1f.overworld.v1.AckVersionRequest\x1a .overworld.v1.AckVersionResponse\x12J\n\rGetPushStatus\x12\x1f.overworld.v1.PushStatusRequest\x1a\x18.overworld.v1.PushStatusb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n!overworld/v1/model_registry.proto\x12\x0coverworld.v1\"\x86\x02\n\x0bVersionInfo\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0e\n\x06parent\x18\x02 \x01(\x04\x12\x0e\n\x06sha256\x18\x03 \x01(\t\x12\x12\n\nsize_bytes\x18\x04 \x01(\x04\x12\r\n\x05\x64type\x18\x05 \x01(\t\x12\x39\n\x08\x63ounters\x18\x06 \x03(\x0b\x32\'.overworld.v1.VersionInfo.CountersEntry\x12\x13\n\x0b\x63onfig_hash\x18\x07 \x01(\t\x12\x14\n\x0c\x63reated_unix\x18\x08 \x01(\x01\x12\x0c\n\x04tags\x18\t \x03(\t\x1a/\n\rCountersEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x03:\x02\x38\x01\"j\n\x0ePublishRequest\x12-\n\x08manifest\x18\x01 \x01(\x0b\x32\x19.overworld.v1.VersionInfoH\x00\x12\x0f\n\x05\x63hunk\x18\x02 \x01(\x0cH\x00\x12\x10\n\x06sha256\x18\x03 \x01(\tH\x00\x42\x06\n\x04kind\"r\n\x0c\x46\x65tchRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x0b\n\x03tag\x18\x02 \x01(\t\x12\x0e\n\x06offset\x18\x03 \x01(\x04\x12\x12\n\nchunk_size\x18\x04 \x01(\r\x12\x11\n\tprecision\x18\x05 \x01(\t\x12\r\n\x05limit\x18\x06 \x01(\x04\"U\n\x0cWeightsChunk\x12\'\n\x04info\x18\x01 \x01(\x0b\x32\x19.overworld.v1.VersionInfo\x12\x0e\n\x06offset\x18\x02 \x01(\x04\x12\x0c\n\x04\x64\x61ta\x18\x03 \x01(\x0c\"t\n\x0cWatchRequest\x12\x12\n\nwatcher_id\x18\x01 \x01(\t\x12\x15\n\rknown_version\x18\x02 \x01(\x04\x12\x12\n\nrelay_port\x18\x03 \x01(\r\x12\x11\n\tprecision\x18\x04 \x01(\t\x12\x12\n\nrelay_host\x18\x05 \x01(\t\"\xb4\x01\n\x0c\x41nnouncement\x12\'\n\x04info\x18\x01 \x01(\x0b\x32\x19.overworld.v1.VersionInfo\x12\x0f\n\x07sources\x18\x02 \x03(\t\x12\x13\n\x0b\x63hunk_bytes\x18\x03 \x01(\r\x12\x14\n\x0cweights_port\x18\x04 \x01(\r\x12\x14\n\x0c\x63hunk_hashes\x18\x05 \x01(\x0c\x12\x12\n\nchunk_hash\x18\x06 \x01(\t\x12\x15\n\rsource_depths\x18\x07 \x03(\r\"\x15\n\x13ListVersionsRequest\"C\n\x14ListVersionsResponse\x12+\n\x08versions\x18\x01 \x03(\x0b\x32\x19.overworld.v1.VersionInfo\"=\n\rSetTagRequest\x12\x0b\n\x03tag\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12\x0e\n\x06remove\x18\x03 \x01(\x08\"h\n\x11\x41\x63kVersionRequest\x12\x12\n\nwatcher_id\x18\x01 \x01(\t\x12\x0f\n\x07version\x18\x02 \x01(\x04\x12.\n\x0crelay_faults\x18\x03 \x03(\x0b\x32\x18.overworld.v1.RelayFault\"<\n\nRelayFault\x12\r\n\x05relay\x18\x01 \x01(\t\x12\x0e\n\x06reason\x18\x02 \x01(\t\x12\x0f\n\x07version\x18\x03 \x01(\x04\"\x14\n\x12\x41\x63kVersionResponse\":\n\x11PushStatusRequest\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x14\n\x0cwait_seconds\x18\x02 \x01(\x01\"\xce\x02\n\nPushStatus\x12\x0f\n\x07version\x18\x01 \x01(\x04\x12\x10\n\x08watchers\x18\x02 \x01(\r\x12\r\n\x05\x61\x63ked\x18\x03 \x01(\r\x12\x10\n\x08\x63omplete\x18\x04 \x01(\x08\x12\x14\n\x0cpush_seconds\x18\x05 \x01(\x01\x12L\n\x13workers_per_version\x18\x06 \x03(\x0b\x32/.overworld.v1.PushStatus.WorkersPerVersionEntry\x12\x1a\n\x12\x63onnected_watchers\x18\x07 \x01(\r\x12\x16\n\x0epublished_unix\x18\x08 \x01(\x01\x12\x15\n\rlast_ack_unix\x18\t \x01(\x01\x12\x13\n\x0b\x61\x63k_seconds\x18\n \x03(\x01\x1a\x38\n\x16WorkersPerVersionEntry\x12\x0b\n\x03key\x18\x01 \x01(\x04\x12\r\n\x05value\x18\x02 \x01(\r:\x02\x38\x01\x32\xe0\x04\n\rModelRegistry\x12\x44\n\x07Publish\x12\x1c.overworld.v1.PublishRequest\x1a\x19.overworld.v1.VersionInfo(\x01\x12\x41\n\x05\x46\x65tch\x12\x1a.overworld.v1.FetchRequest\x1a\x1a.overworld.v1.WeightsChunk0\x01\x12@\n\x05Watch\x12\x1a.overworld.v1.WatchRequest\x1a\x19.overworld.v1.VersionInfo0\x01\x12N\n\x12WatchAnnouncements\x12\x1a.overworld.v1.WatchRequest\x1a\x1a.overworld.v1.Announcement0\x01\x12U\n\x0cListVersions\x12!.overworld.v1.ListVersionsRequest\x1a\".overworld.v1.ListVersionsResponse\x12@\n\x06SetTag\x12\x1b.overworld.v1.SetTagRequest\x1a\x19.overworld.v1.VersionInfo\x12O\n\nAckVersion\x12\x1f.overworld.v1.AckVersionRequest\x1a .overworld.v1.AckVersionResponse\x12J\n\rGetPushStatus\x12\x1f.overworld.v1.PushStatusRequest\x1a\x18.overworld.v1.PushStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -48,25 +48,25 @@ if not _descriptor._USE_C_DESCRIPTORS:
   _globals['_WATCHREQUEST']._serialized_start=627
   _globals['_WATCHREQUEST']._serialized_end=743
   _globals['_ANNOUNCEMENT']._serialized_start=746
-  _globals['_ANNOUNCEMENT']._serialized_end=903
-  _globals['_LISTVERSIONSREQUEST']._serialized_start=905
-  _globals['_LISTVERSIONSREQUEST']._serialized_end=926
-  _globals['_LISTVERSIONSRESPONSE']._serialized_start=928
-  _globals['_LISTVERSIONSRESPONSE']._serialized_end=995
-  _globals['_SETTAGREQUEST']._serialized_start=997
-  _globals['_SETTAGREQUEST']._serialized_end=1058
-  _globals['_ACKVERSIONREQUEST']._serialized_start=1060
-  _globals['_ACKVERSIONREQUEST']._serialized_end=1164
-  _globals['_RELAYFAULT']._serialized_start=1166
-  _globals['_RELAYFAULT']._serialized_end=1226
-  _globals['_ACKVERSIONRESPONSE']._serialized_start=1228
-  _globals['_ACKVERSIONRESPONSE']._serialized_end=1248
-  _globals['_PUSHSTATUSREQUEST']._serialized_start=1250
-  _globals['_PUSHSTATUSREQUEST']._serialized_end=1308
-  _globals['_PUSHSTATUS']._serialized_start=1311
-  _globals['_PUSHSTATUS']._serialized_end=1645
-  _globals['_PUSHSTATUS_WORKERSPERVERSIONENTRY']._serialized_start=1589
-  _globals['_PUSHSTATUS_WORKERSPERVERSIONENTRY']._serialized_end=1645
-  _globals['_MODELREGISTRY']._serialized_start=1648
-  _globals['_MODELREGISTRY']._serialized_end=2256
+  _globals['_ANNOUNCEMENT']._serialized_end=926
+  _globals['_LISTVERSIONSREQUEST']._serialized_start=928
+  _globals['_LISTVERSIONSREQUEST']._serialized_end=949
+  _globals['_LISTVERSIONSRESPONSE']._serialized_start=951
+  _globals['_LISTVERSIONSRESPONSE']._serialized_end=1018
+  _globals['_SETTAGREQUEST']._serialized_start=1020
+  _globals['_SETTAGREQUEST']._serialized_end=1081
+  _globals['_ACKVERSIONREQUEST']._serialized_start=1083
+  _globals['_ACKVERSIONREQUEST']._serialized_end=1187
+  _globals['_RELAYFAULT']._serialized_start=1189
+  _globals['_RELAYFAULT']._serialized_end=1249
+  _globals['_ACKVERSIONRESPONSE']._serialized_start=1251
+  _globals['_ACKVERSIONRESPONSE']._serialized_end=1271
+  _globals['_PUSHSTATUSREQUEST']._serialized_start=1273
+  _globals['_PUSHSTATUSREQUEST']._serialized_end=1331
+  _globals['_PUSHSTATUS']._serialized_start=1334
+  _globals['_PUSHSTATUS']._serialized_end=1668
+  _globals['_PUSHSTATUS_WORKERSPERVERSIONENTRY']._serialized_start=1612
+  _globals['_PUSHSTATUS_WORKERSPERVERSIONENTRY']._serialized_end=1668
+  _globals['_MODELREGISTRY']._serialized_start=1671
+  _globals['_MODELREGISTRY']._serialized_end=2279
 # @@protoc_insertion_point(module_scope)

@@ -86,20 +86,22 @@ class WatchRequest(_message.Message):
     def __init__(self, watcher_id: _Optional[str] = ..., known_version: _Optional[int] = ..., relay_port: _Optional[int] = ..., precision: _Optional[str] = ..., relay_host: _Optional[str] = ...) -> None: ...
 
 class Announcement(_message.Message):
-    __slots__ = ("info", "sources", "chunk_bytes", "weights_port", "chunk_hashes", "chunk_hash")
+    __slots__ = ("info", "sources", "chunk_bytes", "weights_port", "chunk_hashes", "chunk_hash", "source_depths")
     INFO_FIELD_NUMBER: _ClassVar[int]
     SOURCES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
     WEIGHTS_PORT_FIELD_NUMBER: _ClassVar[int]
     CHUNK_HASHES_FIELD_NUMBER: _ClassVar[int]
     CHUNK_HASH_FIELD_NUMBER: _ClassVar[int]
+    SOURCE_DEPTHS_FIELD_NUMBER: _ClassVar[int]
     info: VersionInfo
     sources: _containers.RepeatedScalarFieldContainer[str]
     chunk_bytes: int
     weights_port: int
     chunk_hashes: bytes
     chunk_hash: str
-    def __init__(self, info: _Optional[_Union[VersionInfo, _Mapping]] = ..., sources: _Optional[_Iterable[str]] = ..., chunk_bytes: _Optional[int] = ..., weights_port: _Optional[int] = ..., chunk_hashes: _Optional[bytes] = ..., chunk_hash: _Optional[str] = ...) -> None: ...
+    source_depths: _containers.RepeatedScalarFieldContainer[int]
+    def __init__(self, info: _Optional[_Union[VersionInfo, _Mapping]] = ..., sources: _Optional[_Iterable[str]] = ..., chunk_bytes: _Optional[int] = ..., weights_port: _Optional[int] = ..., chunk_hashes: _Optional[bytes] = ..., chunk_hash: _Optional[str] = ..., source_depths: _Optional[_Iterable[int]] = ...) -> None: ...
 
 class ListVersionsRequest(_message.Message):
     __slots__ = ()
