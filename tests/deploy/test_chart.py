@@ -426,6 +426,15 @@ def test_network_policies_let_the_release_in() -> None:
             allowed = component not in users or labels.get("app.kubernetes.io/component") in users[component]
             assert selector_matches(selector, labels) == allowed, (component, labels)
         assert not selector_matches(selector, {"app.kubernetes.io/instance": "someone-else"})
+    # the weights stream only from rollout workers: a compromised trainer or gae pod cannot reach it
+    weights_ports = {"model-registry": 50064, "rollout-worker": 50066}
+    for component, port in weights_ports.items():
+        rules = policies[f"overworld-{component}"]["spec"]["ingress"]
+        (weights_rule,) = [r for r in rules if {"port": port, "protocol": "TCP"} in r["ports"]]
+        assert weights_rule["ports"] == [{"port": port, "protocol": "TCP"}]
+        for labels in clients:
+            allowed = labels.get("app.kubernetes.io/component") == "rollout-worker"
+            assert selector_matches(weights_rule["from"][0]["podSelector"], labels) == allowed, (component, labels)
     metrics_rule = policies["overworld-gae"]["spec"]["ingress"][1]
     assert metrics_rule["from"][0]["namespaceSelector"] == {
         "matchLabels": {"kubernetes.io/metadata.name": "monitoring"}

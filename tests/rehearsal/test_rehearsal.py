@@ -76,6 +76,7 @@ def counter(samples: dict[str, float], name: str) -> float:
 SERVICE_PORTS = {"rollout-manager": 50051, "replay-buffer": 50052, "gae": 50053, "model-registry": 50054,
                  "rollout-worker": 50056}
 METRICS_PORT, HEALTH_PORT = 9090, 8081
+WEIGHTS_PORTS = {"model-registry": 50064, "rollout-worker": 50066}
 
 
 def test_only_the_runs_own_pods_get_in(rehearsal: Rehearsal, tmp_path: Path) -> None:
@@ -86,7 +87,7 @@ def test_only_the_runs_own_pods_get_in(rehearsal: Rehearsal, tmp_path: Path) -> 
     gets PERMISSION_DENIED, naming it and the method, on every method a stolen rollout-worker or gae
     certificate may not call, 401/403 from Ray's Jobs API without the cluster's token; Redis and the
     object store drop it. A pod with the replay-buffer's labels reaches Redis, which asks for its
-    password.
+    password, and is dropped at the weights stream (the registry's and a worker's relay).
 
     Namespaces and ports, probed: a pod of another namespace carrying the release's own labels is
     dropped on every port (a podSelector alone selects pods of the policy's namespace); the metrics
@@ -125,8 +126,14 @@ def test_only_the_runs_own_pods_get_in(rehearsal: Rehearsal, tmp_path: Path) -> 
             "other_ca": str(tls.write_run_credentials(tmp_path / "other", RELEASE)["trainer"]),
             "stolen": {i: str(rehearsal.identity(i)) for i in ("rollout-worker", "gae")},
             "ray_dashboard": f"{head.ip}:8265"}
+    weights = {"registry weights": f"{cluster.pod(f'{RELEASE}-model-registry').ip}:{WEIGHTS_PORTS['model-registry']}",
+               "relay": f"{cluster.pod(f'{RELEASE}-rollout-worker').ip}:{WEIGHTS_PORTS['rollout-worker']}"}
+    spec["reach"] = {**spec["reach"], **weights}  # type: ignore[dict-item]
     found = run("compromised-worker", spec, labels=worker_labels)
-    assert set(found["reach"].values()) == {"dropped"}, found["reach"]  # type: ignore[union-attr]
+    reached: dict[str, str] = found["reach"]  # type: ignore[assignment]
+    assert reached.pop("registry weights") == "open", found["reach"]  # a worker's way to the weights
+    assert reached.pop("relay") in ("open", "refused"), found["reach"]  # through (relaying, or not yet)
+    assert set(reached.values()) == {"dropped"}, reached
     plaintext, other_ca, denied = found["plaintext"], found["other_ca"], found["denied"]
     assert isinstance(plaintext, dict) and isinstance(other_ca, dict) and isinstance(denied, dict)
     assert set(plaintext) == set(targets) and len(targets) >= 7
@@ -143,9 +150,11 @@ def test_only_the_runs_own_pods_get_in(rehearsal: Rehearsal, tmp_path: Path) -> 
     assert found["ray_jobs_api"] == {"no token": 401, "wrong token": 403}
 
     # the allowed path: the replay-buffer's labels get through to Redis, which wants its password
-    buffer_like = run("buffer-like", {"redis": stores["redis"]},
+    # ... and is dropped at the weights stream, which only rollout workers may reach
+    buffer_like = run("buffer-like", {"redis": stores["redis"], "reach": weights},
                       labels=cluster.pod(f"{RELEASE}-replay-buffer").template.labels)
     assert buffer_like["redis"] == "-NOAUTH", buffer_like
+    assert buffer_like["reach"] == {name: "dropped" for name in weights}, buffer_like
 
     grpc_ports = {name: address for name, (_, address) in targets.items()}
     elsewhere = run("elsewhere", {"reach": {**grpc_ports, **on_port(METRICS_PORT), **stores}}, labels=worker_labels,
