@@ -1,5 +1,6 @@
 # Overworld: `make run` trains the default task on this machine, `make test` runs the tests.
-# Both create .venv and install what is missing on first use; the tests fetch the servers they need
+# Both create .venv and install what is missing on first use; `make test` first installs the Debian
+# packages the tests need (as root; tests/system-packages.sh); the tests fetch the servers they need
 # (redis-server, promtool) when the system has none (rehearsal/server_binaries.py), and the image tests and
 # the rehearsal build the images first (make rehearsal-images; rehearsal/oci_images.py).
 
@@ -14,7 +15,7 @@ PYTEST_ARGS ?=
 
 SB3_STAMP := .venv-sb3/.installed-sb3-2.9.2
 
-.PHONY: run test test-fast test-minestudio minestudio-venv rehearsal dashboard-picture bench scale sb3 lint protos install clean gpu-check gpu-wheels
+.PHONY: run system-packages test test-fast test-minestudio minestudio-venv rehearsal dashboard-picture bench scale sb3 lint protos install clean gpu-check gpu-wheels
 
 $(STAMP): pyproject.toml
 	test -x $(PY) || $(PYTHON) -m venv $(VENV)
@@ -42,10 +43,14 @@ run: $(STAMP)
 pytest = $(1) -m pytest -q $(2) $(PYTEST_ARGS); rc=$$?; \
 	if [ $$rc -eq 5 ]; then echo "pytest collected no tests" >&2; exit 1; fi; exit $$rc
 
-test: $(STAMP)
+# The Debian packages of tests/debian-packages.txt: installed as root, named with the command otherwise.
+system-packages:
+	@tests/system-packages.sh
+
+test: system-packages $(STAMP)
 	$(call pytest,$(PY),)
 
-test-fast: $(STAMP)
+test-fast: system-packages $(STAMP)
 	$(call pytest,$(PY),-m "not slow")
 
 # The cluster rehearsal (the tests in tests/rehearsal, on the harness in rehearsal/; also part of `make test`):
@@ -53,7 +58,7 @@ test-fast: $(STAMP)
 # deleted, workers scaled and cut off, a kubectl resume, every pod from the image its manifest names (built
 # first: make rehearsal-images). Needs root, nft and an image builder; rehearsal/README.md says what it
 # emulates of Kubernetes and what it does not, docs/operations.md what it covers.
-rehearsal: $(STAMP)
+rehearsal: system-packages $(STAMP)
 	$(call pytest,$(PY),tests/rehearsal)
 
 # The training dashboard in docs/operations.md, drawn from what the rehearsal's Prometheus returned for

@@ -54,7 +54,7 @@ def _prepare_images(config: pytest.Config, items: list[pytest.Item]) -> None:
     missing = oci_images.missing_prerequisites(images=images, namespaces=namespaces)
     if missing:
         pytest.exit(f"the selected tests (image tests, tests/rehearsal) need what this machine lacks: {'; '.join(missing)}."
-                    " .ci/run installs it all (.ci/apt-packages.txt), as root; or leave them out:"
+                    " `make test` installs it all as root (tests/debian-packages.txt); or leave them out:"
                     " --ignore=tests/rehearsal --ignore=tests/images", returncode=1)
     if not images or config.option.collectonly or os.environ.get("OVERWORLD_SKIP_IMAGE_BUILD") == "1":
         return

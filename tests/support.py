@@ -24,7 +24,7 @@ def server_binary(name: str) -> str:
         return str(locate(name))
     except ServerBinaryUnavailable as err:
         pytest.exit(f"{name} is needed by the selected tests and could not be had: {err}\n"
-                    f"Install it (.ci/apt-packages.txt lists Debian's packages) or put it on PATH.", returncode=1)
+                    f"Install it (tests/debian-packages.txt lists Debian's packages; `make test` installs them as root) or put it on PATH.", returncode=1)
 
 
 def alive(pid: int) -> bool:
