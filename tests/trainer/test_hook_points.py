@@ -2,6 +2,7 @@
 declared on the learner's method it surrounds (the algorithm's body calls no hook), and once per
 iteration on MineStudio's path too."""
 
+import ast
 from collections.abc import Iterator
 from pathlib import Path
 from typing import Any
@@ -86,8 +87,31 @@ def test_post_collect_runs_once_per_iteration_with_the_advantages_set(gae: Serve
     trainer.gae_client.close()
 
 
+def hook_uses(source: str) -> list[str]:
+    """Where `source` reaches its hooks other than by declaring a point with @around: any use of a `hooks`
+    attribute or of a name from trainer/hooks.py but `Hooks` (the annotation) and `around`."""
+    tree = ast.parse(source)
+    from_hooks = {alias.asname or alias.name for node in ast.walk(tree) if isinstance(node, ast.ImportFrom)
+                  and node.module == "overworld.trainer.hooks" for alias in node.names} - {"Hooks", "around"}
+    found = []
+    for node in ast.walk(tree):
+        if isinstance(node, ast.Attribute) and node.attr == "hooks" and not isinstance(node.ctx, ast.Store):
+            found.append(f"line {node.lineno}: .hooks")
+        elif isinstance(node, ast.Name) and node.id in from_hooks:
+            found.append(f"line {node.lineno}: {node.id}")
+    return found
+
+
+def test_the_hook_check_finds_a_hook_run_by_the_algorithm() -> None:
+    assert hook_uses("def step(self):\n    self.hooks.run('post_loss', self)\n")
+    assert hook_uses("def step(self):\n    run = getattr(self.hooks, 'run')\n")
+    assert hook_uses("from overworld.trainer.hooks import run_point\ndef step(self):\n    run_point(self)\n")
+    assert not hook_uses("from overworld.trainer.hooks import Hooks, around\nclass L:\n    hooks: Hooks\n"
+                         "    @around('post_loss')\n    def loss(self):\n        pass\n")
+
+
 def test_the_algorithm_calls_no_hook_itself() -> None:
-    assert "hooks.run" not in LEARNER.read_text()
+    assert not hook_uses(LEARNER.read_text()), "the learner runs hooks itself: declare the point with @around"
 
 
 def test_a_point_is_checked_where_it_is_declared() -> None:

@@ -181,9 +181,9 @@ class ModelRegistryClient(ServiceClient):
         with self._acks_lock:
             self._acks.discard(future)
 
-    def push_status(self, version: int = 0, *, wait: float = 0.0, timeout: float | None = None) -> pb.PushStatus:
+    def push_status(self, version: int = 0, *, wait: float = 0.0, timeout: float = 30.0) -> pb.PushStatus:
         """How the push of `version` (0: the latest) to the watchers goes; the registry holds the call up
-        to `wait` seconds for the push to complete. One attempt (its callers poll); `timeout` defaults
-        to wait + 30 s."""
+        to `wait` seconds for the push to complete, and the answer may take `timeout` beyond that. One
+        attempt (its callers poll)."""
         return self._stub.GetPushStatus(pb.PushStatusRequest(version=version, wait_seconds=wait),
-                                        timeout=timeout if timeout is not None else wait + 30)
+                                        timeout=wait + timeout)
