@@ -234,6 +234,7 @@ def amp_fp16(workdir: Path, report: Report, until: float) -> dict[str, Any]:
         tr = PPOTrainer.from_config(config, rollout_manager="", workdir=str(workdir))
         tr.device = device
         tr.model, tr.optimizer = tr.setup_model_and_optimizer()
+        tr.lr_schedule = tr.setup_lr_schedule(tr.optimizer)
         tr.checkpoints = checkpoint_store(tr.config, tr.workdir)
         return tr
 

@@ -21,6 +21,7 @@ def make_trainer(*overrides: str, world_size: int = 1, rank: int = 0,
     trainer = cls.from_config(config, rollout_manager="")
     trainer.world_size, trainer.rank = world_size, rank
     trainer.model, trainer.optimizer = trainer.setup_model_and_optimizer()
+    trainer.lr_schedule = trainer.setup_lr_schedule(trainer.optimizer)
     return trainer
 
 

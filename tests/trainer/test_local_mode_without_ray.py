@@ -39,5 +39,8 @@ def test_local_mode_trains_and_never_imports_ray(tmp_path: Path) -> None:
     for entry in entries:
         assert entry["world_size"] == 1 and entry["device"] == "cpu"
         assert "ray" not in entry["modules"], f"the trainer imported ray ({entry['where']}, iteration {entry['iteration']})"
+    # the learning-rate schedule, stepped by the loop after each iteration: 1e-3 annealed over 1,000 iterations
+    rates = {e["iteration"]: e["learning_rate"] for e in entries if e["where"] == "post_iteration"}
+    assert rates == {i: pytest.approx(1e-3 * (1 - i / 1000), rel=1e-9) for i in range(1, len(rates) + 1)}, rates
     assert "torch" in entries[-1]["modules"] and "overworld" in entries[-1]["modules"]  # the probe sees imports
     assert "Ray started in" not in trainer_log and "stopped cleanly" in trainer_log

@@ -4,32 +4,25 @@ from __future__ import annotations
 
 import logging
 from pathlib import Path
-from typing import Any
 
 from overworld.core.blob_stores import open_blob_store
 from overworld.core.config import as_dict
 from overworld.trainer.checkpoint import is_durable, save_location
 from overworld.trainer.evaluation import evaluate
+from overworld.trainer.hooks import Runtime
 from overworld.trainer.loggers import LogSync, build_loggers
 from overworld.trainer.minestudio_metrics import MineStudioMetrics
 
 log = logging.getLogger("overworld.trainer")
 
 
-def anneal_learning_rate(trainer: Any) -> None:
-    t = trainer.config.train_config
-    if t.anneal_lr_linearly:
-        for group in trainer.optimizer.param_groups:
-            group["lr"] = t.learning_rate * max(0.0, 1 - (trainer.iteration - 1) / t.num_iterations)
-
-
-def publish_weights(trainer: Any, metrics: dict[str, float]) -> None:
+def publish_weights(trainer: Runtime, metrics: dict[str, float]) -> None:
     # During the value warm-up (its first vf_warmup iterations) MineStudio broadcasts nothing.
     if trainer.iteration > trainer.config.train_config.vf_warmup:
         trainer.broadcast_model_to_rollout_workers(new_version=True)
 
 
-def save_checkpoint(trainer: Any, metrics: dict[str, float]) -> None:
+def save_checkpoint(trainer: Runtime, metrics: dict[str, float]) -> None:
     # Every rank: each one's RNG state goes into the checkpoint (rank 0 writes it).
     t = trainer.config.train_config
     if t.save_interval > 0 and trainer.iteration % t.save_interval == 0:
@@ -38,7 +31,7 @@ def save_checkpoint(trainer: Any, metrics: dict[str, float]) -> None:
             trainer.hooks.run("on_checkpoint", trainer, checkpoint_id=ckpt_id)
 
 
-def run_evaluation(trainer: Any, metrics: dict[str, float]) -> None:
+def run_evaluation(trainer: Runtime, metrics: dict[str, float]) -> None:
     t = trainer.config.train_config
     if trainer.rank == 0 and t.eval_interval > 0 and trainer.iteration % t.eval_interval == 0:
         model = trainer.unwrapped_model
@@ -50,7 +43,7 @@ def run_evaluation(trainer: Any, metrics: dict[str, float]) -> None:
         trainer.hooks.run("on_evaluate", trainer, results=results)
 
 
-def request_video(trainer: Any, metrics: dict[str, float]) -> None:
+def request_video(trainer: Runtime, metrics: dict[str, float]) -> None:
     """Every record_video_interval iterations, ask the rollout-manager for an MP4 of an episode."""
     interval = trainer.config.train_config.record_video_interval
     if trainer.rank == 0 and interval > 0 and trainer.iteration % interval == 0:
@@ -66,7 +59,7 @@ class LogMetrics:
     when save_path is durable, copied to <save_path>/<run_id>/logs/ every minute, at every checkpoint
     and at the end."""
 
-    def __init__(self, trainer: Any) -> None:
+    def __init__(self, trainer: Runtime) -> None:
         self.loggers = []
         self.sync: LogSync | None = None
         if trainer.rank == 0:
@@ -78,7 +71,7 @@ class LogMetrics:
                 self.sync = LogSync(run_dir, open_blob_store(save_location(trainer.config, trainer.workdir)),
                                     f"{run_id}/logs")
 
-    def __call__(self, trainer: Any, metrics: dict[str, float]) -> None:
+    def __call__(self, trainer: Runtime, metrics: dict[str, float]) -> None:
         if trainer.iteration % trainer.config.train_config.log_interval:
             return
         for logger in self.loggers:
@@ -86,7 +79,7 @@ class LogMetrics:
         if self.sync is not None:
             self.sync.maybe()
 
-    def on_checkpoint(self, trainer: Any, checkpoint_id: str) -> None:
+    def on_checkpoint(self, trainer: Runtime, checkpoint_id: str) -> None:
         if self.sync is not None:
             self.sync.sync()
 
@@ -97,8 +90,7 @@ class LogMetrics:
             self.sync.sync()
 
 
-def register_builtin_hooks(trainer: Any) -> LogMetrics:
-    trainer.hooks.register("pre_collect", anneal_learning_rate)
+def register_builtin_hooks(trainer: Runtime) -> LogMetrics:
     trainer.hooks.register("post_iteration", publish_weights)
     trainer.hooks.register("post_iteration", save_checkpoint)
     trainer.hooks.register("post_iteration", run_evaluation)

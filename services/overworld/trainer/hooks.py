@@ -1,8 +1,8 @@
 """Named points of the training loop where hooks run (in registration order).
 
-The built-in behaviours — learning-rate annealing, KL-coefficient decay, publishing weights,
-checkpoints, evaluation, logging — are hooks themselves (trainer/builtin_hooks.py), so a custom
-trainer can replace or extend any of them. A hook is a callable `hook(trainer, **context)`.
+The built-in behaviours around an iteration (publishing weights, checkpoints, evaluation, logging)
+are hooks themselves (trainer/builtin_hooks.py), so a custom trainer can replace or extend any of
+them. A hook is a callable `hook(trainer, **context)`.
 
 The runtime's loop runs the points around an iteration; the points inside the algorithm are
 declared on the learner's method they surround (`@around`), so the algorithm's body calls no hook.
@@ -14,7 +14,14 @@ import functools
 import inspect
 from collections import defaultdict
 from collections.abc import Callable
-from typing import Any, TypeVar
+from typing import Any, Protocol, TypeVar
+
+import torch
+
+from overworld.core.config import RunConfig
+from overworld.policies.base import Policy
+from overworld.replay_buffer.client import ReplayBufferClient
+from overworld.rollout_manager.client import RolloutManagerClient
 
 POINTS = (
     "pre_collect",       # before fetching an iteration's batch
@@ -31,6 +38,28 @@ POINTS = (
 Hook = Callable[..., Any]
 
 
+class Runtime(Protocol):
+    """What a hook may use of the trainer it runs in: trainer/runtime.py's TrainerRuntime (and so the
+    learner, and MineStudio's trainers, built on it)."""
+
+    config: RunConfig
+    hooks: Hooks
+    rank: int
+    iteration: int  # 1 during the first
+    env_steps: int  # the run's, every worker's
+    workdir: str
+    device: torch.device
+    manager: RolloutManagerClient
+    buffer: ReplayBufferClient
+
+    @property
+    def unwrapped_model(self) -> Policy: ...
+
+    def broadcast_model_to_rollout_workers(self, new_version: bool) -> None: ...
+
+    def save_checkpoint(self) -> str: ...
+
+
 class Hooks:
     def __init__(self) -> None:
         self._hooks: dict[str, list[Hook]] = defaultdict(list)
@@ -40,7 +69,7 @@ class Hooks:
             raise ValueError(f"unknown hook point {point!r}; one of {', '.join(POINTS)}")
         self._hooks[point].append(hook)
 
-    def run(self, point: str, trainer: Any, **context: Any) -> None:
+    def run(self, point: str, trainer: Runtime, **context: Any) -> None:
         for hook in self._hooks[point]:
             hook(trainer, **context)
 

@@ -49,6 +49,7 @@ class PPOLearner(TrainerRuntime):
     world_size: int  # learner ranks: DDP when more than one
     model: torch.nn.Module  # the policy, wrapped by DDP when world_size > 1
     optimizer: torch.optim.Optimizer
+    lr_schedule: torch.optim.lr_scheduler.LRScheduler  # stepped by the loop after each iteration
     hooks: Hooks  # run at the points declared with @around (trainer/hooks.py)
     reader: ChunkReader  # this rank's share of each iteration's chunks, from the replay buffer
     gae_client: GaeClient
@@ -91,6 +92,15 @@ class PPOLearner(TrainerRuntime):
         optimizer = torch.optim.AdamW(params, lr=t.learning_rate, weight_decay=t.weight_decay, eps=t.adam_eps)
         self.amp_dtype, self.scaler = amp_settings(t.use_amp, self.device, t.amp_dtype)
         return model, optimizer
+
+    def setup_lr_schedule(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        """The learning rate of each iteration: the optimizer's, annealed linearly to 0 over
+        `num_iterations` with `anneal_lr_linearly` (CleanRL's schedule: iteration i trains at
+        1 - (i-1)/num_iterations of it). The loop steps it after every iteration; checkpoints keep it."""
+        t = self.config.train_config
+        if t.anneal_lr_linearly:
+            return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: max(0.0, 1 - done / t.num_iterations))
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: 1.0)
 
     @property
     def loss_config(self) -> LossConfig:

@@ -22,6 +22,7 @@ from typing import Any
 
 from overworld.core.config import RunConfig
 from overworld.envs.crafter_score import score_summary
+from overworld.trainer.hooks import Runtime
 
 log = logging.getLogger("overworld.trainer")
 
@@ -43,7 +44,7 @@ class MineStudioMetrics:
         self.inserted: tuple[float, int] | None = None
         self.env_steps: tuple[float, int] | None = None
 
-    def __call__(self, trainer: Any, metrics: dict[str, float]) -> None:
+    def __call__(self, trainer: Runtime, metrics: dict[str, float]) -> None:
         if trainer.rank != 0:
             return
         try:

@@ -90,6 +90,7 @@ class TrainerRuntime:
         self.own_ray = False  # the driver started this Ray itself (see placement.torch_trainer_class)
         self.model: Any = None
         self.optimizer: Any = None
+        self.lr_schedule: Any = None  # the learner's (setup_lr_schedule), over the optimizer
         self.reference: Policy | None = None
         self.amp_dtype: torch.dtype | None = None  # set with the optimizer (learner.amp_settings)
         self.scaler: torch.amp.GradScaler | None = None  # fp16 only; saved in every checkpoint (scaler.pt)
@@ -100,6 +101,9 @@ class TrainerRuntime:
 
     # -- what the learner supplies ---------------------------------------------------------------
     def setup_model_and_optimizer(self, policy_generator: Any = None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
+        raise NotImplementedError
+
+    def setup_lr_schedule(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
         raise NotImplementedError
 
     def train_iteration(self, batch: Any = None) -> dict[str, float] | None:
@@ -159,6 +163,7 @@ class TrainerRuntime:
                 self.hooks.run("pre_collect", self)
                 updates_before = self.updates
                 metrics = dict(self.train_iteration() or {})
+                self.lr_schedule.step()
                 updated = time.monotonic()
                 fetched = sum(self.timings.get(part, 0.0) for part in ("sample", "values", "gae"))
                 self.timings["update"] = updated - started - fetched  # the PPO epochs (hooks included)
@@ -262,6 +267,7 @@ class TrainerRuntime:
         torch.set_num_threads(1)
         self._connect()
         self.model, self.optimizer = self.build_starting_model()
+        self.lr_schedule = self.setup_lr_schedule(self.optimizer)
         torch.manual_seed(self.config.seed * 7919 + self.rank)  # minibatch order; a resume restores it
         try:
             self.restore()

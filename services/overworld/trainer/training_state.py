@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import logging
 import time
+import warnings
 from typing import Any, Protocol, TypedDict
 
 import torch
@@ -41,6 +42,7 @@ class TrainingState(Protocol):
     device: torch.device
     # saved and restored
     optimizer: Any
+    lr_schedule: Any
     scaler: torch.amp.GradScaler | None
     reference: Policy | None
     iteration: int
@@ -79,6 +81,7 @@ def save(trainer: TrainingState) -> str:
         return ckpt_id
     files = {"model.safetensors": to_bytes(trainer.unwrapped_model.state_dict()),
              "optimizer.pt": tensors_to_bytes(trainer.optimizer.state_dict()),
+             "lr_schedule.pt": tensors_to_bytes(trainer.lr_schedule.state_dict()),
              "rng.pt": tensors_to_bytes(rng)}
     if trainer.scaler is not None:  # MineStudio's scaler.ckpt (overworld export-minestudio writes it from this)
         files["scaler.pt"] = tensors_to_bytes(trainer.scaler.state_dict())
@@ -92,6 +95,14 @@ def save(trainer: TrainingState) -> str:
     trainer.checkpoints.save(trainer.iteration, state, files)
     trainer.checkpoints.prune(trainer.config.train_config.keep_interval, ckpt_id)
     return ckpt_id
+
+
+def fast_forward(schedule: Any, iterations: int) -> None:
+    """`schedule` as it is after `iterations` steps, and its optimizer's learning rates with it."""
+    schedule.last_epoch = iterations - 1
+    with warnings.catch_warnings():  # step() outside an optimizer step: that is the point here
+        warnings.simplefilter("ignore", UserWarning)
+        schedule.step()
 
 
 def restore_rng(trainer: TrainingState, rng: dict[str, Any]) -> None:
@@ -144,8 +155,8 @@ def restore(trainer: TrainingState) -> None:
         if which == "latest":
             log.warning("resume=latest, but this run has no committed checkpoint yet: starting fresh")
         return
-    ckpt = trainer.checkpoints.load(ckpt_id, ["model.safetensors", "optimizer.pt", "rng.pt", "scaler.pt",
-                                              "reference.safetensors"])
+    ckpt = trainer.checkpoints.load(ckpt_id, ["model.safetensors", "optimizer.pt", "lr_schedule.pt", "rng.pt",
+                                              "scaler.pt", "reference.safetensors"])
     model = trainer.unwrapped_model
     model.load_state_dict(from_bytes(ckpt.files["model.safetensors"], model.state_dict()))
     if t.resume_optimizer and "optimizer.pt" in ckpt.files:
@@ -156,6 +167,10 @@ def restore(trainer: TrainingState) -> None:
         trainer.reference.load_state_dict(from_bytes(ckpt.files["reference.safetensors"]))
     s = ckpt.state
     trainer.iteration, trainer.updates = int(s["iteration"]), int(s["updates"])
+    if t.resume_optimizer and "lr_schedule.pt" in ckpt.files:
+        trainer.lr_schedule.load_state_dict(tensors_from_bytes(ckpt.files["lr_schedule.pt"]))
+    else:  # a checkpoint written before schedules were saved, or a fresh optimizer: where the schedule is now
+        fast_forward(trainer.lr_schedule, trainer.iteration)
     if "rng.pt" in ckpt.files:
         restore_rng(trainer, tensors_from_bytes(ckpt.files["rng.pt"]))
     trainer.samples_trained, trainer.env_steps = int(s["samples_trained"]), int(s["env_steps"])
