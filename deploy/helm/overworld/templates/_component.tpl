@@ -8,7 +8,7 @@ Usage: include "overworld.component" (dict
   "component" "replay-buffer" the service name (also the `overworld serve` argument)
   "values" .Values.replayBuffer
   "replicas" 2                nil for a singleton (Recreate strategy)
-  "env" (include ...)         YAML list of the service's own environment
+  "env" (list ...)            the service's own environment: EnvVar objects (the "overworld.env.*" lists)
   "image" .Values.image
   "gpu" nil or .Values.rolloutWorker.gpu
   "service" true
@@ -89,19 +89,13 @@ spec:
             {{- with $v.extraArgs }}
             {{- toYaml . | nindent 12 }}
             {{- end }}
+          {{- $env := concat (fromYamlArray (include "overworld.env.ports" (dict "context" $ "port" $v.port)))
+                (fromYamlArray (include "overworld.env.security" (dict "context" $ "identity" .component))) }}
+          {{- if $v.weightsPort }}
+          {{- $env = append $env (dict "name" "OVERWORLD_WEIGHTS_PORT" "value" (toString $v.weightsPort)) }}
+          {{- end }}
           env:
-            {{- include "overworld.env.ports" (dict "context" $ "port" $v.port) | nindent 12 }}
-            {{- include "overworld.env.security" (dict "context" $ "identity" .component) | nindent 12 }}
-            {{- if $v.weightsPort }}
-            - name: OVERWORLD_WEIGHTS_PORT
-              value: {{ $v.weightsPort | quote }}
-            {{- end }}
-            {{- with .env }}
-            {{- . | nindent 12 }}
-            {{- end }}
-            {{- with $v.extraEnv }}
-            {{- toYaml . | nindent 12 }}
-            {{- end }}
+            {{- toYaml (concat $env (.env | default list) ($v.extraEnv | default list)) | nindent 12 }}
           ports:
             - name: grpc
               containerPort: {{ $v.port }}

@@ -147,52 +147,43 @@ Secret holding the S3 credentials, and its keys.
 {{- end -}}
 
 {{/*
+The environment of the containers, as data: each "overworld.env.*" renders a list of EnvVar objects
+(toYaml), which the templates read back with fromYamlArray, join with concat and write with toYaml.
+*/}}
+{{- define "overworld.envFromSecret" -}}
+{{- toYaml (dict "name" .name "valueFrom" (dict "secretKeyRef" (dict "name" .secret "key" .key))) -}}
+{{- end -}}
+
+{{/*
 Environment of the services that keep their data in the object store (--blobs), and the S3
 endpoint and credentials alone for the trainer (its save_path is s3://, it takes no --blobs).
 */}}
 {{- define "overworld.env.objectStore" -}}
-- name: OVERWORLD_BLOBS
-  value: {{ printf "s3://%s/%s" .Values.objectStore.bucket .Values.objectStore.prefix | quote }}
-{{ include "overworld.env.s3" . }}
+{{- $blobs := dict "name" "OVERWORLD_BLOBS" "value" (printf "s3://%s/%s" .Values.objectStore.bucket .Values.objectStore.prefix) -}}
+{{- toYaml (prepend (fromYamlArray (include "overworld.env.s3" .)) $blobs) -}}
 {{- end -}}
 
 {{- define "overworld.env.s3" -}}
-- name: OVERWORLD_S3_ENDPOINT
-  value: {{ include "overworld.s3Endpoint" . | quote }}
-- name: OVERWORLD_S3_ACCESS_KEY
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "overworld.s3SecretName" . }}
-      key: {{ include "overworld.s3AccessKeyKey" . }}
-- name: OVERWORLD_S3_SECRET_KEY
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "overworld.s3SecretName" . }}
-      key: {{ include "overworld.s3SecretKeyKey" . }}
+{{- $secret := include "overworld.s3SecretName" . -}}
+{{- toYaml (list
+  (dict "name" "OVERWORLD_S3_ENDPOINT" "value" (include "overworld.s3Endpoint" .))
+  (fromYaml (include "overworld.envFromSecret" (dict "name" "OVERWORLD_S3_ACCESS_KEY" "secret" $secret "key" (include "overworld.s3AccessKeyKey" .))))
+  (fromYaml (include "overworld.envFromSecret" (dict "name" "OVERWORLD_S3_SECRET_KEY" "secret" $secret "key" (include "overworld.s3SecretKeyKey" .))))) -}}
 {{- end -}}
 
 {{/*
 OVERWORLD_INDEX: the bundled Redis, an external URL, or an external URL from a Secret.
 */}}
 {{- define "overworld.env.index" -}}
-{{- if .Values.redis.enabled }}
-- name: OVERWORLD_INDEX
-  value: {{ printf "redis://%s:6379/0" (include "overworld.redisName" .) | quote }}
-- name: OVERWORLD_REDIS_PASSWORD
-  valueFrom:
-    secretKeyRef:
-      name: {{ include "overworld.redisSecretName" . }}
-      key: {{ .Values.redis.auth.passwordKey }}
-{{- else if .Values.externalRedis.existingSecret }}
-- name: OVERWORLD_INDEX
-  valueFrom:
-    secretKeyRef:
-      name: {{ .Values.externalRedis.existingSecret }}
-      key: {{ .Values.externalRedis.urlKey }}
-{{- else }}
-- name: OVERWORLD_INDEX
-  value: {{ .Values.externalRedis.url | quote }}
-{{- end }}
+{{- if .Values.redis.enabled -}}
+{{- toYaml (list
+  (dict "name" "OVERWORLD_INDEX" "value" (printf "redis://%s:6379/0" (include "overworld.redisName" .)))
+  (fromYaml (include "overworld.envFromSecret" (dict "name" "OVERWORLD_REDIS_PASSWORD" "secret" (include "overworld.redisSecretName" .) "key" .Values.redis.auth.passwordKey)))) -}}
+{{- else if .Values.externalRedis.existingSecret -}}
+{{- toYaml (list (fromYaml (include "overworld.envFromSecret" (dict "name" "OVERWORLD_INDEX" "secret" .Values.externalRedis.existingSecret "key" .Values.externalRedis.urlKey)))) -}}
+{{- else -}}
+{{- toYaml (list (dict "name" "OVERWORLD_INDEX" "value" (toString .Values.externalRedis.url))) -}}
+{{- end -}}
 {{- end -}}
 
 {{/*
@@ -200,20 +191,17 @@ Environment every Overworld service gets: its ports.
 Usage: include "overworld.env.ports" (dict "context" $ "port" 50051)
 */}}
 {{- define "overworld.env.ports" -}}
-- name: OVERWORLD_HOST
-  value: "0.0.0.0"
-- name: OVERWORLD_PORT
-  value: {{ .port | quote }}
-- name: OVERWORLD_METRICS_PORT
-  value: {{ ternary .context.Values.metrics.port 0 .context.Values.metrics.enabled | quote }}
+{{- toYaml (list
+  (dict "name" "OVERWORLD_HOST" "value" "0.0.0.0")
+  (dict "name" "OVERWORLD_PORT" "value" (toString .port))
+  (dict "name" "OVERWORLD_METRICS_PORT" "value" (toString (ternary .context.Values.metrics.port 0 .context.Values.metrics.enabled)))) -}}
 {{- end -}}
 
 {{/*
 Addresses of the services, by the flag names of docs/architecture.md.
 */}}
 {{- define "overworld.env.rolloutManager" -}}
-- name: OVERWORLD_ROLLOUT_MANAGER
-  value: {{ include "overworld.address" (dict "context" . "component" "rollout-manager" "port" .Values.rolloutManager.port) | quote }}
+{{- toYaml (list (dict "name" "OVERWORLD_ROLLOUT_MANAGER" "value" (include "overworld.address" (dict "context" . "component" "rollout-manager" "port" .Values.rolloutManager.port)))) -}}
 {{- end -}}
 
 {{/*
@@ -222,37 +210,32 @@ ready pod and the client balances its calls over them (gRPC round_robin); a Clus
 each long-lived connection to one pod.
 */}}
 {{- define "overworld.env.replayBuffer" -}}
-- name: OVERWORLD_REPLAY_BUFFER
-  value: {{ include "overworld.address" (dict "context" . "component" "replay-buffer-headless" "port" .Values.replayBuffer.port) | quote }}
+{{- toYaml (list (dict "name" "OVERWORLD_REPLAY_BUFFER" "value" (include "overworld.address" (dict "context" . "component" "replay-buffer-headless" "port" .Values.replayBuffer.port)))) -}}
 {{- end -}}
 
 {{- define "overworld.env.gae" -}}
-- name: OVERWORLD_GAE
-  value: {{ include "overworld.address" (dict "context" . "component" "gae-headless" "port" .Values.gae.port) | quote }}
+{{- toYaml (list (dict "name" "OVERWORLD_GAE" "value" (include "overworld.address" (dict "context" . "component" "gae-headless" "port" .Values.gae.port)))) -}}
 {{- end -}}
 
 {{- define "overworld.env.modelRegistry" -}}
-- name: OVERWORLD_MODEL_REGISTRY
-  value: {{ include "overworld.address" (dict "context" . "component" "model-registry" "port" .Values.modelRegistry.port) | quote }}
+{{- toYaml (list (dict "name" "OVERWORLD_MODEL_REGISTRY" "value" (include "overworld.address" (dict "context" . "component" "model-registry" "port" .Values.modelRegistry.port)))) -}}
 {{- end -}}
 
 {{/*
 The environment of the trainer (in the RayJob's head and worker pods).
 */}}
 {{- define "overworld.env.trainer" -}}
-{{ include "overworld.env.ports" (dict "context" . "port" .Values.trainer.port) }}
-{{ include "overworld.env.rolloutManager" . }}
-{{ include "overworld.env.replayBuffer" . }}
-{{ include "overworld.env.gae" . }}
-{{ include "overworld.env.modelRegistry" . }}
-{{ include "overworld.env.s3" . }}
-- name: OVERWORLD_SAVE_PATH
-  value: {{ printf "s3://%s/%s" .Values.objectStore.bucket .Values.objectStore.prefix | quote }}
-- name: OVERWORLD_WORKDIR
-  value: /tmp/overworld
-{{- with .Values.trainer.extraEnv }}
-{{ toYaml . }}
-{{- end }}
+{{- toYaml (concat
+  (fromYamlArray (include "overworld.env.ports" (dict "context" . "port" .Values.trainer.port)))
+  (fromYamlArray (include "overworld.env.rolloutManager" .))
+  (fromYamlArray (include "overworld.env.replayBuffer" .))
+  (fromYamlArray (include "overworld.env.gae" .))
+  (fromYamlArray (include "overworld.env.modelRegistry" .))
+  (fromYamlArray (include "overworld.env.s3" .))
+  (list
+    (dict "name" "OVERWORLD_SAVE_PATH" "value" (printf "s3://%s/%s" .Values.objectStore.bucket .Values.objectStore.prefix))
+    (dict "name" "OVERWORLD_WORKDIR" "value" "/tmp/overworld"))
+  (.Values.trainer.extraEnv | default list)) -}}
 {{- end -}}
 
 {{/*
@@ -305,15 +288,8 @@ plaintext said out loud; and the plaintext health-only port the probes use (kube
 client certificate). Usage: include "overworld.env.security" (dict "context" $ "identity" "gae")
 */}}
 {{- define "overworld.env.security" -}}
-- name: OVERWORLD_HEALTH_PORT
-  value: {{ .context.Values.tls.healthPort | quote }}
-{{- if .context.Values.tls.enabled }}
-- name: OVERWORLD_TLS_DIR
-  value: /etc/overworld/tls
-{{- else }}
-- name: OVERWORLD_INSECURE
-  value: "true"
-{{- end }}
+{{- $tls := ternary (dict "name" "OVERWORLD_TLS_DIR" "value" "/etc/overworld/tls") (dict "name" "OVERWORLD_INSECURE" "value" "true") .context.Values.tls.enabled -}}
+{{- toYaml (list (dict "name" "OVERWORLD_HEALTH_PORT" "value" (toString .context.Values.tls.healthPort)) $tls) -}}
 {{- end -}}
 
 {{- define "overworld.tls.secretName" -}}
