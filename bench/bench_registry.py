@@ -130,7 +130,7 @@ def raw_server_main(port_file: str, receivers: int) -> None:
 def worker_main(registry: str, raw: str, worker_id: str, verify: bool, swap: str) -> None:
     import torch
 
-    from overworld.model_registry.watcher import WeightsWatcher
+    from overworld.model_registry.worker.watcher import WeightsWatcher
 
     torch.set_num_threads(1)
     watcher = WeightsWatcher(registry, worker_id, {}, verify=verify)
@@ -210,7 +210,7 @@ def _mem_available() -> int:
 def _model_bytes(size: int) -> bytes:
     import torch
 
-    from overworld.core.weights import to_bytes
+    from overworld.core.wire.weights import to_bytes
 
     n_tensors = 10
     per = size // 4 // n_tensors
@@ -268,7 +268,7 @@ def main() -> int:
 
 
 def run(args: argparse.Namespace, sizes: list[int], secure: bool) -> dict[str, Any]:
-    from overworld.core import tls
+    from overworld.core.security import tls
     from overworld.model_registry.client import ModelRegistryClient
 
     env = {**os.environ, "OVERWORLD_LOG_FORMAT": "text", "OVERWORLD_LOG_LEVEL": "WARNING",

@@ -51,14 +51,14 @@ def worker_main(registry: str, worker_id: str) -> None:
 
     import torch
 
-    from overworld.model_registry.relay import RelayShelf
-    from overworld.model_registry.watcher import WeightsWatcher
+    from overworld.model_registry.worker.relay import RelayShelf
+    from overworld.model_registry.worker.watcher import WeightsWatcher
 
     torch.set_num_threads(1)
     shelf = RelayShelf()
     relay: Any
     try:
-        from overworld.model_registry.relay import serve_relay
+        from overworld.model_registry.worker.relay import serve_relay
         relay = serve_relay(shelf)
     except ImportError:  # a tree from before the weights stream: the relay was the gRPC FetchWeights
         from overworld.core.grpc_util import serve
@@ -85,7 +85,7 @@ def worker_main(registry: str, worker_id: str) -> None:
 def payload(size: int, seed: int) -> bytes:
     import torch
 
-    from overworld.core.weights import to_bytes
+    from overworld.core.wire.weights import to_bytes
 
     n = 8
     gen = torch.Generator().manual_seed(seed)
@@ -102,7 +102,7 @@ def pushed_bytes(metrics_port: int) -> float:
 
 def fetch_as_a_relay_does(address: str, version: int, size: int, identity: Path) -> int:
     """The whole of `version` from the registry, as a relaying worker fetches a stripe; bytes received."""
-    from overworld.core import tls
+    from overworld.core.security import tls
     from overworld.model_registry.client import ModelRegistryClient
     from overworld.model_registry.relay_plan import relay_chunk_bytes
     from overworld.v1 import model_registry_pb2 as pb
@@ -117,7 +117,7 @@ def fetch_as_a_relay_does(address: str, version: int, size: int, identity: Path)
         if not announcement.weights_port:  # a tree from before the weights stream: gRPC Fetch
             return len(client.fetch(version, verify=False, timeout=300)[1])
         request = pb.FetchRequest(version=version, limit=size, chunk_size=chunk)
-        from overworld.model_registry.stream import END, open_stream
+        from overworld.model_registry.stream.protocol import END, open_stream
 
         out = bytearray(chunk)
         stream = open_stream(f"{address.rpartition(':')[0]}:{announcement.weights_port}", request, 30.0, 60.0,
@@ -142,7 +142,7 @@ def free_port() -> int:
 
 
 def measure(args: argparse.Namespace, services: Path) -> dict[str, Any]:
-    from overworld.core import tls
+    from overworld.core.security import tls
     from overworld.model_registry.client import ModelRegistryClient
 
     env = {k: v for k, v in os.environ.items() if "proxy" not in k.lower()}

@@ -45,9 +45,9 @@ sys.path.insert(0, str(ROOT))  # bench.runs, when run as a script
 import numpy as np  # noqa: E402
 
 from bench.runs import provenance  # noqa: E402
-from overworld.core.fragment import Fragment, expected_tensors  # noqa: E402
 from overworld.core.net import free_port, wait_port  # noqa: E402
 from overworld.core.specs import Spaces, TensorSpec  # noqa: E402
+from overworld.core.wire.fragment import Fragment, expected_tensors  # noqa: E402
 from rehearsal.server_binaries import ServerBinaryUnavailable, locate  # noqa: E402
 
 SPACES = Spaces(obs={"rgb": TensorSpec((64, 64, 3), "uint8")}, action={"action": TensorSpec((), "int64")})
@@ -145,7 +145,7 @@ def serve_fronts(args: argparse.Namespace) -> int:
     """`front` sub-command: one process serving one or more fronts over one index + blob store."""
     import logging
 
-    from overworld.core.blob_stores import open_blob_store
+    from overworld.core.blobs.urls import open_blob_store
     from overworld.core.grpc_util import serve
     from overworld.replay_buffer.index import MemoryIndex
     from overworld.replay_buffer.server import ReplayBufferService, add_to_server
@@ -350,7 +350,7 @@ class Raw:
     def __init__(self, redis_url: str, s3: dict[str, str], blob: bytes) -> None:
         import redis
 
-        from overworld.core.s3_blobs import S3BlobStore
+        from overworld.core.blobs.s3 import S3BlobStore
 
         self.redis = redis.Redis.from_url(redis_url)
         self.store = S3BlobStore.from_url(f"s3://{BUCKET}/raw-{uuid.uuid4().hex[:8]}", s3["OVERWORLD_S3_ENDPOINT"],
@@ -391,7 +391,7 @@ def measure(name: str, index_url: str, blobs_url: str, fronts: int, count: int, 
     round is the better of two concurrencies: one thread per client stream (or reader), and the most
     requests the service itself keeps in flight (4 per stream: ingest_window; 4 per reader: prefetch
     in-band, CHUNKS_PER_SAMPLE by reference)."""
-    from overworld.core.blob_stores import open_blob_store
+    from overworld.core.blobs.urls import open_blob_store
     from overworld.replay_buffer.client import ReplayBufferClient
 
     run_id = f"bench-{uuid.uuid4().hex[:8]}"
@@ -489,7 +489,7 @@ def measure_tls(count: int, rounds: int, env: dict[str, str], work: Path) -> dic
     """Ingest through one front with mutual TLS and one without (memory + local backend, so the
     difference is the transport), rounds alternating between the two: fragments/s and the cost, and
     the CPU per fragment of the front and the client (less sensitive to the machine's other load)."""
-    from overworld.core import tls
+    from overworld.core.security import tls
 
     identities = tls.write_run_credentials(work / "tls", "bench")
     run_id = f"bench-{uuid.uuid4().hex[:8]}"

@@ -114,10 +114,10 @@ class WorkerBench:
                  overrides: tuple[str, ...] = ()) -> None:
         """`policy_kwargs` None: the config's policy; `overrides` (dotted.key=value) come last
         (bench/gpu/check.py: crafter_resnet.yaml's ResNet on CUDA and on the CPU)."""
-        from overworld.core.blobs import LocalBlobStore
+        from overworld.core.blobs.store import LocalBlobStore
         from overworld.core.config import load_config
         from overworld.core.grpc_util import serve
-        from overworld.core.weights import to_bytes
+        from overworld.core.wire.weights import to_bytes
         from overworld.model_registry.client import ModelRegistryClient
         from overworld.model_registry.server import ModelRegistryService
         from overworld.replay_buffer.client import ReplayBufferClient

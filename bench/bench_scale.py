@@ -39,7 +39,7 @@ from typing import Any
 import torch
 
 from bench.runs import RESULTS, RunRecord, write
-from overworld.core import weights
+from overworld.core.wire import weights
 from rehearsal import scale_standin
 from rehearsal.netns import wait_until
 from rehearsal.oci_images import ImageStore, build
@@ -289,7 +289,7 @@ def store_footprint(fleet: Fleet) -> dict[str, float]:
     keys) by what they are, and Redis' key count."""
     buffer = fleet.cluster.pod(BUFFER)
     bucket = buffer.env["OVERWORLD_BLOBS"].removeprefix("s3://").split("/", 1)[0]
-    script = ("import sys; from overworld.core.blob_stores import open_blob_store; "
+    script = ("import sys; from overworld.core.blobs.urls import open_blob_store; "
               "print('\\n'.join(open_blob_store(sys.argv[1]).keys()))")
     keys = fleet.cluster.exec(buffer, "python", "-c", script, f"s3://{bucket}/").split()
     counts = {"object_store_keys": len(keys),

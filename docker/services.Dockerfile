@@ -12,7 +12,7 @@ ENV PATH=/opt/overworld/bin:$PATH
 WORKDIR /src
 COPY pyproject.toml docker/role_requirements.py ./
 # The services role only (pyproject.toml: the dependencies every role has, + the run-controller's
-# kopf): no torch, Ray or W&B; the registry's half-precision cast is numpy's (core/safetensors_format.py).
+# kopf): no torch, Ray or W&B; the registry's half-precision cast is numpy's (core/wire/safetensors_format.py).
 RUN python role_requirements.py pyproject.toml services > requirements.txt \
  && pip install -r requirements.txt \
  && python -c "import importlib.util as u; assert not [m for m in ('torch', 'ray', 'wandb') if u.find_spec(m)]"

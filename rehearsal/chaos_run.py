@@ -32,8 +32,8 @@ from typing import Any
 import grpc
 import numpy as np
 
-from overworld.core import tls
 from overworld.core.grpc_util import CHANNEL_OPTIONS
+from overworld.core.security import tls
 from overworld.gae.client import GaeClient
 from overworld.launch.restarts import read_services
 from overworld.model_registry.client import ModelRegistryClient

@@ -25,7 +25,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from overworld.core import authz, tls
+from overworld.core.security import authz, tls
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))  # run as a script: the checkout's rehearsal package
 from rehearsal.rpcs import RPCS, call_raw  # noqa: E402 (the services' methods, by identity)

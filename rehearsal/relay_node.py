@@ -34,8 +34,8 @@ def checksum(state: dict[str, torch.Tensor]) -> str:
 def watcher(registry: str, name: str, out: Path) -> None:
     from prometheus_client import REGISTRY
 
-    from overworld.model_registry.relay import RelayShelf, serve_relay
-    from overworld.model_registry.watcher import WeightsWatcher
+    from overworld.model_registry.worker.relay import RelayShelf, serve_relay
+    from overworld.model_registry.worker.watcher import WeightsWatcher
 
     shelf = RelayShelf()
     relay = serve_relay(shelf, "0.0.0.0", 50066)
@@ -78,7 +78,7 @@ def pushed_bytes(metrics: str) -> float:
 
 
 def publish(registry: str, metrics: str, version: int) -> None:
-    from overworld.core import weights
+    from overworld.core.wire import weights
     from overworld.model_registry.client import ModelRegistryClient
 
     client = ModelRegistryClient(registry)

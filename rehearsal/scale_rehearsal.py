@@ -32,7 +32,8 @@ from typing import Any
 
 import grpc
 
-from overworld.core import tls, weights
+from overworld.core.security import tls
+from overworld.core.wire import weights
 from overworld.model_registry.client import ModelRegistryClient
 from overworld.replay_buffer.client import ReplayBufferClient
 from overworld.rollout_manager.client import RolloutManagerClient

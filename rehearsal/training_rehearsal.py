@@ -19,7 +19,7 @@ from typing import Any
 import grpc
 import yaml
 
-from overworld.core import tls
+from overworld.core.security import tls
 from overworld.model_registry.client import ModelRegistryClient
 from overworld.replay_buffer.client import ReplayBufferClient
 from overworld.rollout_manager.client import RolloutManagerClient
@@ -219,7 +219,7 @@ class Rehearsal:
     def object_keys(self, url: str) -> list[str]:
         """The object store's keys under an s3:// URL, listed from a replay-buffer pod (it has the
         store's address and keys)."""
-        script = ("import sys; from overworld.core.blob_stores import open_blob_store; "
+        script = ("import sys; from overworld.core.blobs.urls import open_blob_store; "
                   "print('\\n'.join(open_blob_store(sys.argv[1]).keys()))")
         return self.exec(self.cluster.pod(f"{RELEASE}-replay-buffer"), "python", "-c", script, url).split()
 

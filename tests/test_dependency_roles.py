@@ -14,7 +14,7 @@ from pathlib import Path
 
 import pytest
 
-from overworld.core import weights
+from overworld.core.wire import weights
 
 ROOT = Path(__file__).resolve().parents[1]
 HEAVY = {"torch", "ray", "wandb", "tensorboard"}

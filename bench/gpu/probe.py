@@ -26,7 +26,7 @@ BOX_MODULES = ("torch", "numpy", "safetensors", "prometheus_client", "PIL", "ima
                "typing_extensions")
 CARRIED_MODULES = ("grpc", "grpc_health.v1.health", "google.protobuf", "omegaconf", "antlr4", "gymnasium",
                    "crafter", "opensimplex", "ruamel.yaml", "cryptography.x509")
-CHECKOUT_MODULES = ("overworld.v1.trainer_pb2_grpc", "overworld.core.config", "overworld.core.tls",
+CHECKOUT_MODULES = ("overworld.v1.trainer_pb2_grpc", "overworld.core.config", "overworld.core.security.tls",
                     "overworld.envs.crafter_task", "overworld.launch.run", "overworld.online",
                     "overworld.rollout_worker.worker", "bench.gpu.vpt_standin", "bench.bench_rollout_worker")
 OPTIONAL_MODULES = ("numba", "ray")  # crafter's world generation is faster with numba; Ray is never used

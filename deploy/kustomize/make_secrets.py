@@ -1,6 +1,6 @@
 """Make the Secrets of the kustomize base, which are never committed: the object store's S3 keys,
 Redis' password, and a CA of the deployment with a certificate per identity (mutual TLS between the
-services, core/tls.py). They go to base/secrets/ (git-ignored); `kubectl kustomize` fails until
+services, core/security/tls.py). They go to base/secrets/ (git-ignored); `kubectl kustomize` fails until
 they exist. Needs the overworld package (`pip install -e .`).
 
     python deploy/kustomize/make_secrets.py            # once, before the first `kubectl apply -k`
@@ -19,7 +19,7 @@ RELEASE = "overworld"
 
 
 def make(out: Path, run: str = RELEASE, days: int = 3650) -> None:
-    from overworld.core import authz, tls
+    from overworld.core.security import authz, tls
 
     out.mkdir(parents=True, exist_ok=True, mode=0o700)
     for name, text in (("s3.env", f"access-key=overworld\nsecret-key={secrets.token_urlsafe(30)}\n"),

@@ -123,7 +123,7 @@ def main(argv: list[str] | None = None) -> int:
         use_tls_flags(args, log=False)
         return print_status(args.rollout_manager, args.workdir)
     if args.command == "certs":
-        from overworld.core.tls import write_run_credentials
+        from overworld.core.security.tls import write_run_credentials
 
         for identity, path in write_run_credentials(Path(args.out), args.run, days=args.days).items():
             print(f"{identity:<16} {path}")

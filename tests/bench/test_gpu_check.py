@@ -357,4 +357,4 @@ print(json.dumps({{"version": sys.version_info[:2], "steps": steps, "imports": i
     failed = {name: row["error"] for name, row in imports.items() if not row["ok"] and row["group"] != "optional"}
     assert failed.pop("torch") == f"ModuleNotFoundError: {TORCH_ONLY}"
     assert all(TORCH_ONLY in error for error in failed.values()), failed
-    assert {"overworld.core.tls", "overworld.launch.run", "overworld.envs.crafter_task"}.isdisjoint(failed)
+    assert {"overworld.core.security.tls", "overworld.launch.run", "overworld.envs.crafter_task"}.isdisjoint(failed)

@@ -13,9 +13,9 @@ from pathlib import Path
 
 import pytest
 
+from overworld.core.blobs.s3 import S3BlobStore
 from overworld.core.grpc_util import wait_healthy
-from overworld.core.s3_blobs import S3BlobStore
-from overworld.core.weights import to_bytes
+from overworld.core.wire.weights import to_bytes
 from overworld.model_registry.client import ModelRegistryClient
 from overworld.model_registry.server import ModelRegistryService
 from overworld.replay_buffer.client import ReplayBufferClient

@@ -1,5 +1,5 @@
 """Malformed safetensors payloads, each made from a valid one: the one table that the tests of both
-parsers' callers use (the registry's half-precision cast, core/safetensors_format.py; the replay
+parsers' callers use (the registry's half-precision cast, core/wire/safetensors_format.py; the replay
 buffer's zero-copy views, replay_buffer/wire.py). The safetensors loader refuses every one of them,
 so neither caller may accept any."""
 

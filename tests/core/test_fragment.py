@@ -1,9 +1,9 @@
 import numpy as np
 import pytest
 
-from overworld.core import tensors
-from overworld.core.fragment import Fragment, FragmentError, validate
 from overworld.core.specs import Spaces, TensorSpec
+from overworld.core.wire import tensors
+from overworld.core.wire.fragment import Fragment, FragmentError, validate
 from overworld.v1 import common_pb2
 
 SPACES = Spaces(obs={"image": TensorSpec((4, 4, 3), "uint8"), "vector": TensorSpec((2,), "float32")},

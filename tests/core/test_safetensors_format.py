@@ -1,4 +1,4 @@
-"""The registry's half-precision cast without torch (core/safetensors_format.py) makes the bytes that
+"""The registry's half-precision cast without torch (core/wire/safetensors_format.py) makes the bytes that
 torch's cast makes, for every floating dtype safetensors has, and leaves the rest alone."""
 
 from __future__ import annotations
@@ -7,7 +7,7 @@ import pytest
 import torch
 from safetensors.torch import save
 
-from overworld.core import safetensors_format, weights
+from overworld.core.wire import safetensors_format, weights
 
 
 def torch_convert(data: bytes, precision: str) -> bytes:

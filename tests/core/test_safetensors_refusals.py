@@ -1,4 +1,4 @@
-"""Both callers of the one safetensors parser (core/safetensors_format.py) refuse every malformed
+"""Both callers of the one safetensors parser (core/wire/safetensors_format.py) refuse every malformed
 payload the safetensors loader refuses, with the error each turns into a gRPC status: the registry's
 half-precision cast (`convert`: ValueError -> FAILED_PRECONDITION) and the replay buffer's zero-copy
 views (`wire.decode_views`: WireError -> the loader, which refuses: INVALID_ARGUMENT). No other
@@ -12,7 +12,7 @@ import numpy as np
 import pytest
 from safetensors.numpy import save
 
-from overworld.core import safetensors_format, tensors
+from overworld.core.wire import safetensors_format, tensors
 from overworld.replay_buffer import wire
 from tests.core.safetensors_cases import CASES
 
@@ -76,9 +76,9 @@ def test_a_corrupted_payload_is_refused_or_read_as_the_loader_reads_it(seed: int
 
 @pytest.mark.parametrize("case", CASES)
 def test_a_malformed_payload_is_refused_where_a_worker_reads_a_version(case: str) -> None:
-    """core/weights.py: a version read in place (from_buffer) or from its chunks (from_pieces), as the
+    """core/wire/weights.py: a version read in place (from_buffer) or from its chunks (from_pieces), as the
     rollout worker's watcher does, goes through the same parser: ValueError, never a tensor."""
-    from overworld.core import weights
+    from overworld.core.wire import weights
 
     bad = CASES[case](GOOD)
     with pytest.raises(ValueError):

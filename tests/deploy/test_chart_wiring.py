@@ -29,8 +29,8 @@ import pytest
 import yaml
 from grpc_health.v1 import health_pb2
 
-from overworld.core import tls
 from overworld.core.grpc_util import health_status
+from overworld.core.security import tls
 from overworld.model_registry.client import ModelRegistryClient
 from overworld.run_controller.rayjob import build_rayjob
 from tests.conftest import RedisServer

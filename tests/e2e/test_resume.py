@@ -13,7 +13,7 @@ from pathlib import Path
 
 import pytest
 
-from overworld.core.blobs import LocalBlobStore
+from overworld.core.blobs.store import LocalBlobStore
 from overworld.trainer.checkpoint import CheckpointStore, iteration_of
 
 ROOT = Path(__file__).resolve().parents[2]

@@ -9,9 +9,10 @@ from typing import Any, TypeVar
 
 import numpy as np
 
-from overworld.core import tls, weights
 from overworld.core.client import ServiceClient
-from overworld.core.fragment import Fragment, expected_tensors
+from overworld.core.security import tls
+from overworld.core.wire import weights
+from overworld.core.wire.fragment import Fragment, expected_tensors
 from overworld.gae.client import GaeClient
 from overworld.replay_buffer.client import ReplayBufferClient
 from overworld.rollout_manager.client import RolloutManagerClient

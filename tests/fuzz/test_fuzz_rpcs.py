@@ -26,8 +26,8 @@ import grpc
 import pytest
 from hypothesis import HealthCheck, Phase, given, settings
 
-from overworld.core import authz, tls
 from overworld.core.grpc_util import channel, wait_healthy
+from overworld.core.security import authz, tls
 from overworld.v1 import replay_buffer_pb2
 from rehearsal.rpcs import RPCS, Rpc
 from tests.fuzz.goods import GOOD_DATA

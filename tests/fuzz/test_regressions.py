@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import grpc
 
-from overworld.core import tls
 from overworld.core.grpc_util import channel
+from overworld.core.security import tls
 from tests.security.services_in_one_process import Fleet
 
 

@@ -12,9 +12,9 @@ from pathlib import Path
 
 import pytest
 
-from overworld.core import tls
 from overworld.core.config import load_config, to_yaml
 from overworld.core.grpc_util import wait_healthy
+from overworld.core.security import tls
 from overworld.launch.credentials import RunSecurity
 from overworld.launch.restarts import RestartPolicy, read_services
 from overworld.launch.status import print_status

@@ -8,7 +8,7 @@ import threading
 import time
 from pathlib import Path
 
-from overworld.core.fragment import Fragment, validate
+from overworld.core.wire.fragment import Fragment, validate
 
 HERE = Path(__file__).resolve().parent
 

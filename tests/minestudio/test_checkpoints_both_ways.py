@@ -16,9 +16,9 @@ pytest.importorskip("minestudio", reason="`make test-minestudio` installs minest
 import torch  # noqa: E402
 
 from overworld.cli import main  # noqa: E402
-from overworld.core.blob_stores import open_blob_store  # noqa: E402
+from overworld.core.blobs.urls import open_blob_store  # noqa: E402
 from overworld.core.config import as_dict, load_config  # noqa: E402
-from overworld.core.weights import to_bytes  # noqa: E402
+from overworld.core.wire.weights import to_bytes  # noqa: E402
 from overworld.policies.factory import run_spaces  # noqa: E402
 from overworld.trainer.checkpoint import CheckpointStore, tensors_to_bytes  # noqa: E402
 from overworld.trainer.minestudio_checkpoint import import_checkpoint  # noqa: E402

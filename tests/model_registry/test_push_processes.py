@@ -18,7 +18,7 @@ import grpc
 import pytest
 import torch
 
-from overworld.core.weights import to_bytes
+from overworld.core.wire.weights import to_bytes
 from overworld.model_registry.client import ModelRegistryClient
 from overworld.v1 import model_registry_pb2 as pb
 from tests.support import free_port, stop_process, wait_port
@@ -30,7 +30,7 @@ WATCHERS = 8
 # "version checksum" for each swap, and acknowledges it.
 WATCHER = """
 import sys, time, torch
-from overworld.model_registry.watcher import WeightsWatcher
+from overworld.model_registry.worker.watcher import WeightsWatcher
 address, watcher_id, out = sys.argv[1:4]
 model = {"w": torch.zeros(4096), "b": torch.zeros(16, dtype=torch.float64)}
 watcher = WeightsWatcher(address, watcher_id, model)

@@ -18,10 +18,10 @@ import grpc
 import pytest
 import torch
 
-from overworld.core import weights
 from overworld.core.grpc_util import wait_healthy
+from overworld.core.wire import weights
 from overworld.model_registry.client import ModelRegistryClient
-from overworld.model_registry.watcher import WeightsWatcher
+from overworld.model_registry.worker.watcher import WeightsWatcher
 from tests.support import free_port
 
 

@@ -18,10 +18,10 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from overworld.core import safetensors_format, weights
-from overworld.core.blob_stores import open_blob_store
-from overworld.core.blobs import BlobStore, LocalBlobStore
+from overworld.core.blobs.store import BlobStore, LocalBlobStore
+from overworld.core.blobs.urls import open_blob_store
 from overworld.core.grpc_util import Server, serve, wait_healthy
+from overworld.core.wire import safetensors_format, weights
 from overworld.model_registry import wire
 from overworld.model_registry.client import FetchBroken, ModelRegistryClient
 from overworld.model_registry.server import (
@@ -31,7 +31,7 @@ from overworld.model_registry.server import (
     registration,
     weights_key,
 )
-from overworld.model_registry.watcher import WeightsWatcher
+from overworld.model_registry.worker.watcher import WeightsWatcher
 from overworld.v1 import model_registry_pb2 as pb
 
 

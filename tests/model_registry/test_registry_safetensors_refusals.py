@@ -9,9 +9,9 @@ from pathlib import Path
 import grpc
 import torch
 
-from overworld.core import weights
-from overworld.core.blobs import LocalBlobStore
+from overworld.core.blobs.store import LocalBlobStore
 from overworld.core.grpc_util import serve, wait_healthy
+from overworld.core.wire import weights
 from overworld.model_registry.client import ModelRegistryClient
 from overworld.model_registry.server import ModelRegistryService, registration
 from tests.core.safetensors_cases import CASES

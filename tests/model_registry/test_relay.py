@@ -17,17 +17,18 @@ import pytest
 import torch
 from prometheus_client import REGISTRY
 
-from overworld.core import authz, weights
-from overworld.core.blobs import LocalBlobStore
+from overworld.core.blobs.store import LocalBlobStore
 from overworld.core.grpc_util import Server, serve
-from overworld.model_registry import relay
+from overworld.core.security import authz
+from overworld.core.wire import weights
 from overworld.model_registry.client import ModelRegistryClient
-from overworld.model_registry.relay import RelayShelf, serve_relay, serve_relayed
 from overworld.model_registry.relay_plan import relay_chunk_bytes
 from overworld.model_registry.server import ModelRegistryService, registration
-from overworld.model_registry.stream import FrameWriter, StreamError, open_stream
-from overworld.model_registry.stream_server import WeightsStreamServer
-from overworld.model_registry.watcher import WeightsWatcher
+from overworld.model_registry.stream.protocol import FrameWriter, StreamError, open_stream
+from overworld.model_registry.stream.server import WeightsStreamServer
+from overworld.model_registry.worker import relay
+from overworld.model_registry.worker.relay import RelayShelf, serve_relay, serve_relayed
+from overworld.model_registry.worker.watcher import WeightsWatcher
 from overworld.v1 import model_registry_pb2 as pb
 
 

@@ -6,7 +6,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from overworld.core.blobs import LocalBlobStore
+from overworld.core.blobs.store import LocalBlobStore
 from overworld.core.grpc_util import Server, serve, wait_healthy
 from overworld.model_registry.client import ModelRegistryClient
 from overworld.model_registry.server import ModelRegistryService, registration

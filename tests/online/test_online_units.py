@@ -159,7 +159,7 @@ def test_pipeline_report_every_log_interval_seconds() -> None:
 
 
 def test_a_video_trigger_records_the_configured_episodes_with_vpred_drawn(tmp_path: Path) -> None:
-    from overworld.core.blob_stores import open_blob_store
+    from overworld.core.blobs.urls import open_blob_store
     from overworld.rollout_manager.videos import VideoBook
     from overworld.rollout_worker.video import draw_vpred
 

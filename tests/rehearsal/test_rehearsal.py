@@ -95,7 +95,7 @@ def test_only_the_runs_own_pods_get_in(rehearsal: Rehearsal, tmp_path: Path) -> 
     nothing else: the compromised worker and a pod of a third namespace are dropped there (the Ray
     head's ports, its metrics too, are open to the release's pods), and a monitoring pod reaches
     /metrics of every service pod and the trainer but is dropped on their gRPC and health ports."""
-    from overworld.core import tls
+    from overworld.core.security import tls
 
     cluster = rehearsal.cluster
     head = cluster.pod(f"{rehearsal.rayjob()['status']['rayClusterName']}-head")
@@ -522,7 +522,7 @@ def test_deleting_every_service_pod_and_the_stores_once(rehearsal: Rehearsal) ->
     # The trainer samples each fragment once and may just have drained the index: wait for the next.
     live = wait_until(live_keys, 120, "a live fragment in the index after the stores came back")
     script = (
-        "import os, sys; from overworld.core.blob_stores import open_blob_store\n"
+        "import os, sys; from overworld.core.blobs.urls import open_blob_store\n"
         "store = open_blob_store(os.environ['OVERWORLD_BLOBS'])\n"
         "missing = 0\n"
         "for key in sys.argv[1:]:\n"
@@ -630,7 +630,7 @@ def insert_malformed_fragment(rehearsal: Rehearsal) -> None:
     """A worker (its certificate) sends a fragment of the wrong length: the replay buffer rejects it."""
     import grpc
 
-    from overworld.core import tls
+    from overworld.core.security import tls
     from overworld.replay_buffer.client import ReplayBufferClient
     from overworld.v1 import common_pb2, replay_buffer_pb2
 

@@ -21,8 +21,8 @@ from pathlib import Path
 
 import pytest
 
-from overworld.core import tls
 from overworld.core.grpc_util import CHANNEL_OPTIONS
+from overworld.core.security import tls
 from rehearsal.netns import Host, Network, netem_available, remove_leftovers, wait_until
 from rehearsal.relay_node import checksum, model
 

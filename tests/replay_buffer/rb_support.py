@@ -20,12 +20,12 @@ from typing import Any
 import grpc
 import numpy as np
 
-from overworld.core.blobs import BlobStore, LocalBlobStore
+from overworld.core.blobs.store import BlobStore, LocalBlobStore
 from overworld.core.config import ReplayBufferConfig
-from overworld.core.fragment import Fragment, expected_tensors
 from overworld.core.grpc_util import Server, serve
 from overworld.core.net import free_port  # noqa: F401 (used by the tests)
 from overworld.core.specs import Spaces, TensorSpec
+from overworld.core.wire.fragment import Fragment, expected_tensors
 from overworld.replay_buffer.client import ReplayBufferClient
 from overworld.replay_buffer.index import MemoryIndex, ReplayIndex
 from overworld.replay_buffer.rate_limiter import RateLimiter
@@ -148,7 +148,7 @@ class Backend:
     def blobs(self, run_id: str) -> BlobStore:
         if self.name == "memory":
             return LocalBlobStore(self.blobs_url(run_id))
-        from overworld.core.s3_blobs import S3BlobStore
+        from overworld.core.blobs.s3 import S3BlobStore
 
         return S3BlobStore.from_url(self.blobs_url(run_id), endpoint=self.s3["OVERWORLD_S3_ENDPOINT"],
                                     access_key=self.s3["OVERWORLD_S3_ACCESS_KEY"],

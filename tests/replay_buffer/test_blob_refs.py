@@ -13,7 +13,7 @@ import pytest
 from prometheus_client import REGISTRY
 from rb_support import insert, sample, stats, wait_until
 
-from overworld.core.blob_stores import open_blob_store
+from overworld.core.blobs.urls import open_blob_store
 from overworld.core.grpc_util import serve
 from overworld.replay_buffer.client import ReplayBufferClient
 from overworld.replay_buffer.sweeper import OrphanSweeper

@@ -327,7 +327,7 @@ def test_a_failed_blob_write_is_not_acknowledged_and_not_indexed(make_buffer):
 
 
 def test_s3_blob_store_from_url(s3_env):
-    from overworld.core.s3_blobs import S3BlobStore
+    from overworld.core.blobs.s3 import S3BlobStore
 
     bucket = f"ow-{new_run_id()}"
     store = S3BlobStore.from_url(f"s3://{bucket}/some/prefix")  # endpoint and keys from OVERWORLD_S3_*

@@ -338,7 +338,7 @@ def test_generated_registration_behaves_the_same(make_buffer):
 
 
 def test_compressed_fragments_are_accepted(make_buffer):
-    from overworld.core.fragment import Fragment
+    from overworld.core.wire.fragment import Fragment
     from overworld.v1 import common_pb2
 
     buf = make_buffer()

@@ -12,7 +12,7 @@ from typing import Any
 import pytest
 from rb_support import LENGTH, SPACES, insert, make_fragment, new_run_id, sample
 
-from overworld.core.blobs import LocalBlobStore
+from overworld.core.blobs.store import LocalBlobStore
 from overworld.core.grpc_util import serve
 from overworld.replay_buffer.client import ReplayBufferClient
 from overworld.replay_buffer.index import MemoryIndex

@@ -8,7 +8,7 @@ import numpy as np
 import pytest
 from rb_support import SPACES, fragment_data
 
-from overworld.core import tensors
+from overworld.core.wire import tensors
 from overworld.replay_buffer import wire
 from overworld.v1 import common_pb2, replay_buffer_pb2
 

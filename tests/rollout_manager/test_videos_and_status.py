@@ -9,7 +9,7 @@ from pathlib import Path
 import grpc
 import pytest
 
-from overworld.core.blobs import LocalBlobStore
+from overworld.core.blobs.store import LocalBlobStore
 from overworld.core.config import load_config
 from overworld.core.grpc_util import Server, serve
 from overworld.core.specs import Spaces, TensorSpec

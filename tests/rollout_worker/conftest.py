@@ -9,10 +9,10 @@ from typing import Any
 
 import pytest
 
-from overworld.core.blobs import BlobStore, LocalBlobStore
+from overworld.core.blobs.store import BlobStore, LocalBlobStore
 from overworld.core.config import load_config
 from overworld.core.grpc_util import serve
-from overworld.core.weights import to_bytes
+from overworld.core.wire.weights import to_bytes
 from overworld.model_registry.client import ModelRegistryClient
 from overworld.model_registry.server import ModelRegistryService
 from overworld.policies.factory import run_spaces

@@ -17,7 +17,7 @@ from pathlib import Path
 
 import pytest
 
-from overworld.core import tls
+from overworld.core.security import tls
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.trainer.client import TrainerClient
 from tests.rollout_worker.test_worker import wait_for

@@ -10,7 +10,7 @@ from pathlib import Path
 
 import pytest
 
-from overworld.core.fragment import Fragment, validate
+from overworld.core.wire.fragment import Fragment, validate
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.rollout_worker.worker import RolloutWorker
 from tests.rollout_worker import faulty_envs

@@ -16,7 +16,7 @@ def fleet(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Fleet]:
 @pytest.fixture(autouse=True)
 def _process_identity() -> Iterator[None]:
     """Tests pick identities with tls.use(); none leaks into the next test."""
-    from overworld.core import tls
+    from overworld.core.security import tls
 
     yield
     tls.reset()

@@ -41,8 +41,8 @@ def _args(service: str, workdir: Path, addresses: dict[str, str]) -> argparse.Na
 
 
 def serve_fleet(tls_root: Path | None, workdir: Path) -> tuple[dict[str, str], list]:
-    from overworld.core import tls
     from overworld.core.grpc_util import serve
+    from overworld.core.security import tls
     from overworld.serve import BUILDERS
     from overworld.trainer.driver import TrainerStatusService
     from overworld.v1 import trainer_pb2_grpc
@@ -95,7 +95,7 @@ class Fleet:
 
 def start_fleet(tmp: Path, secure: bool = True) -> Iterator[Fleet]:
     """A fleet process with a fresh CA (generator: the fixtures' body)."""
-    from overworld.core.tls import write_run_credentials
+    from overworld.core.security.tls import write_run_credentials
     from tests.support import stop_process
 
     credentials = write_run_credentials(tmp / "tls", "fleet-run") if secure else None

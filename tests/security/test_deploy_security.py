@@ -15,8 +15,8 @@ import grpc
 import pytest
 import yaml
 
-from overworld.core import tls
 from overworld.core.grpc_util import serve
+from overworld.core.security import tls
 from overworld.gae.client import GaeClient
 from overworld.gae.server import GaeService
 from overworld.run_controller.rayjob import build_rayjob

@@ -1,6 +1,6 @@
 """Only the run's own services talk to each other: over real sockets, every service refuses a
 plaintext client and a client of another CA, and answers PERMISSION_DENIED (naming the caller and
-the method) to every identity on every method core/authz.py does not give it."""
+the method) to every identity on every method core/security/authz.py does not give it."""
 
 from __future__ import annotations
 
@@ -12,9 +12,9 @@ import grpc
 import pytest
 from grpc_health.v1 import health_pb2
 
-from overworld.core import authz, tls
 from overworld.core.grpc_util import channel, health_status, serve, wait_healthy
-from overworld.core.peers import WrongPeer
+from overworld.core.security import authz, tls
+from overworld.core.security.peers import WrongPeer
 from overworld.gae.client import GaeClient
 from overworld.gae.server import GaeService
 from overworld.v1 import gae_pb2, gae_pb2_grpc
@@ -33,7 +33,7 @@ def health(ch: grpc.Channel, timeout: float = 5.0) -> grpc.StatusCode:
 def test_every_rpc_is_in_the_table() -> None:
     """A method nobody may call is a method the table forgot (or dead code): each has a caller."""
     for rpc in RPCS:
-        assert authz.callers(rpc.path), f"{rpc} is in no identity's row of core/authz.py"
+        assert authz.callers(rpc.path), f"{rpc} is in no identity's row of core/security/authz.py"
     known = {rpc.path for rpc in RPCS} | set(authz.HEALTH) | set(authz.STREAM_METHODS)
     for identity, methods in authz.ALLOWED.items():
         assert set(methods) <= known, f"{identity} lists methods no service has: {set(methods) - known}"
@@ -235,7 +235,7 @@ def test_the_run_controller_reads_trainer_progress_over_mutual_tls(fleet: Fleet,
 
 
 def test_the_documented_table_is_the_code() -> None:
-    """docs/operations.md's "Who may call what" is core/authz.py's table."""
+    """docs/operations.md's "Who may call what" is core/security/authz.py's table."""
     text = (Path(__file__).resolve().parents[2] / "docs" / "operations.md").read_text()
     documented = {}
     for line in text.split("### Who may call what", 1)[1].split("###", 1)[0].splitlines():

@@ -18,15 +18,16 @@ from typing import Any
 import grpc
 import pytest
 
-from overworld.core import authz, tls, weights
-from overworld.core.blobs import LocalBlobStore
+from overworld.core.blobs.store import LocalBlobStore
 from overworld.core.grpc_util import serve
-from overworld.model_registry import stream as stream_module
-from overworld.model_registry import stream_server
+from overworld.core.security import authz, tls
+from overworld.core.wire import weights
 from overworld.model_registry.relay_plan import relay_chunk_bytes
 from overworld.model_registry.server import ModelRegistryService, registration
-from overworld.model_registry.stream import DATA, END, FrameWriter, Stalled, StreamError, open_stream
-from overworld.model_registry.stream_server import WeightsStreamServer
+from overworld.model_registry.stream import protocol as stream_module
+from overworld.model_registry.stream import server as stream_server
+from overworld.model_registry.stream.protocol import DATA, END, FrameWriter, Stalled, StreamError, open_stream
+from overworld.model_registry.stream.server import WeightsStreamServer
 from overworld.v1 import model_registry_pb2 as pb
 
 RUN = "deadline-run"
@@ -155,7 +156,7 @@ def test_a_reader_that_takes_a_byte_at_a_time_is_cut_off(identities: dict[str, P
     monkeypatch.setattr(stream_module, "SEND_SECONDS", 1.0)
     monkeypatch.setattr(stream_module, "MIN_RATE", 100 << 20)
     tls.use(identities["rollout-worker"])
-    caplog.set_level(logging.WARNING, logger="overworld.model_registry.stream")
+    caplog.set_level(logging.WARNING, logger="overworld.model_registry.stream.protocol")
     stream = open_stream(registry, request(version=2), 5.0, 15.0, lambda: False, "model-registry")
     try:
         started = time.monotonic()

@@ -18,7 +18,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from overworld.model_registry.stream import (
+from overworld.model_registry.stream.protocol import (
     DATA,
     END,
     HEADER,

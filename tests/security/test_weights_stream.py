@@ -1,4 +1,4 @@
-"""The weights stream (model_registry/stream.py) is guarded as the gRPC services are, over real
+"""The weights stream (model_registry/stream/protocol.py) is guarded as the gRPC services are, over real
 sockets: the registry's and a worker's relay port refuse a plaintext client and a client of another CA
 at the handshake, answer PERMISSION_DENIED (naming the caller and the endpoint) to every identity the
 table does not give the endpoint, and take the rollout-worker identity; a frame changed on the way
@@ -15,14 +15,15 @@ from pathlib import Path
 import grpc
 import pytest
 
-from overworld.core import authz, tls, weights
-from overworld.core.blobs import LocalBlobStore
+from overworld.core.blobs.store import LocalBlobStore
 from overworld.core.grpc_util import serve
-from overworld.model_registry import stream as stream_module
-from overworld.model_registry.relay import RelayShelf, serve_relay
+from overworld.core.security import authz, tls
+from overworld.core.wire import weights
 from overworld.model_registry.relay_plan import relay_chunk_bytes
 from overworld.model_registry.server import ModelRegistryService, registration
-from overworld.model_registry.stream import END, StreamError, WeightsStream, open_stream
+from overworld.model_registry.stream import protocol as stream_module
+from overworld.model_registry.stream.protocol import END, StreamError, WeightsStream, open_stream
+from overworld.model_registry.worker.relay import RelayShelf, serve_relay
 from overworld.v1 import model_registry_pb2 as pb
 
 RUN = "stream-run"

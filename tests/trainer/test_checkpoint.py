@@ -2,7 +2,7 @@ from pathlib import Path
 
 import pytest
 
-from overworld.core.blobs import LocalBlobStore
+from overworld.core.blobs.store import LocalBlobStore
 from overworld.trainer.checkpoint import CheckpointStore, checkpoint_id
 
 

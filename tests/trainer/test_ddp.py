@@ -133,7 +133,7 @@ def nan_on_rank_1(rank: int, world: int) -> dict[str, Any]:
 
 
 def rng_per_rank(rank: int, world: int, out_dir: Path) -> dict[str, Any]:
-    from overworld.core.blobs import LocalBlobStore
+    from overworld.core.blobs.store import LocalBlobStore
     from overworld.trainer.checkpoint import CheckpointStore
 
     trainer = helpers.make_trainer(*BASE, world_size=world, rank=rank)

@@ -9,7 +9,7 @@ from pathlib import Path
 
 import torch
 
-from overworld.core.blob_stores import open_blob_store
+from overworld.core.blobs.urls import open_blob_store
 from overworld.core.config import load_config
 from overworld.trainer.builtin_hooks import LogMetrics
 from overworld.trainer.checkpoint import checkpoint_store, is_durable

@@ -11,7 +11,7 @@ from typing import Any
 import pytest
 import torch
 
-from overworld.core.blobs import LocalBlobStore
+from overworld.core.blobs.store import LocalBlobStore
 from overworld.core.config import load_config
 from overworld.core.grpc_util import serve
 from overworld.model_registry.client import ModelRegistryClient

@@ -23,7 +23,7 @@ class ServiceClient:
     Construction: `XClient(address)` opens a channel with this process's credentials (`grpc_util.channel`:
     mutual TLS when the process has an identity, `tls.use` or $OVERWORLD_TLS_DIR; plaintext otherwise),
     on which the server must present the certificate of the client's service (a rollout worker's, say,
-    is refused where the registry was meant: `core/peers.py` WrongPeer), and `close()` closes it.
+    is refused where the registry was meant: `core/security/peers.py` WrongPeer), and `close()` closes it.
     `XClient(address, channel=ch)` calls over a channel made otherwise (a port-forward's, one channel per
     client in a benchmark, a kubelet-like plaintext one in a test): it stays its maker's, and `close()`
     leaves it open. Either way the client is a context manager.

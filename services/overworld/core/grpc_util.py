@@ -15,7 +15,7 @@ from typing import Any, NoReturn, TypeVar
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from overworld.core import authz, tls
+from overworld.core.security import authz, tls
 
 MAX_MESSAGE_BYTES = 512 * 1024 * 1024
 CHANNEL_OPTIONS = [
@@ -184,8 +184,8 @@ def serve(
 ) -> Server:
     """Start a gRPC server with the given (add_XServicer_to_server, servicer, full_service_name) triples.
 
-    With this process's TLS credentials (core/tls.py) the port is mutual TLS and every call is checked
-    against core/authz.py; without, plaintext. $OVERWORLD_HEALTH_PORT adds a plaintext port serving
+    With this process's TLS credentials (core/security/tls.py) the port is mutual TLS and every call is checked
+    against core/security/authz.py; without, plaintext. $OVERWORLD_HEALTH_PORT adds a plaintext port serving
     only the health service (the chart's probes)."""
     options = list(SERVER_OPTIONS)
     if max_connection_age:
@@ -242,7 +242,7 @@ def add_overriding(add_generated: Callable[[Any, Any], None], servicer: Any, ser
 def channel(address: str, peer: str | None = None) -> grpc.Channel:
     """A channel to `address` with this process's credentials (mutual TLS), or plaintext without. With
     mutual TLS the server must present the certificate of `peer`, the identity the caller means to reach
-    ("model-registry", ...; core/authz.py SERVING), or the calls fail with peers.WrongPeer."""
+    ("model-registry", ...; core/security/authz.py SERVING), or the calls fail with peers.WrongPeer."""
     files = tls.credentials()
     if files is None:
         return grpc.insecure_channel(address, options=CHANNEL_OPTIONS)

@@ -5,9 +5,9 @@ from __future__ import annotations
 import grpc
 import numpy as np
 
-from overworld.core import tensors
 from overworld.core.client import ServiceClient
 from overworld.core.grpc_util import Retry
+from overworld.core.wire import tensors
 from overworld.v1 import gae_pb2, gae_pb2_grpc
 
 

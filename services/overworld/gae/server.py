@@ -8,8 +8,8 @@ import grpc
 import numpy as np
 from prometheus_client import Counter, Histogram
 
-from overworld.core import tensors
 from overworld.core.grpc_util import Refused
+from overworld.core.wire import tensors
 from overworld.gae.advantage import gae, vtrace
 from overworld.v1 import gae_pb2, gae_pb2_grpc
 

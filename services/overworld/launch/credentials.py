@@ -8,7 +8,7 @@ import secrets
 from dataclasses import dataclass
 from pathlib import Path
 
-from overworld.core import authz, tls
+from overworld.core.security import authz, tls
 
 
 @dataclass

@@ -15,9 +15,9 @@ from typing import Any
 
 import grpc
 
-from overworld.core import tls
 from overworld.core.config import ConfigError, RunConfig, check_generators, load_config, to_yaml
 from overworld.core.imports import import_object
+from overworld.core.security import tls
 from overworld.core.service import EXIT_CONFIG
 from overworld.envs.task_metrics import declared_task_metrics
 from overworld.launch import env_steps

@@ -18,7 +18,7 @@ from typing import Any
 
 import grpc
 
-from overworld.core import tls
+from overworld.core.security import tls
 from overworld.launch.restarts import read_services
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.v1 import rollout_manager_pb2 as pb

@@ -17,10 +17,10 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import IO
 
-from overworld.core import tls
 from overworld.core.config import RunConfig
 from overworld.core.grpc_util import channel, serving
 from overworld.core.net import free_port, reserve_port
+from overworld.core.security import tls
 from overworld.core.service import EXIT_CONFIG, PARENT_PID_ENV
 from overworld.launch.credentials import RunSecurity
 from overworld.launch.processes import descendants, kill_if_same

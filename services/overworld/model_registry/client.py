@@ -9,9 +9,9 @@ from collections.abc import Callable, Iterator
 
 import grpc
 
-from overworld.core import safetensors_format
 from overworld.core.client import ServiceClient
 from overworld.core.grpc_util import Retry
+from overworld.core.wire import safetensors_format
 from overworld.model_registry import wire
 from overworld.v1 import model_registry_pb2 as pb
 from overworld.v1 import model_registry_pb2_grpc
@@ -132,7 +132,7 @@ class ModelRegistryClient(ServiceClient):
         """A version as a state dict, fetched as `fetch` does. The registry cuts its messages at tensor
         boundaries, so a tensor is a view into the message it arrived in (no copy; treat it as
         read-only); tensors are cast to like's dtypes where they differ."""
-        from overworld.core import weights  # torch: the learners' and workers' side only
+        from overworld.core.wire import weights  # torch: the learners' and workers' side only
 
         pieces: list[tuple[int, memoryview]] = []
         info = self._fetch_stream(version, tag, precision, verify, timeout, stop,

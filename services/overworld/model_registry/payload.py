@@ -12,8 +12,8 @@ from collections.abc import Callable
 
 import grpc
 
-from overworld.core import safetensors_format
 from overworld.core.grpc_util import Refused
+from overworld.core.wire import safetensors_format
 from overworld.model_registry import chunks, wire
 from overworld.v1 import model_registry_pb2 as pb
 

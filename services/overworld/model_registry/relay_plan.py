@@ -139,7 +139,7 @@ class RelayExclusions:
     data for its data stall time): each is a leaf, never a parent, in the plans of the next
     EXCLUDED_VERSIONS versions. Keyed by the watcher the registry knows (its Watch), not by an address a
     caller declares; the registry takes a report only from a watcher the plan gave that relay as a source
-    (watch.py), so the worst a lying worker does is make its own parents leaves for a while."""
+    (announce.py), so the worst a lying worker does is make its own parents leaves for a while."""
 
     def __init__(self) -> None:
         self._until: dict[str, int] = {}  # relay's watcher id -> the last version it is left out of

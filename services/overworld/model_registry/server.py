@@ -28,10 +28,12 @@ from typing import Any
 import grpc
 from prometheus_client import Counter
 
-from overworld.core import authz, safetensors_format
-from overworld.core.blobs import BlobStore
+from overworld.core.blobs.store import BlobStore
 from overworld.core.grpc_util import Refused, add_overriding
+from overworld.core.security import authz
+from overworld.core.wire import safetensors_format
 from overworld.model_registry import wire
+from overworld.model_registry.announce import Watching
 from overworld.model_registry.payload import (
     ALIGN,
     DEFAULT_CHUNK,
@@ -42,12 +44,11 @@ from overworld.model_registry.payload import (
     message_bounds,
 )
 from overworld.model_registry.publish import Publishing
-from overworld.model_registry.relay import check_range
 from overworld.model_registry.relay_plan import relay_chunk_bytes
 from overworld.model_registry.store import RESERVED_TAGS, TAG_RE, manifest_key, weights_key
-from overworld.model_registry.stream import FrameWriter, StreamError
-from overworld.model_registry.stream_server import WeightsStreamServer
-from overworld.model_registry.watch import Watching
+from overworld.model_registry.stream.protocol import FrameWriter, StreamError
+from overworld.model_registry.stream.server import WeightsStreamServer
+from overworld.model_registry.worker.relay import check_range
 from overworld.v1 import model_registry_pb2 as pb
 from overworld.v1 import model_registry_pb2_grpc
 
@@ -55,7 +56,7 @@ BYTES_PUSHED = Counter("overworld_registry_bytes_pushed_total", "Weight bytes se
 FETCHES = Counter("overworld_registry_fetches_total", "Fetch streams started", ["precision"])
 
 DEFAULT_RELAY_FANOUT = 2
-MAX_RELAY_FANOUT = 64  # the stripes a worker takes (model_registry.relay.MAX_STRIPES)
+MAX_RELAY_FANOUT = 64  # the stripes a worker takes (model_registry.worker.relay.MAX_STRIPES)
 
 __all__ = ["DEFAULT_CHUNK", "LARGEST_MESSAGE", "ModelRegistryService", "Payload", "message_bounds", "registration",
            "weights_key"]

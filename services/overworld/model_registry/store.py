@@ -1,6 +1,6 @@
 """The registry's state: the versions listed in the blob store (a manifest per version, weights first),
 tags, retention, and the newest versions' messages in memory. The RPCs that change and read it are the
-publish path (`publish.py`), the watch path (`watch.py`) and `server.py` (fetch, listing, tags)."""
+publish path (`publish.py`), the watch path (`announce.py`) and `server.py` (fetch, listing, tags)."""
 
 from __future__ import annotations
 
@@ -14,7 +14,7 @@ import grpc
 from google.protobuf.json_format import MessageToDict, ParseDict
 from prometheus_client import Gauge
 
-from overworld.core.blobs import BlobStore
+from overworld.core.blobs.store import BlobStore
 from overworld.core.grpc_util import Refused
 from overworld.model_registry.payload import VERIFIED, Payload, PayloadFailed
 from overworld.model_registry.pushes import PushTracker

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 from typing import NamedTuple
 
-from overworld.core.protowire import read_varint, varint
+from overworld.core.wire.protowire import read_varint, varint
 from overworld.v1 import model_registry_pb2 as pb
 
 # field number << 3 | wire type

@@ -68,7 +68,7 @@ def write_state(workdir: Path, record: dict[str, Any], name: str = STATE_FILE) -
 
 
 def main(argv: list[str]) -> int:
-    from overworld.core import tls
+    from overworld.core.security import tls
     from overworld.launch.credentials import RunSecurity
     from overworld.launch.supervisor import Supervisor
 

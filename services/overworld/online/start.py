@@ -209,7 +209,7 @@ def start_trainer(policy_generator: Any, env_generator: Any, online_cfg: Mapping
     kept as `whole_config.py` in the work directory."""
     if _in_service():
         return None
-    from overworld.core import tls
+    from overworld.core.security import tls
     from overworld.launch.credentials import RunSecurity
     from overworld.launch.supervisor import Supervisor
     from overworld.trainer.client import TrainerClient

@@ -7,7 +7,7 @@ import threading
 from concurrent.futures import ThreadPoolExecutor
 from typing import Protocol
 
-from overworld.core.blobs import BlobStore
+from overworld.core.blobs.store import BlobStore
 from overworld.replay_buffer.index import ReplayIndex
 from overworld.replay_buffer.sweeper import DeferredDeletes
 

@@ -23,10 +23,10 @@ from typing import TYPE_CHECKING, NoReturn, Protocol
 import grpc
 from google.protobuf.message import DecodeError
 
-from overworld.core import tensors
-from overworld.core.fragment import Fragment, FragmentError, validate
 from overworld.core.grpc_util import Refused
-from overworld.core.tensors import TensorDecodeError
+from overworld.core.wire import tensors
+from overworld.core.wire.fragment import Fragment, FragmentError, validate
+from overworld.core.wire.tensors import TensorDecodeError
 from overworld.replay_buffer import wire
 from overworld.replay_buffer.front import Front
 from overworld.replay_buffer.index import (

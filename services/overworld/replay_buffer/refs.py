@@ -21,8 +21,8 @@ from dataclasses import dataclass
 import grpc
 from prometheus_client import Counter
 
-from overworld.core.blob_stores import open_blob_store
-from overworld.core.blobs import BlobStore
+from overworld.core.blobs.store import BlobStore
+from overworld.core.blobs.urls import open_blob_store
 from overworld.v1 import replay_buffer_pb2
 
 log = logging.getLogger("overworld.replay_buffer.refs")

@@ -41,7 +41,7 @@ from typing import Any
 
 import grpc
 
-from overworld.core.blobs import BlobStore
+from overworld.core.blobs.store import BlobStore
 from overworld.core.grpc_util import Refused
 from overworld.core.specs import Spaces
 from overworld.replay_buffer.index import IndexStats, IndexUnavailable, MemoryIndex, ReplayIndex

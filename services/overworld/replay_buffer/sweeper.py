@@ -32,7 +32,7 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-from overworld.core.blobs import BlobStore
+from overworld.core.blobs.store import BlobStore
 from overworld.replay_buffer.index import ReplayIndex
 
 log = logging.getLogger("overworld.replay_buffer.sweeper")

@@ -13,8 +13,8 @@ import math
 
 import numpy as np
 
-from overworld.core import safetensors_format
-from overworld.core.protowire import WireError, read_varint, varint
+from overworld.core.wire import safetensors_format
+from overworld.core.wire.protowire import WireError, read_varint, varint
 
 # safetensors dtype names -> numpy (BF16 and F8 have no numpy dtype: those take the copying decoder)
 DTYPES = {code: np.dtype(name) for code, (name, _) in safetensors_format.DTYPES.items() if hasattr(np, name)}
@@ -43,7 +43,7 @@ def length_delimited_fields(buf: memoryview) -> dict[int, memoryview]:
 
 def decode_views(data: memoryview) -> dict[str, np.ndarray]:
     """Uncompressed safetensors bytes -> read-only numpy views on them, checked by the one parser
-    (core/safetensors_format.py) as strictly as the safetensors loader. WireError for a payload it
+    (core/wire/safetensors_format.py) as strictly as the safetensors loader. WireError for a payload it
     refuses, or one with a dtype numpy lacks (bfloat16, float8): the caller leaves both to the loader."""
     try:
         _, entries = safetensors_format.parse(data)

@@ -28,7 +28,7 @@ import grpc
 import numpy as np
 from prometheus_client import Counter, Gauge
 
-from overworld.core.blobs import BlobStore
+from overworld.core.blobs.store import BlobStore
 from overworld.core.config import RunConfig, config_hash, to_yaml
 from overworld.core.grpc_util import Backoff, Refused
 from overworld.core.specs import Spaces

@@ -19,8 +19,8 @@ from pathlib import Path
 
 from google.protobuf import json_format
 
-from overworld.core.blob_stores import open_blob_store
-from overworld.core.blobs import BlobStore
+from overworld.core.blobs.store import BlobStore
+from overworld.core.blobs.urls import open_blob_store
 from overworld.v1 import rollout_manager_pb2 as pb
 
 log = logging.getLogger("overworld.rollout_manager.videos")

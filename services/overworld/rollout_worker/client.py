@@ -1,5 +1,5 @@
 """A rollout worker's own service (RolloutWorker), as the launcher and tools call it: its status and a
-drain. (Its weights relay, the weights stream between workers, is the registry's: model_registry/relay.py.)"""
+drain. (Its weights relay, the weights stream between workers, is the registry's: model_registry/worker/relay.py.)"""
 
 from __future__ import annotations
 

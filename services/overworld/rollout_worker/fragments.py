@@ -10,8 +10,8 @@ from __future__ import annotations
 
 import numpy as np
 
-from overworld.core.fragment import STEP_FIELDS
 from overworld.core.specs import Spaces
+from overworld.core.wire.fragment import STEP_FIELDS
 
 
 class FragmentCutter:

@@ -1,5 +1,5 @@
 """`overworld serve rollout-worker`: the worker loop plus its gRPC service (the control surface: status,
-drain) and its weights relay (model_registry/relay.py: the versions it receives, passed on over the
+drain) and its weights relay (model_registry/worker/relay.py: the versions it receives, passed on over the
 weights stream to the workers the registry sends to it)."""
 
 from __future__ import annotations
@@ -11,7 +11,7 @@ from typing import Any
 import grpc
 
 from overworld.core.grpc_util import Refused, Server, serve
-from overworld.model_registry.relay import RelayShelf, serve_relay
+from overworld.model_registry.worker.relay import RelayShelf, serve_relay
 from overworld.rollout_worker.worker import RolloutWorker
 from overworld.v1 import rollout_worker_pb2 as pb
 from overworld.v1 import rollout_worker_pb2_grpc

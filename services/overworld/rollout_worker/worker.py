@@ -20,10 +20,10 @@ import numpy as np
 import torch
 
 from overworld.core.config import RunConfig
-from overworld.core.fragment import Fragment
 from overworld.core.specs import Spaces
-from overworld.model_registry.relay import RelayShelf
-from overworld.model_registry.watcher import WeightsWatcher
+from overworld.core.wire.fragment import Fragment
+from overworld.model_registry.worker.relay import RelayShelf
+from overworld.model_registry.worker.watcher import WeightsWatcher
 from overworld.policies.factory import run_spaces
 from overworld.replay_buffer.client import ReplayBufferClient
 from overworld.rollout_manager.client import PERIODIC_TIMEOUT, RolloutManagerClient

@@ -172,7 +172,7 @@ def _ray_pod_template(
     ]
     if spec.get("tlsSecret"):
         # The trainer's identity on every Ray node: the driver and its Ray Train workers call the
-        # services with it (core/tls.py reads OVERWORLD_TLS_DIR).
+        # services with it (core/security/tls.py reads OVERWORLD_TLS_DIR).
         env.append({"name": "OVERWORLD_TLS_DIR", "value": TLS_MOUNT})
         container["volumeMounts"].append({"name": "tls", "mountPath": TLS_MOUNT, "readOnly": True})
         volumes.append({"name": "tls", "secret": {"secretName": spec["tlsSecret"], "defaultMode": 0o440}})

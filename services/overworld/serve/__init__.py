@@ -104,9 +104,9 @@ def accept_workdir(p: argparse.ArgumentParser) -> None:
 
 
 def use_tls_flags(args: argparse.Namespace, log: bool = True) -> None:
-    """--tls-dir / --insecure to this process's credentials (core/tls.py), through the environment so
+    """--tls-dir / --insecure to this process's credentials (core/security/tls.py), through the environment so
     that what it starts (the trainer's Ray workers) has the same identity."""
-    from overworld.core import tls
+    from overworld.core.security import tls
 
     if args.tls_dir and args.insecure:
         raise SystemExit("--tls-dir and --insecure exclude each other")

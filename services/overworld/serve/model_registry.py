@@ -53,7 +53,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build(args: argparse.Namespace, done: threading.Event) -> Any:
-    from overworld.core.blob_stores import open_blob_store
+    from overworld.core.blobs.urls import open_blob_store
     from overworld.core.grpc_util import serve
     from overworld.model_registry.server import ModelRegistryService, registration
 

@@ -40,7 +40,7 @@ def add_flags(p: argparse.ArgumentParser) -> None:
 
 
 def build(args: argparse.Namespace, done: threading.Event) -> Any:
-    from overworld.core.blob_stores import open_blob_store
+    from overworld.core.blobs.urls import open_blob_store
     from overworld.core.config import config_hash
     from overworld.core.grpc_util import FRONT_MAX_CONNECTION_AGE_S, serve
     from overworld.replay_buffer.index import MemoryIndex

@@ -5,7 +5,7 @@ from __future__ import annotations
 import logging
 from pathlib import Path
 
-from overworld.core.blob_stores import open_blob_store
+from overworld.core.blobs.urls import open_blob_store
 from overworld.core.config import as_dict
 from overworld.trainer.checkpoint import is_durable, save_location
 from overworld.trainer.evaluation import evaluate

@@ -20,8 +20,8 @@ from typing import Any
 
 import torch
 
-from overworld.core.blob_stores import open_blob_store
-from overworld.core.blobs import BlobStore
+from overworld.core.blobs.store import BlobStore
+from overworld.core.blobs.urls import open_blob_store
 from overworld.core.config import RunConfig
 
 COMMITTED = "COMMITTED"

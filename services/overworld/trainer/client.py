@@ -6,7 +6,7 @@ from __future__ import annotations
 import grpc
 
 from overworld.core.client import ServiceClient
-from overworld.core.tls import aio_channel
+from overworld.core.security.tls import aio_channel
 from overworld.v1 import trainer_pb2 as pb
 from overworld.v1 import trainer_pb2_grpc
 

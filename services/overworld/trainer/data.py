@@ -11,7 +11,7 @@ from typing import Any
 import numpy as np
 import torch
 
-from overworld.core.fragment import Fragment
+from overworld.core.wire.fragment import Fragment
 from overworld.v1 import replay_buffer_pb2
 
 

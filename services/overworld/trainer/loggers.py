@@ -22,7 +22,7 @@ from pathlib import Path
 from typing import Any, Protocol
 from urllib.parse import urlparse
 
-from overworld.core.blobs import BlobStore
+from overworld.core.blobs.store import BlobStore
 from overworld.core.config import LoggerConfig
 
 log = logging.getLogger("overworld.trainer")

@@ -129,7 +129,7 @@ def export_checkpoint(checkpoint_dir: str, out_dir: str) -> Path:
     MineStudio one: builds the run's policy from the config saved in the checkpoint, loads the
     weights and optimizer state, writes model.ckpt, optimizer.ckpt (scaler.ckpt) and whole_config.pkl."""
     from overworld.core.config import load_config, to_yaml
-    from overworld.core.weights import from_bytes
+    from overworld.core.wire.weights import from_bytes
     from overworld.policies.factory import run_spaces
 
     src = Path(checkpoint_dir)

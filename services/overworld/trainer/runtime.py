@@ -28,7 +28,7 @@ import torch.distributed as dist
 
 from overworld.core.config import RunConfig, config_hash, from_yaml, learner_ranks, to_yaml
 from overworld.core.imports import generator_ref, import_object, lazy_import
-from overworld.core.weights import to_bytes
+from overworld.core.wire.weights import to_bytes
 from overworld.gae.client import GaeClient
 from overworld.model_registry.client import ModelRegistryClient
 from overworld.policies.base import Policy

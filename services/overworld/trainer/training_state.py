@@ -12,7 +12,7 @@ from typing import Any, Protocol, TypedDict
 import torch
 
 from overworld.core.config import RunConfig, as_dict, config_hash
-from overworld.core.weights import from_bytes, to_bytes
+from overworld.core.wire.weights import from_bytes, to_bytes
 from overworld.policies.base import Policy
 from overworld.trainer.checkpoint import CheckpointStore, checkpoint_id, tensors_from_bytes, tensors_to_bytes
 from overworld.trainer.minestudio_checkpoint import import_checkpoint, is_minestudio_checkpoint

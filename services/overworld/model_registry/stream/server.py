@@ -1,5 +1,5 @@
 """The serving side of the weights stream (stream.py describes the protocol): a TCP port, a thread per
-connection, each caller checked against core/authz.py's table before the handler sends its frames."""
+connection, each caller checked against core/security/authz.py's table before the handler sends its frames."""
 
 from __future__ import annotations
 
@@ -15,8 +15,8 @@ from collections.abc import Callable
 import grpc
 from google.protobuf.message import DecodeError
 
-from overworld.core import authz, tls
-from overworld.model_registry.stream import (
+from overworld.core.security import authz, tls
+from overworld.model_registry.stream.protocol import (
     HANDSHAKE_SECONDS,
     KEY_BYTES,
     MAX_CONNECTIONS,
@@ -32,7 +32,7 @@ from overworld.model_registry.stream import (
 )
 from overworld.v1 import model_registry_pb2 as pb
 
-log = logging.getLogger("overworld.model_registry.stream")
+log = logging.getLogger("overworld.model_registry.stream.protocol")
 
 Handler = Callable[[pb.FetchRequest, FrameWriter, Callable[[], bool]], None]
 
@@ -54,7 +54,7 @@ def _drain(conn: socket.socket, limit: int = MAX_REQUEST + 4096, seconds: float 
 
 class WeightsStreamServer:
     """Serves one weights-stream endpoint (`method`: authz.WEIGHTS_FROM_REGISTRY or _RELAY) on a TCP
-    port: a thread per connection, each checked against core/authz.py's table before `handler` runs.
+    port: a thread per connection, each checked against core/security/authz.py's table before `handler` runs.
     The handler sends frames through the writer and raises StreamError to end with a status; its
     third argument says whether the connection is still wanted (False once the server stops)."""
 

@@ -9,7 +9,7 @@ another is being fetched is fetched next; versions announced in between are skip
 always catches up to the newest). When the stream breaks (registry restart, network), the watcher
 reconnects with `known_version` and the registry announces its latest version at once.
 
-Each version comes over the weights stream (`stream.py`, `relay.py`): stripes from other workers and
+Each version comes over the weights stream (`stream/protocol.py`, `worker/relay.py`): stripes from other workers and
 the registry, as the announcement names them, into one buffer that is reused from one version to the
 next; every chunk is checked against the hash the registry announced as it arrives. The watcher keeps
 what it received on its `shelf`, from where its worker's relay passes it on. With `relay_port` the
@@ -42,11 +42,11 @@ from typing import Any
 import grpc
 import torch
 
-from overworld.core import safetensors_format, weights
 from overworld.core.grpc_util import Backoff
+from overworld.core.wire import safetensors_format, weights
 from overworld.model_registry import chunks
 from overworld.model_registry.client import FetchBroken, ModelRegistryClient
-from overworld.model_registry.relay import (
+from overworld.model_registry.worker.relay import (
     MAX_CHUNK,
     MAX_STRIPES,
     MIN_CHUNK,
@@ -56,7 +56,7 @@ from overworld.model_registry.relay import (
 )
 from overworld.v1 import model_registry_pb2 as pb
 
-log = logging.getLogger("overworld.model_registry.watcher")
+log = logging.getLogger("overworld.model_registry.worker.watcher")
 DROP = (grpc.StatusCode.NOT_FOUND, grpc.StatusCode.DATA_LOSS, grpc.StatusCode.ABORTED,
         grpc.StatusCode.FAILED_PRECONDITION, grpc.StatusCode.OUT_OF_RANGE, grpc.StatusCode.INVALID_ARGUMENT)
 

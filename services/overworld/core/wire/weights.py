@@ -2,7 +2,7 @@
 
 `to_bytes` / `from_bytes` are the plain conversions. `from_buffer` and `from_pieces` read a
 safetensors payload without copying it: every tensor is a view into the given buffer (or into the
-received message that holds it), which the tensors keep alive. `convert` (core/safetensors_format.py,
+received message that holds it), which the tensors keep alive. `convert` (core/wire/safetensors_format.py,
 without torch) casts the floating tensors of a payload to bfloat16 or float16 (the registry's
 half-precision transfer); the receiver casts them back with `from_buffer(..., like=model_state)`.
 """
@@ -19,9 +19,9 @@ import torch
 from safetensors.torch import load as st_load
 from safetensors.torch import save as st_save
 
-# torch-free (the registry's half-precision transfer in the services image): core/safetensors_format.py
-from overworld.core import safetensors_format
-from overworld.core.safetensors_format import MAX_HEADER_BYTES, read_header
+# torch-free (the registry's half-precision transfer in the services image): core/wire/safetensors_format.py
+from overworld.core.wire import safetensors_format
+from overworld.core.wire.safetensors_format import MAX_HEADER_BYTES, read_header
 
 __all__ = ["DTYPES", "dtype_name", "from_buffer", "from_bytes", "from_pieces", "half_dtype", "tensor_entries", "to_bytes"]
 

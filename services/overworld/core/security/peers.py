@@ -1,5 +1,5 @@
 """Why a peer was refused: it presented a certificate of the run, but of another identity than the one
-the client meant to reach (core/tls.py checks the name; this says what was there instead)."""
+the client meant to reach (core/security/tls.py checks the name; this says what was there instead)."""
 
 from __future__ import annotations
 
@@ -7,7 +7,7 @@ from pathlib import Path
 
 import grpc
 
-from overworld.core import authz
+from overworld.core.security import authz
 
 
 class WrongPeer(grpc.RpcError):

@@ -19,8 +19,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from overworld.core import tensors
 from overworld.core.specs import Spaces
+from overworld.core.wire import tensors
 from overworld.v1 import common_pb2
 
 STEP_FIELDS: dict[str, str] = {

@@ -12,8 +12,8 @@ from collections.abc import Iterator
 
 import grpc
 
-from overworld.core import safetensors_format
 from overworld.core.grpc_util import Refused
+from overworld.core.wire import safetensors_format
 from overworld.model_registry import chunks
 from overworld.model_registry.payload import Payload, PayloadFailed
 from overworld.model_registry.relay_plan import FAULTS, REGISTRY, Member, RelayPlan, relay_chunk_bytes

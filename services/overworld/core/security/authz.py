@@ -1,7 +1,7 @@
 """Who may call what: the one table of Overworld's authorization, and the server interceptor that
-enforces it (the weights stream, model_registry/stream.py, checks the same table).
+enforces it (the weights stream, model_registry/stream/protocol.py, checks the same table).
 
-Every gRPC client presents a certificate of the run's CA (core/tls.py); its identity is the service
+Every gRPC client presents a certificate of the run's CA (core/security/tls.py); its identity is the service
 kind in that certificate (SAN URI ``spiffe://overworld/<run>/<identity>``, else the common name).
 A call whose identity is not allowed the method gets PERMISSION_DENIED naming both. The table is
 documented in docs/operations.md ("Security"); tests/security checks every cell over real sockets.
@@ -23,7 +23,7 @@ _RW = "/overworld.v1.RolloutWorker/"
 _WS = "/overworld.v1.WeightsStream/"
 HEALTH = ("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")
 
-# The weights stream's two endpoints (not gRPC: model_registry/stream.py), named as methods so that the
+# The weights stream's two endpoints (not gRPC: model_registry/stream/protocol.py), named as methods so that the
 # table covers them: the registry's port, and each rollout worker's relay port.
 WEIGHTS_FROM_REGISTRY = _WS + "Registry"
 WEIGHTS_FROM_RELAY = _WS + "Relay"
@@ -58,7 +58,7 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "operator": (*READ_STATUS, _RW + "Drain"),
 }
 IDENTITIES = tuple(ALLOWED)
-# Identities that serve gRPC: only their certificates may be presented by a server (core/tls.py).
+# Identities that serve gRPC: only their certificates may be presented by a server (core/security/tls.py).
 SERVING = ("rollout-manager", "rollout-worker", "replay-buffer", "gae", "model-registry", "trainer")
 
 

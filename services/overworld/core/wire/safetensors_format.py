@@ -3,12 +3,12 @@
 it has not checked against the bytes), a payload's floating dtype, and the cast of its floating
 tensors to bfloat16 or float16 that the model-registry does for half-precision transfer. The parser's
 callers: the cast here, the replay buffer's zero-copy views (replay_buffer/wire.py), and for the
-header alone core/weights.py and the registry's message bounds (model_registry/payload.py).
+header alone core/wire/weights.py and the registry's message bounds (model_registry/payload.py).
 
 The registry runs in the services image, which has no torch: the cast is numpy's, rounded as torch
 rounds (to nearest, ties to even; float64 through float32, as torch's scalar casts go), so that the
 bytes are those `tensor.to(torch.bfloat16)` makes (tests/core/test_safetensors_format.py compares
-them). The worker casts them back with torch (core/weights.py).
+them). The worker casts them back with torch (core/wire/weights.py).
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ import safetensors
 
 MAX_HEADER_BYTES = 100 << 20
 
-# safetensors dtype -> (torch's name, bytes per element): the one table; core/weights.py (torch) and
+# safetensors dtype -> (torch's name, bytes per element): the one table; core/wire/weights.py (torch) and
 # replay_buffer/wire.py (numpy) derive theirs from it
 DTYPES: dict[str, tuple[str, int]] = {
     "F64": ("float64", 8), "F32": ("float32", 4), "F16": ("float16", 2), "BF16": ("bfloat16", 2),

@@ -18,7 +18,7 @@ from minio import Minio
 from minio.deleteobjects import DeleteObject
 from minio.error import S3Error
 
-from overworld.core.blobs import BlobInfo, read_exactly, reserve
+from overworld.core.blobs.store import BlobInfo, read_exactly, reserve
 
 MISSING_CODES = ("NoSuchKey", "NoSuchObject", "NoSuchVersion")
 

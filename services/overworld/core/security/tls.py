@@ -30,8 +30,8 @@ from typing import Any
 
 import grpc
 
-from overworld.core import authz
-from overworld.core.peers import WrongPeer, presented_identity
+from overworld.core.security import authz
+from overworld.core.security.peers import WrongPeer, presented_identity
 
 SERVER_DOMAIN = "overworld.internal"
 CERT, KEY, CA = "tls.crt", "tls.key", "ca.crt"

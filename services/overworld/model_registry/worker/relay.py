@@ -2,7 +2,7 @@
 
 The registry announces a new version with a source for each of its stripes (itself, or another
 worker) and the hash of every chunk. `fetch_relayed` fetches every stripe at once, each from its
-source over the weights stream (`stream.py`), into a `RelayedVersion`: one buffer for the whole
+source over the weights stream (`stream/protocol.py`), into a `RelayedVersion`: one buffer for the whole
 version, reused from one version to the next. Each chunk is checked against its hash as it arrives;
 only then may this worker's relay (`serve_relayed`) pass it on, so a bad relay is caught at its hop
 and its children never see what it changed. A source that breaks, stalls (nothing at all, or
@@ -24,12 +24,13 @@ from collections.abc import Callable
 import grpc
 from prometheus_client import Counter
 
-from overworld.core import authz, safetensors_format
 from overworld.core.grpc_util import Backoff
+from overworld.core.security import authz
+from overworld.core.wire import safetensors_format
 from overworld.model_registry import chunks
 from overworld.model_registry.client import FetchBroken
 from overworld.model_registry.relay_plan import REGISTRY, stripe_bounds
-from overworld.model_registry.stream import (
+from overworld.model_registry.stream.protocol import (
     DATA,
     END,
     Altered,
@@ -38,10 +39,10 @@ from overworld.model_registry.stream import (
     StreamError,
     open_stream,
 )
-from overworld.model_registry.stream_server import WeightsStreamServer
+from overworld.model_registry.stream.server import WeightsStreamServer
 from overworld.v1 import model_registry_pb2 as pb
 
-log = logging.getLogger("overworld.model_registry.relay")
+log = logging.getLogger("overworld.model_registry.worker.relay")
 
 RELAY_BYTES_SERVED = Counter("overworld_relay_bytes_served_total", "Weight bytes this worker relayed to others")
 RELAY_BYTES_RECEIVED = Counter("overworld_relay_bytes_received_total",

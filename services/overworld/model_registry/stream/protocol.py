@@ -5,11 +5,11 @@ Why not gRPC: gRPC Python costs a receiver 2.4 CPU-s per GB before TLS, and Pyth
 records of 16 KB with two system calls each (1.2 CPU-s per GB received here); the relay's budget is
 2 CPU-s per GB for receiving, checking, passing on and swapping in a version. So a connection is:
 
-1. TCP, then a TLS 1.3 handshake with the run's certificates, both ways (core/tls.py's files: the
+1. TCP, then a TLS 1.3 handshake with the run's certificates, both ways (core/security/tls.py's files: the
    server asks for a client certificate of the run's CA, the client checks the server's against the
    CA and the name of the identity it means to reach, as gRPC does: the registry's, or a relaying
    worker's). The server reads the caller's identity from its certificate and
-   checks it against core/authz.py's table, as the gRPC interceptor does.
+   checks it against core/security/authz.py's table, as the gRPC interceptor does.
 2. Inside TLS: the request (a FetchRequest, protobuf), the answer (a status; when OK a fresh AES-128
    key for this connection), and the client's "start". Nothing else goes through TLS.
 3. On the bare socket: frames of a 9-byte header (kind, chunk index, length) and a payload sealed with
@@ -40,11 +40,11 @@ import grpc
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from overworld.core import authz, tls
-from overworld.core.peers import WrongPeer, presented_identity
+from overworld.core.security import authz, tls
+from overworld.core.security.peers import WrongPeer, presented_identity
 from overworld.v1 import model_registry_pb2 as pb
 
-log = logging.getLogger("overworld.model_registry.stream")
+log = logging.getLogger("overworld.model_registry.stream.protocol")
 
 HEADER = struct.Struct("!BII")  # kind, chunk index, payload length
 DATA, KEEPALIVE, END, ERROR = 1, 2, 3, 4

@@ -4,7 +4,7 @@
 so callers catch both); `get_into(key, buf)` reads a blob into a reusable bytearray and returns a
 view of it (same errors); `delete` of a missing key is not an error. `list_blobs` gives each key with
 its last-modified time (seconds since the epoch), for the replay buffer's orphan sweeper.
-`url` is what `open_blob_store` (blob_stores.py) opens to reach the same blobs from another process (a local store's
+`url` is what `open_blob_store` (urls.py) opens to reach the same blobs from another process (a local store's
 absolute path, or `s3://BUCKET/PREFIX`; never credentials).
 """
 

@@ -1,0 +1,2 @@
+"""The weights stream, both ends: the protocol (protocol.py) and the serving side (server.py) that the
+registry and every worker's relay run."""
