@@ -4,7 +4,7 @@
   (and drops its CMD), `args` replace CMD; the image's ENV first, the container's env over it; the
   container's `workingDir`, else the image's WORKDIR, else /; HOME from the image's /etc/passwd for
   the user the process runs as, unless the environment sets it.
-- **The user** (:func:`image_user`): the securityContext's runAsUser/runAsGroup win over the image's
+- **The user** (:func:`rehearsal.pods.image_user`): the securityContext's runAsUser/runAsGroup win over the image's
   USER; a USER that is a name is looked up in the image's /etc/passwd, and cannot be verified by
   `runAsNonRoot` (the kubelet refuses such a container, as one that would run as root).
 - **The root filesystem** (:func:`root_commands`): the image's root under a writable layer of the
@@ -24,8 +24,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
+from rehearsal.pods import Security, Volume, home_of
+
 if TYPE_CHECKING:
-    from rehearsal.cluster import Security, Volume
     from rehearsal.oci_images import Image
 
 ENTER_ROOT = Path(__file__).with_name("enter_root.py")
@@ -47,26 +48,6 @@ def process_of(container: dict[str, Any], image: Image, container_env: dict[str,
     else:
         argv = [*image.config.entrypoint, *(args if args else image.config.cmd)]
     return Process(argv, {**image.config.env, **container_env}, container.get("workingDir") or image.config.workdir or "/")
-
-
-def image_user(image: Image) -> tuple[int, int, bool]:
-    """The image's USER as (uid, gid, numeric): no USER is root; a name is looked up in /etc/passwd."""
-    user, _, group = image.config.user.partition(":")
-    users = image.passwd()
-    if not user:
-        return 0, 0, True
-    if user.isdigit():
-        uid = int(user)
-        default_gid = next((g for u, g, _ in users.values() if u == uid), 0)
-        return uid, int(group) if group.isdigit() else default_gid, True
-    if user not in users:
-        raise ValueError(f"image {image.reference}: USER {user} is not in its /etc/passwd")
-    uid, gid, _ = users[user]
-    return uid, int(group) if group.isdigit() else gid, False
-
-
-def home_of(image: Image, uid: int) -> str:
-    return next((home for u, _, home in image.passwd().values() if u == uid), "/")
 
 
 def inside(rootfs: Path, path: str) -> str:

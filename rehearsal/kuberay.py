@@ -35,8 +35,9 @@ import urllib.request
 from dataclasses import dataclass, field
 from typing import Any
 
-from rehearsal.cluster import DOMAIN, NAMESPACE, Cluster, Pod, Workload, quantity, random_suffix
+from rehearsal.cluster import Cluster
 from rehearsal.kube_api import FOREGROUND
+from rehearsal.pods import DOMAIN, NAMESPACE, Pod, Workload, quantity, random_suffix
 
 FINALIZER = "ray.io/rayjob-finalizer"
 RAYJOBS = f"/apis/ray.io/v1/namespaces/{NAMESPACE}/rayjobs"

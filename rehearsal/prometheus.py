@@ -126,7 +126,7 @@ class Prometheus:
     def discover(self) -> None:
         """Rewrite each job's targets file (and the GPU holders the DCGM stand-in reports) from the
         pods there are now; unchanged files are left alone."""
-        from rehearsal.cluster import NAMESPACE
+        from rehearsal.pods import NAMESPACE
 
         with self.cluster.lock:
             pods = [p for p in self.cluster.pods if not p.deleting and p.phase != "Terminated"]

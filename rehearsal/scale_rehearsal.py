@@ -40,10 +40,11 @@ from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.run_controller.rayjob import build_rayjob
 from overworld.v1 import model_registry_pb2, replay_buffer_pb2, rollout_manager_pb2
 from rehearsal.chart import CHART, by_kind, render, values_from_files
-from rehearsal.cluster import NAMESPACE, RELEASE, Cluster, Pod, Workload
+from rehearsal.cluster import Cluster
 from rehearsal.netns import netem_available, remove_leftovers, wait_until
 from rehearsal.oci_images import REGISTRY as IMAGES
 from rehearsal.oci_images import TAG, ImageStore
+from rehearsal.pods import NAMESPACE, RELEASE, Pod, Workload
 from rehearsal.training_rehearsal import SERVICE_AT_PORT, pod_images
 
 STANDIN_IN_IMAGE = "/opt/overworld-standin/scale_standin.py"  # the same file in the scale images

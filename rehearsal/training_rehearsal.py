@@ -27,10 +27,11 @@ from overworld.serve import DEFAULT_PORTS
 from overworld.trainer.client import TrainerClient
 from overworld.v1 import replay_buffer_pb2, rollout_manager_pb2, trainer_pb2
 from rehearsal.chart import CHART, by_kind, render, values_from_files
-from rehearsal.cluster import NAMESPACE, RELEASE, REPO, Cluster, Pod, Volume, Workload
+from rehearsal.cluster import Cluster
 from rehearsal.kuberay import KubeRay
 from rehearsal.netns import Network, remove_leftovers, wait_until
 from rehearsal.oci_images import OBJECT_STORE, REDIS, REGISTRY, TAG, Image, ImageStore
+from rehearsal.pods import NAMESPACE, RELEASE, REPO, Pod, Volume, Workload
 from rehearsal.prometheus import MONITORING, Prometheus
 
 RUN = RELEASE  # the TrainingRun the chart creates

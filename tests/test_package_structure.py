@@ -2,7 +2,8 @@
 only from floors below it (so no circle between packages), no circle between the modules of a package
 either (imports inside functions and under TYPE_CHECKING count too: a helper that needs its owner
 declares what it uses as a Protocol), MineStudio's facade (`overworld.online`) and `overworld run` at
-the top where nothing else imports them, and modules small enough to hold in one's head."""
+the top where nothing else imports them, and modules small enough to hold in one's head. The cluster
+harness (rehearsal/) is held to the last two as well."""
 
 from __future__ import annotations
 
@@ -10,6 +11,7 @@ import ast
 from pathlib import Path
 
 PACKAGE = Path(__file__).resolve().parents[1] / "services" / "overworld"
+REHEARSAL = Path(__file__).resolve().parents[1] / "rehearsal"  # the cluster harness: its modules too
 MAX_LINES = 450
 TOP = {"online", "launch", "cli"}  # entry points: they may import anything, nothing imports them
 ENTRY = {"cli", "launch", "__main__"}  # modules that start things (may import the facade)
@@ -140,6 +142,28 @@ def test_the_circle_check_finds_a_circle() -> None:
     assert cycles({"a": {"b"}, "b": {"c"}, "c": {"a"}, "d": {"a"}}) == [["a", "b", "c", "a"]]
 
 
+def rehearsal_graph() -> dict[str, set[str]]:
+    """Module to module imports inside rehearsal/ (inside functions and under TYPE_CHECKING too)."""
+    names = {p.stem for p in REHEARSAL.glob("*.py")}
+    edges: dict[str, set[str]] = {}
+    for path in sorted(REHEARSAL.glob("*.py")):
+        out: set[str] = set()
+        for node in ast.walk(ast.parse(path.read_text())):
+            targets: list[str] = []
+            if isinstance(node, ast.Import):
+                targets = [a.name for a in node.names]
+            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
+            out.update(t.split(".")[1] for t in targets if t.startswith("rehearsal.") and t.split(".")[1] in names)
+        edges[path.stem] = out - {path.stem}
+    return edges
+
+
+def test_no_import_circle_between_the_modules_of_the_rehearsal() -> None:
+    assert cycles(rehearsal_graph()) == []
+
+
 def test_no_module_is_too_long_to_hold_in_ones_head() -> None:
-    long = {str(p.relative_to(PACKAGE)): n for p in modules() if (n := len(p.read_text().splitlines())) > MAX_LINES}
+    paths = [*modules(), *sorted(REHEARSAL.glob("*.py"))]
+    long = {str(p.relative_to(PACKAGE.parents[1])): n for p in paths if (n := len(p.read_text().splitlines())) > MAX_LINES}
     assert not long, f"over {MAX_LINES} lines: {long}"

@@ -15,7 +15,7 @@ import pytest
 import yaml
 
 from overworld.run_controller.rayjob import build_rayjob
-from rehearsal.cluster import image_entrypoint
+from rehearsal.pods import image_entrypoint
 from tests.deploy.deploy_support import (
     ARCHITECTURE,
     CHART,

@@ -22,8 +22,8 @@ import pytest
 
 from overworld.run_controller.rayjob import RAY_GID, RAY_UID
 from rehearsal import container
-from rehearsal.cluster import Security, Volume, run_as_non_root_refusal, security_of
 from rehearsal.oci_images import REPO, Image, ImageStore, reference
+from rehearsal.pods import Security, Volume, run_as_non_root_refusal, security_of
 
 pytestmark = pytest.mark.slow  # the images are built before the session (minutes from nothing)
 

@@ -26,9 +26,9 @@ from typing import Any
 import pytest
 
 from overworld.run_controller.rayjob import JOB_STOP_WAIT_SECONDS
-from rehearsal.cluster import NAMESPACE, RELEASE, REPO
 from rehearsal.netns import wait_until
 from rehearsal.oci_images import OBJECT_STORE, REDIS, ImageStore, reference
+from rehearsal.pods import NAMESPACE, RELEASE, REPO
 from rehearsal.prometheus import MONITORING
 from rehearsal.training_rehearsal import Rehearsal
 
