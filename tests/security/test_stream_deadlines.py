@@ -222,3 +222,23 @@ def test_a_dripping_relay_cannot_stretch_a_fetch_past_its_deadline(identities: d
         assert time.monotonic() - started < 1.5 + 1.0
     finally:
         relay.stop()
+
+
+def test_a_dripping_relay_is_cut_off_under_the_minimum_rate_without_a_deadline(identities: dict[str, Path]) -> None:
+    """With no fetch deadline at all, a chunk whose bytes keep coming but slower than MIN_RATE ends the
+    stream as stalled (the relay layer reports it and fetches from the registry) within the data stall
+    time and the chunk's length at MIN_RATE."""
+    tls.use(identities["rollout-worker"])
+    relay = dripping_relay()
+    try:
+        started = time.monotonic()
+        wanted = request()
+        stream = open_stream(f"127.0.0.1:{relay.port}", wanted, 5.0, 1.0, lambda: False, "rollout-worker")
+        out = bytearray(4 << 20)
+        with pytest.raises(Stalled, match="minimum rate"):
+            stream.next(lambda i, n: memoryview(out)[:n])
+        stream.close()
+        assert time.monotonic() - started < 1.0 + wanted.chunk_size / stream_module.MIN_RATE + 1.5
+    finally:
+        relay.stop()
+

@@ -301,7 +301,8 @@ class Frame:
 class WeightsStream:
     """The client's side: frames read into where `into(index, length)` says (the version's buffer),
     opened there; a reused buffer for what arrives sealed. Raises Stalled when nothing at all arrives
-    for `stall` seconds or no DATA frame for `data_stall` seconds, StreamError for an ERROR frame or a
+    for `stall` seconds, no DATA frame for `data_stall` seconds, or a DATA frame's bytes take longer than
+    `data_stall` and their length at MIN_RATE (a relay that drips them), StreamError for an ERROR frame or a
     frame that does not open (DATA_LOSS: altered on the way)."""
 
     def __init__(self, sock: socket.socket, key: bytes, stall: float, data_stall: float,
@@ -316,6 +317,7 @@ class WeightsStream:
         self._header = bytearray(HEADER.size)
         self.stall, self.data_stall, self.stop = stall, data_stall, stop
         self.last_byte = self.last_data = time.monotonic()
+        self._frame_deadline: float | None = None  # the DATA frame under way: data_stall + its bytes / MIN_RATE
         sock.settimeout(min(POLL_SECONDS, stall))
 
     def _fill(self, view: memoryview) -> None:
@@ -335,8 +337,10 @@ class WeightsStream:
                 raise ConnectionAbortedError("stopped")
             if now - self.last_byte > self.stall:
                 raise Stalled(f"nothing for {self.stall:.0f} s")
-            if now - self.last_data > self.data_stall:
+            if self._frame_deadline is None and now - self.last_data > self.data_stall:
                 raise Stalled(f"no data for {self.data_stall:.0f} s (keep-alives only)")
+            if self._frame_deadline is not None and now > self._frame_deadline:  # its bytes come, but too slowly
+                raise Stalled(f"a chunk arrived under the minimum rate ({MIN_RATE >> 10} KiB/s)")
             if self.deadline is not None and now > self.deadline:
                 raise Stalled("the fetch's deadline passed with a frame under way")
 
@@ -349,7 +353,11 @@ class WeightsStream:
             raise StreamError(grpc.StatusCode.INTERNAL, f"a frame of kind {kind} and {length} bytes")
         if kind == DATA:
             dest = into(index, length)  # ValueError: a chunk that was not asked for
-            self._open(bytes(header), dest)
+            self._frame_deadline = time.monotonic() + self.data_stall + length / MIN_RATE
+            try:
+                self._open(bytes(header), dest)
+            finally:
+                self._frame_deadline = None
             self.last_data = time.monotonic()
         elif kind == ERROR:
             message = bytearray(length)
