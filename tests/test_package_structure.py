@@ -39,16 +39,23 @@ def unit(path: Path) -> str:
     return f"{parts[0]}.__main__" if parts[-1] == "__main__" else parts[0]
 
 
+def imports_in(path: Path) -> list[tuple[str, list[str]]]:
+    """(module, names imported from it) for every absolute import in `path`, anywhere in it (`import m`:
+    (m, []))."""
+    found: list[tuple[str, list[str]]] = []
+    for node in ast.walk(ast.parse(path.read_text())):
+        if isinstance(node, ast.Import):
+            found += [(a.name, []) for a in node.names]
+        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
+            found.append((node.module, [a.name for a in node.names]))
+    return found
+
+
 def imported_units(path: Path) -> set[str]:
     """The overworld packages (or top-level modules) `path` imports, anywhere in it."""
     out = set()
-    for node in ast.walk(ast.parse(path.read_text())):
-        names: list[str] = []
-        if isinstance(node, ast.Import):
-            names = [a.name for a in node.names]
-        elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-            names = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-        for name in names:
+    for module, imported in imports_in(path):
+        for name in [module, *(f"{module}.{n}" for n in imported)]:
             parts = name.split(".")
             if parts[0] == "overworld" and len(parts) > 1 and parts[1] != "v1":
                 out.add(parts[1])
@@ -101,13 +108,8 @@ def module_graph() -> dict[str, set[str]]:
     for path in modules():
         src = module_name(path)
         out: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            targets: list[str] = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets = [f"{node.module}.{a.name}" if f"{node.module}.{a.name}"[10:] in names else node.module
-                           for a in node.names]
+        for module, imported in imports_in(path):
+            targets = [f"{module}.{n}" if f"{module}.{n}"[10:] in names else module for n in imported] or [module]
             out.update(t[10:] for t in targets if t.startswith("overworld.") and t[10:] in names)
         edges[src] = {t for t in out if t != src and t.split(".")[0] == src.split(".")[0]}
     return edges
@@ -147,14 +149,8 @@ def rehearsal_graph() -> dict[str, set[str]]:
     names = {p.stem for p in REHEARSAL.glob("*.py")}
     edges: dict[str, set[str]] = {}
     for path in sorted(REHEARSAL.glob("*.py")):
-        out: set[str] = set()
-        for node in ast.walk(ast.parse(path.read_text())):
-            targets: list[str] = []
-            if isinstance(node, ast.Import):
-                targets = [a.name for a in node.names]
-            elif isinstance(node, ast.ImportFrom) and node.module and node.level == 0:
-                targets = [node.module] + [f"{node.module}.{a.name}" for a in node.names]
-            out.update(t.split(".")[1] for t in targets if t.startswith("rehearsal.") and t.split(".")[1] in names)
+        targets = [t for module, imported in imports_in(path) for t in [module, *(f"{module}.{n}" for n in imported)]]
+        out = {t.split(".")[1] for t in targets if t.startswith("rehearsal.") and t.split(".")[1] in names}
         edges[path.stem] = out - {path.stem}
     return edges
 
