@@ -209,8 +209,12 @@ README_END = "<!-- end of results -->"
 
 
 def _at(data: dict[str, Any]) -> str:
+    """The commit and day of a result; a bench of many runs kept across commits names the others too."""
     modified = "+" if data.get("tree_modified") else ""
-    return f"`{str(data.get('commit', ''))[:7]}`{modified}, {str(data.get('date', ''))[:10]}"
+    commit = str(data.get("commit", ""))[:7]
+    others = sorted({str(c)[:7] for c in data.get("commits", [])} - {commit})
+    also = f" (runs also at {', '.join(f'`{c}`' for c in others)})" if others else ""
+    return f"`{commit}`{modified}, {str(data.get('date', ''))[:10]}{also}"
 
 
 def readme_rows(results: dict[str, dict[str, Any]]) -> list[str]:

@@ -1,4 +1,5 @@
-"""The learning-rate schedule lives beside the optimizer (the learner's `setup_lr_schedule`): a resumed
+"""The learning-rate schedule lives beside the optimizer (`setup_lr_schedule`, the runtime's, so MineStudio-style
+subclasses that bring their own optimizer get it too): a resumed
 trainer trains its next iteration at the rate the schedule had reached, from the checkpoint's
 lr_schedule.pt, or, for a checkpoint written before schedules were saved or a fresh optimizer, from the
 iteration. (The loop stepping it once per iteration: tests/trainer/test_local_mode_without_ray.py.)"""

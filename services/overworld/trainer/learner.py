@@ -93,15 +93,6 @@ class PPOLearner(TrainerRuntime):
         self.amp_dtype, self.scaler = amp_settings(t.use_amp, self.device, t.amp_dtype)
         return model, optimizer
 
-    def setup_lr_schedule(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
-        """The learning rate of each iteration: the optimizer's, annealed linearly to 0 over
-        `num_iterations` with `anneal_lr_linearly` (CleanRL's schedule: iteration i trains at
-        1 - (i-1)/num_iterations of it). The loop steps it after every iteration; checkpoints keep it."""
-        t = self.config.train_config
-        if t.anneal_lr_linearly:
-            return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: max(0.0, 1 - done / t.num_iterations))
-        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: 1.0)
-
     @property
     def loss_config(self) -> LossConfig:
         t = self.config.train_config

@@ -103,9 +103,6 @@ class TrainerRuntime:
     def setup_model_and_optimizer(self, policy_generator: Any = None) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
         raise NotImplementedError
 
-    def setup_lr_schedule(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
-        raise NotImplementedError
-
     def train_iteration(self, batch: Any = None) -> dict[str, float] | None:
         raise NotImplementedError
 
@@ -309,6 +306,16 @@ class TrainerRuntime:
             return self._as_policy_model(*self.setup_model_and_optimizer(self.policy_generator))
         finally:
             torch.set_num_threads(threads)
+
+    def setup_lr_schedule(self, optimizer: torch.optim.Optimizer) -> torch.optim.lr_scheduler.LRScheduler:
+        """The learning rate of each iteration: the optimizer's, annealed linearly to 0 over
+        `num_iterations` with `anneal_lr_linearly` (CleanRL's schedule: iteration i trains at
+        1 - (i-1)/num_iterations of it). Built with the optimizer, stepped by the loop after every
+        iteration, kept in every checkpoint (lr_schedule.pt); a subclass may return its own."""
+        t = self.config.train_config
+        if t.anneal_lr_linearly:
+            return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: max(0.0, 1 - done / t.num_iterations))
+        return torch.optim.lr_scheduler.LambdaLR(optimizer, lambda done: 1.0)
 
     def _as_policy_model(self, model: Any, optimizer: torch.optim.Optimizer,
                          *rest: Any) -> tuple[torch.nn.Module, torch.optim.Optimizer]:
