@@ -196,8 +196,6 @@ SUPERSEDED = {
     "scale": "its push curve is of the gRPC relay, replaced by the weights stream (scale_relay); its 32 pods "
              "while training ran before reservations (scale_training)",
     "scale_soak": "before reservations and leases changed the replay buffer and the workers (2026-11-28)",
-    "fleet_learning": "before oldest-first sampling, room for episodes under way and the one-batch band: runs "
-                      "stopped at 450 (the bench now runs each to 250,000 env steps)",
     "e2e": "before reservations (CartPole's band and prefetch changed since)",
     "learning_cartpole": "before reservations (CartPole's band and prefetch changed since)",
     "rollout_worker": "before the worker reserved room before stepping",
