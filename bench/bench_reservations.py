@@ -13,7 +13,8 @@ Per run: env steps/s, the fleet's idle share, the share of env steps trained on,
 
     python -m bench.bench_reservations        -> bench/results/reservations.json
 
-Knobs (environment): BENCH_RES_WORKERS (12), BENCH_RES_SEEDS (1,2,3), BENCH_RES_STEPS (60000).
+Knobs (environment): BENCH_RES_WORKERS (12), BENCH_RES_SEEDS (1,2,3), BENCH_RES_STEPS (60000),
+BENCH_RES_BAND (1: the room in flight, in iterations' batches; another value writes reservations_bandN.json).
 """
 
 from __future__ import annotations
@@ -34,7 +35,7 @@ FRAGMENT = 32
 PER_ITERATION = 64  # fragments: 2,048 env steps an iteration
 
 
-def config(workers: int, seed: int, reservations: bool) -> dict[str, Any]:
+def config(workers: int, seed: int, reservations: bool, band: int = 1) -> dict[str, Any]:
     return {
         "task_name": "paced", "seed": seed,
         "env_generator": f"{STANDIN}:make_env", "policy_generator": f"{STANDIN}:make_policy",
@@ -43,9 +44,9 @@ def config(workers: int, seed: int, reservations: bool) -> dict[str, Any]:
             "num_rollout_workers": workers, "fragment_length": FRAGMENT, "to_send_queue_size": 8,
             "worker_config": {"num_envs": 4, "num_env_processes": 1, "device": "cpu", "env_backend": "inprocess"},
             "replay_buffer_config": {
-                "max_chunks": 4 * PER_ITERATION, "max_reuse": 1, "max_staleness": 2, "fragments_per_chunk": 1,
-                # room in flight: one iteration's batch, as the CartPole examples
-                "samples_per_insert": 1.0, "samples_per_insert_error": PER_ITERATION / 2,
+                "max_chunks": 4 * PER_ITERATION, "max_reuse": 1, "max_staleness": band + 1, "fragments_per_chunk": 1,
+                # room in flight: `band` iterations' batches (one: as the CartPole examples)
+                "samples_per_insert": 1.0, "samples_per_insert_error": band * PER_ITERATION - PER_ITERATION // 2,
                 "min_size_to_sample": PER_ITERATION // 2, "reservations": reservations},
         },
         "train_config": {
@@ -58,10 +59,10 @@ def config(workers: int, seed: int, reservations: bool) -> dict[str, Any]:
     }
 
 
-def one_run(workers: int, seed: int, reservations: bool, steps: int, workdir: Path) -> dict[str, Any]:
+def one_run(workers: int, seed: int, reservations: bool, steps: int, workdir: Path, band: int) -> dict[str, Any]:
     workdir.mkdir(parents=True, exist_ok=True)
     path = workdir / "config.yaml"
-    path.write_text(yaml.safe_dump(config(workers, seed, reservations)))
+    path.write_text(yaml.safe_dump(config(workers, seed, reservations, band)))
     waited = wait_for_quiet()
     with RunRecord() as record:
         run = overworld_run(str(path), workdir / "run", "--max-env-steps", str(steps), timeout=1800)
@@ -78,11 +79,12 @@ def main() -> None:
     workers = int(os.environ.get("BENCH_RES_WORKERS", 12))
     seeds = [int(s) for s in os.environ.get("BENCH_RES_SEEDS", "1,2,3").split(",")]
     steps = int(os.environ.get("BENCH_RES_STEPS", 60_000))
+    band = int(os.environ.get("BENCH_RES_BAND", 1))
     runs = []
     with tempfile.TemporaryDirectory(prefix="reservations-") as tmp:
         for seed in seeds:
             for on in (True, False):  # on and off back to back: both see the same minutes of the machine
-                run = one_run(workers, seed, on, steps, Path(tmp) / f"{'on' if on else 'off'}-{seed}")
+                run = one_run(workers, seed, on, steps, Path(tmp) / f"{'on' if on else 'off'}-{seed}", band)
                 print(json.dumps(run), flush=True)
                 runs.append(run)
 
@@ -95,7 +97,9 @@ def main() -> None:
         for on in (True, False)}
     on_rate, off_rate = summary["on"]["env_steps_per_second"], summary["off"]["env_steps_per_second"]
     loss = round(1 - on_rate / off_rate, 4) if on_rate and off_rate else None
-    write("reservations", {"workers": workers, "envs_per_worker": 4, "env_steps_per_second_per_env": 20,
+    write("reservations" if band == 1 else f"reservations_band{band}", {
+                           "workers": workers, "envs_per_worker": 4, "env_steps_per_second_per_env": 20,
+                           "band_batches": band,
                            "budget_env_steps": steps, "median": summary,
                            "env_steps_per_second_lost_to_reservations": loss, "target": "<= 0.05",
                            "target_met": loss is not None and loss <= 0.05, "runs": runs})
