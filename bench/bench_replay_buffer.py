@@ -187,7 +187,7 @@ def start_fronts(index_url: str, blobs_url: str, run_id: str, fronts: int, share
              "--ports", *map(str, group)], env=env))
     addresses = [f"127.0.0.1:{p}" for p in ports]
     for address in addresses:
-        wait_healthy(address, timeout=60)
+        wait_healthy(address, timeout=60, peer="replay-buffer")
     return procs, addresses
 
 

@@ -27,7 +27,7 @@ def _require(binary: str, how: str) -> str:
     """A binary on PATH or in this Python's bin directory (the venv's moto_server)."""
     path = shutil.which(binary) or shutil.which(binary, path=str(Path(sys.executable).parent))
     if path is None:
-        raise RuntimeError(f"{binary} is not installed ({how}); .ci/run installs it")
+        raise RuntimeError(f"{binary} is not installed ({how}); `make test` installs it as root (tests/debian-packages.txt)")
     return path
 
 

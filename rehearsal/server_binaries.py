@@ -2,7 +2,7 @@
 `prometheus` server the cluster rehearsal scrapes its pods with.
 
 `locate(name)` returns the system's copy when one is on PATH (Debian's `redis-server` and `prometheus`
-packages, which .ci/run installs), else the project's own pinned copy, fetched once without root into
+packages, which `make test` installs as root), else the project's own pinned copy, fetched once without root into
 a cache directory:
 
 | binary | fetched from | pinned by |

@@ -70,7 +70,7 @@ def test_a_killed_service_comes_back_on_its_address_and_status_shows_it(launcher
     after = read_services(tmp_path)["services"]["gae"]
     assert after["address"] == before["address"] and after["restarts"] == 1
     assert tls_dir_of(after["pid"]) == str(tmp_path / "tls" / "gae")  # its own identity again
-    wait_healthy(after["address"], timeout=60)  # over mutual TLS, as the operator
+    wait_healthy(after["address"], timeout=60, peer="gae")  # over mutual TLS, as the operator
     assert launcher.restarts == {"gae": 1}
     capsys.readouterr()
     assert print_status("unused:0", str(tmp_path)) == 0

@@ -56,6 +56,7 @@ def learner_starts(services: dict[str, Any], *overrides: str, nudge: bool = Fals
     torch.set_num_threads(1)  # as a Ray Train worker runs
     try:
         learner.model, learner.optimizer = learner.build_starting_model()
+        learner.lr_schedule = learner.setup_lr_schedule(learner.optimizer)
     finally:
         torch.set_num_threads(threads)
     if nudge:
