@@ -197,8 +197,6 @@ SUPERSEDED = {
              "while training ran before reservations (scale_training)",
     "scale_soak": "before reservations and leases changed the replay buffer and the workers (2026-11-28)",
     "e2e": "before reservations (CartPole's band and prefetch changed since)",
-    "learning_cartpole": "before reservations (CartPole's band and prefetch changed since)",
-    "rollout_worker": "before the worker reserved room before stepping",
 }
 
 README = Path(__file__).resolve().parents[1] / "README.md"
