@@ -435,6 +435,15 @@ def test_network_policies_let_the_release_in() -> None:
         for labels in clients:
             allowed = labels.get("app.kubernetes.io/component") == "rollout-worker"
             assert selector_matches(weights_rule["from"][0]["podSelector"], labels) == allowed, (component, labels)
+    # the registry's publish port only from the trainer's pods (its Ray pods: the TrainingRun's podLabels)
+    registry = by_kind(objects, "Deployment")["overworld-model-registry"]["spec"]["template"]["spec"]["containers"][0]
+    assert {"name": "publish", "containerPort": 50065, "protocol": "TCP"} in registry["ports"]
+    assert {"name": "OVERWORLD_PUBLISH_PORT", "value": "50065"} in registry["env"]
+    rules = policies["overworld-model-registry"]["spec"]["ingress"]
+    (publish_rule,) = [r for r in rules if {"port": 50065, "protocol": "TCP"} in r["ports"]]
+    assert publish_rule["ports"] == [{"port": 50065, "protocol": "TCP"}]
+    admitted = [labels for labels in clients if selector_matches(publish_rule["from"][0]["podSelector"], labels)]
+    assert admitted == [training_run["spec"]["podLabels"]], admitted
     metrics_rule = policies["overworld-gae"]["spec"]["ingress"][1]
     assert metrics_rule["from"][0]["namespaceSelector"] == {
         "matchLabels": {"kubernetes.io/metadata.name": "monitoring"}

@@ -77,6 +77,7 @@ SERVICE_PORTS = {"rollout-manager": 50051, "replay-buffer": 50052, "gae": 50053,
                  "rollout-worker": 50056}
 METRICS_PORT, HEALTH_PORT = 9090, 8081
 WEIGHTS_PORTS = {"model-registry": 50064, "rollout-worker": 50066}
+PUBLISH_PORT = 50065  # the registry's, for the trainer's pods only
 
 
 def test_only_the_runs_own_pods_get_in(rehearsal: Rehearsal, tmp_path: Path) -> None:
@@ -128,9 +129,11 @@ def test_only_the_runs_own_pods_get_in(rehearsal: Rehearsal, tmp_path: Path) -> 
             "ray_dashboard": f"{head.ip}:8265"}
     weights = {"registry weights": f"{cluster.pod(f'{RELEASE}-model-registry').ip}:{WEIGHTS_PORTS['model-registry']}",
                "relay": f"{cluster.pod(f'{RELEASE}-rollout-worker').ip}:{WEIGHTS_PORTS['rollout-worker']}"}
-    spec["reach"] = {**spec["reach"], **weights}  # type: ignore[dict-item]
+    publish = {"registry publish": f"{cluster.pod(f'{RELEASE}-model-registry').ip}:{PUBLISH_PORT}"}
+    spec["reach"] = {**spec["reach"], **weights, **publish}  # type: ignore[dict-item]
     found = run("compromised-worker", spec, labels=worker_labels)
     reached: dict[str, str] = found["reach"]  # type: ignore[assignment]
+    assert reached["registry publish"] == "dropped", found["reach"]  # only the trainer publishes
     assert reached.pop("registry weights") == "open", found["reach"]  # a worker's way to the weights
     assert reached.pop("relay") in ("open", "refused"), found["reach"]  # through (relaying, or not yet)
     assert set(reached.values()) == {"dropped"}, reached
@@ -151,10 +154,10 @@ def test_only_the_runs_own_pods_get_in(rehearsal: Rehearsal, tmp_path: Path) -> 
 
     # the allowed path: the replay-buffer's labels get through to Redis, which wants its password
     # ... and is dropped at the weights stream, which only rollout workers may reach
-    buffer_like = run("buffer-like", {"redis": stores["redis"], "reach": weights},
+    buffer_like = run("buffer-like", {"redis": stores["redis"], "reach": {**weights, **publish}},
                       labels=cluster.pod(f"{RELEASE}-replay-buffer").template.labels)
     assert buffer_like["redis"] == "-NOAUTH", buffer_like
-    assert buffer_like["reach"] == {name: "dropped" for name in weights}, buffer_like
+    assert buffer_like["reach"] == {name: "dropped" for name in {**weights, **publish}}, buffer_like
 
     grpc_ports = {name: address for name, (_, address) in targets.items()}
     elsewhere = run("elsewhere", {"reach": {**grpc_ports, **on_port(METRICS_PORT), **stores}}, labels=worker_labels,

@@ -22,6 +22,7 @@ from overworld.core.wire import weights
 from overworld.model_registry.relay_plan import relay_chunk_bytes
 from overworld.model_registry.server import ModelRegistryService, registration
 from overworld.model_registry.stream import protocol as stream_module
+from overworld.model_registry.stream import publish as publish_stream
 from overworld.model_registry.stream.protocol import END, StreamError, WeightsStream, open_stream
 from overworld.model_registry.worker.relay import RelayShelf, serve_relay
 from overworld.v1 import model_registry_pb2 as pb
@@ -49,10 +50,12 @@ def endpoints(identities: dict[str, Path], tmp_path_factory: pytest.TempPathFact
         from overworld.model_registry.client import ModelRegistryClient
 
         client = ModelRegistryClient(server.address)
-        client.publish(1, weights.to_bytes({"w": torch.arange(300_000, dtype=torch.float32)}))
+        VERSION_1.append(weights.to_bytes({"w": torch.arange(300_000, dtype=torch.float32)}))
+        client.publish(1, VERSION_1[0])
         client.close()
         yield {authz.WEIGHTS_FROM_REGISTRY: f"127.0.0.1:{service.weights_port}",
-               authz.WEIGHTS_FROM_RELAY: f"127.0.0.1:{relay.port}"}
+               authz.WEIGHTS_FROM_RELAY: f"127.0.0.1:{relay.port}",
+               authz.WEIGHTS_PUBLISH: f"127.0.0.1:{service.publish_port}"}
     finally:
         tls.reset()
         relay.stop()
@@ -61,15 +64,25 @@ def endpoints(identities: dict[str, Path], tmp_path_factory: pytest.TempPathFact
 
 
 # whose certificate each endpoint's server presents: the identity a client of it means to reach
-PEER = {authz.WEIGHTS_FROM_REGISTRY: "model-registry", authz.WEIGHTS_FROM_RELAY: "rollout-worker"}
+PEER = {authz.WEIGHTS_FROM_REGISTRY: "model-registry", authz.WEIGHTS_FROM_RELAY: "rollout-worker",
+        authz.WEIGHTS_PUBLISH: "model-registry"}
+VERSION_1: list[bytes] = []  # the bytes the registry holds as version 1
 
 
 def request(version: int = 1) -> pb.FetchRequest:
     return pb.FetchRequest(version=version, chunk_size=relay_chunk_bytes(1))
 
 
-def answer(address: str, peer: str = "model-registry") -> grpc.StatusCode:
-    """What the endpoint answers this process's identity (OK: it streamed the whole version, sealed)."""
+def answer(address: str, peer: str = "model-registry", method: str = authz.WEIGHTS_FROM_REGISTRY) -> grpc.StatusCode:
+    """What the endpoint answers this process's identity (OK: it streamed the whole version, sealed; the
+    publish port: it took version 1 again, the same bytes)."""
+    if method == authz.WEIGHTS_PUBLISH:
+        manifest = pb.VersionInfo(version=1, size_bytes=len(VERSION_1[0]), dtype="float32")
+        try:
+            publish_stream.publish(address, manifest, memoryview(VERSION_1[0]), publish_stream.CHUNK_BYTES, 15.0)
+        except publish_stream.PublishFailed as err:
+            return err.code()
+        return grpc.StatusCode.OK
     out = bytearray(8 << 20)
     try:
         stream = open_stream(address, request(), 5.0, 15.0, lambda: False, peer)
@@ -91,13 +104,15 @@ def test_each_identity_may_use_exactly_the_endpoints_the_table_gives_it(identiti
         for method, address in endpoints.items():
             if authz.allowed(identity, method):
                 # the registry streams version 1; the relay holds nothing: NOT_FOUND, past the check
-                assert answer(address, PEER[method]) in (grpc.StatusCode.OK, grpc.StatusCode.NOT_FOUND), (identity, method)
+                assert answer(address, PEER[method], method) in (grpc.StatusCode.OK, grpc.StatusCode.NOT_FOUND), (
+                    identity, method)
                 continue
             with pytest.raises(StreamError) as err:
                 open_stream(address, request(), 5.0, 15.0, lambda: False, PEER[method])
             assert err.value.code == grpc.StatusCode.PERMISSION_DENIED, (identity, method, err.value)
             assert identity in err.value.message and method in err.value.message, err.value.message
     assert authz.callers(authz.WEIGHTS_FROM_RELAY) == ["rollout-worker"]
+    assert authz.callers(authz.WEIGHTS_PUBLISH) == ["trainer"]
 
 
 def test_a_plaintext_client_and_a_client_of_another_ca_are_refused_at_the_handshake(

@@ -4,6 +4,7 @@ bytes or as a state dict), list, tags, watch, acknowledgements and push status."
 from __future__ import annotations
 
 import hashlib
+import logging
 import threading
 from collections.abc import Callable, Iterator
 
@@ -13,12 +14,14 @@ from overworld.core.client import ServiceClient
 from overworld.core.grpc_util import Retry
 from overworld.core.wire import safetensors_format
 from overworld.model_registry import wire
+from overworld.model_registry.stream import publish as publish_stream
 from overworld.v1 import model_registry_pb2 as pb
 from overworld.v1 import model_registry_pb2_grpc
 
 CHUNK = 4 << 20  # the registry's message size: each chunk published becomes one message sent
 WATCH_SECONDS = 3600.0  # a watch stream's deadline; the watcher then opens the next one
 _SERVICE = "/overworld.v1.ModelRegistry/"
+log = logging.getLogger("overworld.model_registry.client")
 
 
 def _identity(message: bytes) -> bytes:
@@ -34,6 +37,7 @@ class ModelRegistryClient(ServiceClient):
         super().__init__(address, model_registry_pb2_grpc.ModelRegistryStub, "model-registry", channel=channel)
         self._acks: set[grpc.Future] = set()
         self._acks_lock = threading.Lock()
+        self._endpoint: pb.PublishEndpoint | None = None
         # Publish and Fetch through hand-encoded messages (same bytes on the wire): one copy per chunk
         self._publish = self._channel.stream_unary(
             _SERVICE + "Publish", request_serializer=_identity, response_deserializer=pb.VersionInfo.FromString,
@@ -62,7 +66,34 @@ class ModelRegistryClient(ServiceClient):
                 yield wire.encode_publish_chunk(chunk)
             yield wire.encode_publish_sha256(digest.hexdigest())
 
-        return Retry(timeout).run(lambda left: self._publish(messages(), timeout=left), "registry.Publish")
+        def attempt(left: float) -> pb.VersionInfo:
+            endpoint = self._publish_endpoint(left)
+            if not endpoint.port:
+                return self._publish(messages(), timeout=left)
+            try:
+                return publish_stream.publish(f"{self.address.rpartition(':')[0]}:{endpoint.port}", manifest, view,
+                                              endpoint.chunk_bytes or CHUNK, left)
+            except publish_stream.PublishFailed as err:
+                if err.code() == grpc.StatusCode.UNAVAILABLE:
+                    self._endpoint = None  # a restarted registry may listen elsewhere: ask again
+                raise
+
+        return Retry(timeout).run(attempt, "registry.Publish")
+
+    def _publish_endpoint(self, timeout: float) -> pb.PublishEndpoint:
+        """Where this registry takes a publish over the weights stream (asked once); port 0: over gRPC
+        (a registry from before the publish port)."""
+        if self._endpoint is None:
+            try:
+                self._endpoint = Retry(timeout).unary(self._stub.GetPublishEndpoint, pb.PublishEndpointRequest(),
+                                                      "registry.GetPublishEndpoint")
+            except grpc.RpcError as err:
+                if err.code() != grpc.StatusCode.UNIMPLEMENTED:
+                    raise
+                log.warning("the registry at %s has no publish port (an older release): publishing over gRPC, "
+                            "which costs it about twice the CPU", self.address)
+                self._endpoint = pb.PublishEndpoint()
+        return self._endpoint
 
     # -- fetch ---------------------------------------------------------------------------------
     def _fetch_stream(self, version: int, tag: str, precision: str, verify: bool, timeout: float,

@@ -42,45 +42,56 @@ class Publishing(RegistryStore):
         return self.publish_parts((wire.publish_part(r) for r in request_iterator), context)
 
     def publish_parts(self, parts: Iterator[wire.PublishPart], context: grpc.ServicerContext) -> pb.VersionInfo:
+        """The gRPC Publish of parts decoded without a copy (server.add_to_server)."""
+        return self.publish_from(parts, context.is_active)
+
+    def publish_from(self, parts: Iterator[wire.PublishPart], is_active: Callable[[], bool]) -> pb.VersionInfo:
+        """Publish the version `parts` carry (from gRPC or the weights stream; `is_active`: whether the
+        publisher is still there). Raises Refused with the status to answer."""
         started = time.monotonic()
         first = next(parts, None)
         if first is None or first.manifest is None:
-            self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "the first Publish message must be the manifest")
+            self._refuse(grpc.StatusCode.INVALID_ARGUMENT, "the first Publish message must be the manifest")
         manifest = first.manifest
-        self._check_manifest(manifest, context)
+        self.check_manifest(manifest)
         if not self._publish_lock.acquire(timeout=self.publish_wait):
-            self._refuse(context, grpc.StatusCode.ABORTED,
+            self._refuse(grpc.StatusCode.ABORTED,
                          f"another publish held the registry for {self.publish_wait:.0f}s; retry")
         try:
             with self._lock:
                 existing = self._versions.get(manifest.version)
                 if existing is None and manifest.version <= self.latest():
-                    self._refuse(context, grpc.StatusCode.FAILED_PRECONDITION,
+                    self._refuse(grpc.StatusCode.FAILED_PRECONDITION,
                                  f"version {manifest.version} is not newer than the latest {self.latest()}")
             if existing is not None:
-                return self._republish(existing, manifest, parts, context)
-            return self._publish_new(manifest, parts, context, started)
+                return self._republish(existing, manifest, parts, is_active)
+            return self._publish_new(manifest, parts, is_active, started)
         finally:
             self._publish_lock.release()
 
-    def _refuse(self, context: grpc.ServicerContext, code: grpc.StatusCode, message: str) -> NoReturn:
+    def _refuse(self, code: grpc.StatusCode, message: str) -> NoReturn:
         PUBLISH_FAILURES.labels(code.name.lower()).inc()
         raise Refused(code, message)
 
-    def _check_manifest(self, manifest: pb.VersionInfo, context: grpc.ServicerContext) -> None:
+    def check_manifest(self, manifest: pb.VersionInfo) -> None:
+        """Refuse a manifest that cannot be published (Refused), before its bytes are read."""
         if manifest.version == 0:
-            self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, "version must be >= 1")
+            self._refuse(grpc.StatusCode.INVALID_ARGUMENT, "version must be >= 1")
         if manifest.size_bytes > self.max_model_bytes:
-            self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
+            self._refuse(grpc.StatusCode.INVALID_ARGUMENT,
                          f"size_bytes {manifest.size_bytes} exceeds the registry limit {self.max_model_bytes}")
         if manifest.sha256:
-            self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT,
+            self._refuse(grpc.StatusCode.INVALID_ARGUMENT,
                          "leave the manifest's sha256 empty: the sha256 goes in the last Publish message")
         bad = [t for t in manifest.tags if t not in RESERVED_TAGS and not TAG_RE.match(t)]
         if bad:
-            self._refuse(context, grpc.StatusCode.INVALID_ARGUMENT, f"invalid tags {bad}")
+            self._refuse(grpc.StatusCode.INVALID_ARGUMENT, f"invalid tags {bad}")
+        with self._lock:
+            if manifest.version not in self._versions and manifest.version <= self.latest():
+                self._refuse(grpc.StatusCode.FAILED_PRECONDITION,
+                             f"version {manifest.version} is not newer than the latest {self.latest()}")
 
-    def _receive(self, manifest: pb.VersionInfo, parts: Iterator[wire.PublishPart], context: grpc.ServicerContext,
+    def _receive(self, manifest: pb.VersionInfo, parts: Iterator[wire.PublishPart], is_active: Callable[[], bool],
                  sink: Callable[[memoryview, int], None]) -> str:
         """Read every chunk, hand each to sink(chunk, offset), check the size and the sha256 sent last,
         and return it."""
@@ -103,7 +114,7 @@ class Publishing(RegistryStore):
             sink(part.chunk, size)
             size += n
             BYTES_PUBLISHED.inc(n)
-        if not context.is_active():
+        if not is_active():
             raise PayloadFailed(grpc.StatusCode.ABORTED, "the publisher went away")
         if size != manifest.size_bytes:
             raise PayloadFailed(grpc.StatusCode.INVALID_ARGUMENT,
@@ -117,19 +128,19 @@ class Publishing(RegistryStore):
         return declared
 
     def _republish(self, existing: pb.VersionInfo, manifest: pb.VersionInfo, parts: Iterator[wire.PublishPart],
-                   context: grpc.ServicerContext) -> pb.VersionInfo:
+                   is_active: Callable[[], bool]) -> pb.VersionInfo:
         """A retried publish of a stored version: idempotent when the bytes are the same."""
         try:
-            sha256 = self._receive(manifest, parts, context, lambda chunk, offset: None)
+            sha256 = self._receive(manifest, parts, is_active, lambda chunk, offset: None)
         except PayloadFailed as err:
-            self._refuse(context, err.code, str(err))
+            self._refuse(err.code, str(err))
         if existing.sha256 != sha256:
-            self._refuse(context, grpc.StatusCode.ALREADY_EXISTS, f"version {manifest.version} exists with other weights")
+            self._refuse(grpc.StatusCode.ALREADY_EXISTS, f"version {manifest.version} exists with other weights")
         with self._lock:
             return self._info(manifest.version)
 
     def _publish_new(self, manifest: pb.VersionInfo, parts: Iterator[wire.PublishPart],
-                     context: grpc.ServicerContext, started: float) -> pb.VersionInfo:
+                     is_active: Callable[[], bool], started: float) -> pb.VersionInfo:
         info = pb.VersionInfo()
         info.CopyFrom(manifest)
         info.created_unix = time.time()
@@ -145,7 +156,7 @@ class Publishing(RegistryStore):
 
         try:
             try:
-                info.sha256 = self._receive(manifest, parts, context, lambda chunk, offset: payload.feed(chunk))
+                info.sha256 = self._receive(manifest, parts, is_active, lambda chunk, offset: payload.feed(chunk))
             except grpc.RpcError as err:  # the request stream broke
                 raise PayloadFailed(grpc.StatusCode.ABORTED, f"the publish stream broke: {err}") from None
             payload.mark(VERIFIED)  # watchers may swap it in from here on

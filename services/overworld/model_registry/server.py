@@ -46,7 +46,9 @@ from overworld.model_registry.payload import (
 from overworld.model_registry.publish import Publishing
 from overworld.model_registry.relay_plan import relay_chunk_bytes
 from overworld.model_registry.store import RESERVED_TAGS, TAG_RE, manifest_key, weights_key
-from overworld.model_registry.stream.protocol import FrameWriter, StreamError
+from overworld.model_registry.stream import publish as publish_stream
+from overworld.model_registry.stream.envelope import StreamError
+from overworld.model_registry.stream.protocol import FrameWriter
 from overworld.model_registry.stream.server import WeightsStreamServer
 from overworld.model_registry.worker.relay import check_range
 from overworld.v1 import model_registry_pb2 as pb
@@ -67,9 +69,10 @@ class ModelRegistryService(Publishing, Watching, model_registry_pb2_grpc.ModelRe
                  chunk_size: int = DEFAULT_CHUNK, largest_message: int = LARGEST_MESSAGE, publish_wait: float = 120.0,
                  keepalive: float = 15.0, cut_through: bool = False,
                  relay_fanout: int = DEFAULT_RELAY_FANOUT, weights_host: str = "127.0.0.1",
-                 weights_port: int = 0) -> None:
+                 weights_port: int = 0, publish_port: int = 0) -> None:
         """`weights_host`/`weights_port`: where the weights stream listens (port 0: any free port; the
-        announcements say which)."""
+        announcements say which); `publish_port`: where the trainer publishes over it (port 0: any free
+        port; GetPublishEndpoint says which)."""
         if not 0 <= relay_fanout <= MAX_RELAY_FANOUT:
             raise ValueError(f"relay_fanout must be 0 (every watcher fetches from the registry) to {MAX_RELAY_FANOUT}, "
                              f"not {relay_fanout}")
@@ -81,10 +84,34 @@ class ModelRegistryService(Publishing, Watching, model_registry_pb2_grpc.ModelRe
         self._load()
         self._weights = WeightsStreamServer(authz.WEIGHTS_FROM_REGISTRY, self.stream_fetch, weights_host, weights_port)
         self.weights_port = self._weights.port
+        self._publishing = WeightsStreamServer(authz.WEIGHTS_PUBLISH, self.stream_publish, weights_host, publish_port,
+                                               request_type=pb.VersionInfo, max_request=publish_stream.MAX_MANIFEST,
+                                               admit=self.admit_publish, drain_on_error=True)
+        self.publish_port = self._publishing.port
 
     def stop(self) -> None:
         super().stop()
         self._weights.stop()
+        self._publishing.stop()
+
+    # -- publish over the weights stream ------------------------------------------------------------
+    def GetPublishEndpoint(self, request: pb.PublishEndpointRequest, context: grpc.ServicerContext
+                           ) -> pb.PublishEndpoint:
+        return pb.PublishEndpoint(port=self.publish_port, chunk_bytes=publish_stream.CHUNK_BYTES)
+
+    def admit_publish(self, manifest: pb.VersionInfo) -> None:
+        """Refuse a manifest before its bytes are sent (the publish checks it again when it runs)."""
+        try:
+            self.check_manifest(manifest)
+        except Refused as err:
+            raise StreamError(err.code, str(err)) from None
+
+    def stream_publish(self, manifest: pb.VersionInfo, writer: FrameWriter, is_active: Callable[[], bool]) -> bytes:
+        parts = publish_stream.received_parts(manifest, writer, is_active, publish_stream.CHUNK_BYTES)
+        try:
+            return self.publish_from(parts, is_active).SerializeToString()
+        except Refused as err:
+            raise StreamError(err.code, str(err)) from None
 
     # -- the weights stream -------------------------------------------------------------------------
     def stream_fetch(self, request: pb.FetchRequest, writer: FrameWriter, is_active: Callable[[], bool]) -> None:

@@ -48,6 +48,9 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--weights-port", 0,
              "port of the weights stream, where workers fetch each version's chunks (the chart's 50064); "
              "0: any free port (the announcements say which)")
+    env_flag(p, "--publish-port", 0,
+             "port where the trainer publishes each version over the weights stream (the chart's 50065); 0: any "
+             "free port (GetPublishEndpoint says which)")
     env_flag(p, "--registry-max-rpcs", DEFAULT_MAX_RPCS,
              "gRPC server threads: each open Watch and each running Fetch holds one")
 
@@ -64,7 +67,7 @@ def build(args: argparse.Namespace, done: threading.Event) -> Any:
                                        largest_message=args.registry_largest_message_bytes,
                                        cut_through=bool(args.registry_cut_through),
                                        relay_fanout=args.registry_relay_fanout, weights_host=args.host,
-                                       weights_port=args.weights_port)
+                                       weights_port=args.weights_port, publish_port=args.publish_port)
     except ValueError as err:
         raise SystemExit(f"model-registry: {err}") from None
     # Every open watch stream and running fetch holds a thread: size the pool for a large fleet.

@@ -185,3 +185,15 @@ class PushStatus(_message.Message):
     last_ack_unix: float
     ack_seconds: _containers.RepeatedScalarFieldContainer[float]
     def __init__(self, version: _Optional[int] = ..., watchers: _Optional[int] = ..., acked: _Optional[int] = ..., complete: _Optional[bool] = ..., push_seconds: _Optional[float] = ..., workers_per_version: _Optional[_Mapping[int, int]] = ..., connected_watchers: _Optional[int] = ..., published_unix: _Optional[float] = ..., last_ack_unix: _Optional[float] = ..., ack_seconds: _Optional[_Iterable[float]] = ...) -> None: ...
+
+class PublishEndpointRequest(_message.Message):
+    __slots__ = ()
+    def __init__(self) -> None: ...
+
+class PublishEndpoint(_message.Message):
+    __slots__ = ("port", "chunk_bytes")
+    PORT_FIELD_NUMBER: _ClassVar[int]
+    CHUNK_BYTES_FIELD_NUMBER: _ClassVar[int]
+    port: int
+    chunk_bytes: int
+    def __init__(self, port: _Optional[int] = ..., chunk_bytes: _Optional[int] = ...) -> None: ...

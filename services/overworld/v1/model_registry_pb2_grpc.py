@@ -74,6 +74,11 @@ class ModelRegistryStub:
                 request_serializer=overworld_dot_v1_dot_model__registry__pb2.PushStatusRequest.SerializeToString,
                 response_deserializer=overworld_dot_v1_dot_model__registry__pb2.PushStatus.FromString,
                 _registered_method=True)
+        self.GetPublishEndpoint = channel.unary_unary(
+                '/overworld.v1.ModelRegistry/GetPublishEndpoint',
+                request_serializer=overworld_dot_v1_dot_model__registry__pb2.PublishEndpointRequest.SerializeToString,
+                response_deserializer=overworld_dot_v1_dot_model__registry__pb2.PublishEndpoint.FromString,
+                _registered_method=True)
 
 
 class ModelRegistryServicer:
@@ -138,6 +143,14 @@ class ModelRegistryServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def GetPublishEndpoint(self, request, context):
+        """Where the trainer publishes over the weights stream (model_registry/stream/publish.py), outside
+        gRPC; a registry without that port answers 0 and the trainer calls Publish.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_ModelRegistryServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -180,6 +193,11 @@ def add_ModelRegistryServicer_to_server(servicer, server):
                     servicer.GetPushStatus,
                     request_deserializer=overworld_dot_v1_dot_model__registry__pb2.PushStatusRequest.FromString,
                     response_serializer=overworld_dot_v1_dot_model__registry__pb2.PushStatus.SerializeToString,
+            ),
+            'GetPublishEndpoint': grpc.unary_unary_rpc_method_handler(
+                    servicer.GetPublishEndpoint,
+                    request_deserializer=overworld_dot_v1_dot_model__registry__pb2.PublishEndpointRequest.FromString,
+                    response_serializer=overworld_dot_v1_dot_model__registry__pb2.PublishEndpoint.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -398,6 +416,33 @@ class ModelRegistry:
             '/overworld.v1.ModelRegistry/GetPushStatus',
             overworld_dot_v1_dot_model__registry__pb2.PushStatusRequest.SerializeToString,
             overworld_dot_v1_dot_model__registry__pb2.PushStatus.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def GetPublishEndpoint(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/overworld.v1.ModelRegistry/GetPublishEndpoint',
+            overworld_dot_v1_dot_model__registry__pb2.PublishEndpointRequest.SerializeToString,
+            overworld_dot_v1_dot_model__registry__pb2.PublishEndpoint.FromString,
             options,
             channel_credentials,
             insecure,

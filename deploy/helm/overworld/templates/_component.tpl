@@ -94,6 +94,9 @@ spec:
           {{- if $v.weightsPort }}
           {{- $env = append $env (dict "name" "OVERWORLD_WEIGHTS_PORT" "value" (toString $v.weightsPort)) }}
           {{- end }}
+          {{- if $v.publishPort }}
+          {{- $env = append $env (dict "name" "OVERWORLD_PUBLISH_PORT" "value" (toString $v.publishPort)) }}
+          {{- end }}
           env:
             {{- toYaml (concat $env (.env | default list) ($v.extraEnv | default list)) | nindent 12 }}
           ports:
@@ -103,6 +106,11 @@ spec:
             {{- if $v.weightsPort }}
             - name: weights
               containerPort: {{ $v.weightsPort }}
+              protocol: TCP
+            {{- end }}
+            {{- if $v.publishPort }}
+            - name: publish
+              containerPort: {{ $v.publishPort }}
               protocol: TCP
             {{- end }}
             - name: health
@@ -192,6 +200,12 @@ spec:
     - name: weights
       port: {{ $v.weightsPort }}
       targetPort: weights
+      protocol: TCP
+    {{- end }}
+    {{- if $v.publishPort }}
+    - name: publish
+      port: {{ $v.publishPort }}
+      targetPort: publish
       protocol: TCP
     {{- end }}
     {{- if $.Values.metrics.enabled }}

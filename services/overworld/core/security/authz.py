@@ -23,11 +23,12 @@ _RW = "/overworld.v1.RolloutWorker/"
 _WS = "/overworld.v1.WeightsStream/"
 HEALTH = ("/grpc.health.v1.Health/Check", "/grpc.health.v1.Health/Watch")
 
-# The weights stream's two endpoints (not gRPC: model_registry/stream/protocol.py), named as methods so that the
-# table covers them: the registry's port, and each rollout worker's relay port.
+# The weights stream's endpoints (not gRPC: model_registry/stream/protocol.py), named as methods so that the
+# table covers them: the registry's port, each rollout worker's relay port, and the registry's publish port.
 WEIGHTS_FROM_REGISTRY = _WS + "Registry"
 WEIGHTS_FROM_RELAY = _WS + "Relay"
-STREAM_METHODS = (WEIGHTS_FROM_REGISTRY, WEIGHTS_FROM_RELAY)
+WEIGHTS_PUBLISH = _WS + "Publish"
+STREAM_METHODS = (WEIGHTS_FROM_REGISTRY, WEIGHTS_FROM_RELAY, WEIGHTS_PUBLISH)
 
 # Reading status: what the run-controller and `overworld status` / `overworld run` look at.
 READ_STATUS = (_RM + "GetFleetStatus", _RM + "ListVideos", _RB + "GetStats", _MR + "ListVersions",
@@ -48,7 +49,8 @@ ALLOWED: dict[str, tuple[str, ...]] = {
     "trainer": (_RM + "GetRunConfig", _RM + "GetFleetStatus", _RM + "RequestVideo",
                 _RB + "Sample", _RB + "SetModelVersion", _RB + "GetStoreInfo", _RB + "GetStats",
                 _GAE + "Estimate",
-                _MR + "Publish", _MR + "SetTag", _MR + "ListVersions", _MR + "GetPushStatus",
+                _MR + "Publish", _MR + "GetPublishEndpoint", WEIGHTS_PUBLISH,
+                _MR + "SetTag", _MR + "ListVersions", _MR + "GetPushStatus",
                 _TR + "ReportProgress", _TR + "GetStatus"),
     "gae": (),
     "model-registry": (),

@@ -14,14 +14,19 @@ records of 16 KB with two system calls each (1.2 CPU-s per GB received here); th
    key for this connection), and the client's "start". Nothing else goes through TLS.
 3. On the bare socket: frames of a 9-byte header (kind, chunk index, length) and a payload sealed with
    AES-128-GCM under that key (the header is its associated data, the nonce a frame counter, so a
-   frame cannot be altered, replayed, reordered or dropped unnoticed), 512 KB and more each: a chunk
+   frame cannot be altered, replayed, reordered or dropped unnoticed; the first byte of the nonce says
+   which side sealed it, so a frame cannot be reflected back either), 512 KB and more each: a chunk
    is read with recv_into into a reused buffer and opened into the version's own buffer, and one is
    sealed from a slice of that buffer and sent with sendmsg. AES-GCM of `cryptography` costs 0.1
    CPU-s per GB each way here (docs/model_registry.md has the measurements).
 
 Without credentials (`--insecure`, tests) the same exchange runs in plaintext, frames unsealed.
 A frame's payload is what its kind says: DATA a chunk of the version; KEEPALIVE nothing (the sender
-lives but has no data yet); END nothing (the stream ended complete); ERROR a status code and a message.
+lives but has no data yet); END nothing (the stream ended complete; a publish's END holds the version's
+sha256, and the registry's answer to it the stored VersionInfo); ERROR a status code and a message.
+
+The trainer publishes the same way, the other way round (stream/publish.py): its request is the
+version's manifest, and the DATA frames go from it to the registry, sealed in the caller's nonce space.
 """
 
 from __future__ import annotations
@@ -30,18 +35,23 @@ import logging
 import socket
 import ssl
 import struct
-import threading
 import time
 from collections.abc import Callable
 from dataclasses import dataclass
-from pathlib import Path
 
 import grpc
 from cryptography.exceptions import InvalidTag
 from cryptography.hazmat.primitives.ciphers.aead import AESGCM
 
-from overworld.core.security import authz, tls
+from overworld.core.security import tls
 from overworld.core.security.peers import WrongPeer, presented_identity
+from overworld.model_registry.stream.envelope import (
+    HANDSHAKE_SECONDS,
+    Envelope,
+    StreamError,
+    answer,
+    contexts,
+)
 from overworld.v1 import model_registry_pb2 as pb
 
 log = logging.getLogger("overworld.model_registry.stream.protocol")
@@ -53,7 +63,6 @@ KEY_BYTES = 16
 MAX_REQUEST = 4096  # a FetchRequest is tens of bytes
 MAX_FRAME = 64 << 20  # the largest chunk (relay.MAX_CHUNK)
 MAX_ERROR = 2048
-HANDSHAKE_SECONDS = 10.0  # TLS, request, answer and start, all of it: a peer slower than this is dropped
 SEND_SECONDS = 60.0  # a receiver that takes nothing for this long is dropped (a stopped pod)
 # The least rate of data a frame is sent and received at, once it is under way (bytes/s): a frame of n
 # bytes has SEND_SECONDS + n / MIN_RATE seconds in all, whatever the socket's timeouts (a reader taking a
@@ -63,16 +72,8 @@ POLL_SECONDS = 0.25  # how often a receiver blocked on its socket looks at its s
 MAX_CONNECTIONS = 512
 MAX_CONNECTIONS_PER_PEER = 16  # one host's open connections (a worker holds one per stripe it fetches)
 START = b"S"
+SERVER_SENDS, CALLER_SENDS = 0, 1  # the nonce spaces: the first byte of every nonce
 _CODES = {code.value[0]: code for code in grpc.StatusCode}
-
-
-class StreamError(Exception):
-    """The other side answered with a status (or broke the protocol: INTERNAL / DATA_LOSS)."""
-
-    def __init__(self, code: grpc.StatusCode, message: str) -> None:
-        super().__init__(f"{code.name}: {message}")
-        self.code = code
-        self.message = message
 
 
 class Altered(StreamError):
@@ -86,137 +87,10 @@ class Stalled(Exception):
     """No frame at all for the stall time, or no data for the data stall time."""
 
 
-# -- TLS ---------------------------------------------------------------------------------------------
-
-class Contexts:
-    """SSL contexts of one identity's credential files, made again when the files change (rotation)."""
-
-    def __init__(self) -> None:
-        self._lock = threading.Lock()
-        self._made: dict[tuple[Path, bool], tuple[tuple[bytes, bytes, bytes], ssl.SSLContext, str]] = {}
-
-    def get(self, files: tls.CredentialFiles | None, server: bool) -> tuple[ssl.SSLContext, str] | None:
-        """(context, the run its certificate names) or None for plaintext."""
-        if files is None:
-            return None
-        files.reload()
-        key = (files.directory, server)
-        with self._lock:
-            made = self._made.get(key)
-            if made is None or made[0] != files.pems:
-                ctx = ssl.SSLContext(ssl.PROTOCOL_TLS_SERVER if server else ssl.PROTOCOL_TLS_CLIENT)
-                ctx.minimum_version = ssl.TLSVersion.TLSv1_3
-                ctx.load_cert_chain(files.directory / tls.CERT, files.directory / tls.KEY)
-                ctx.load_verify_locations(files.directory / tls.CA)
-                ctx.verify_mode = ssl.CERT_REQUIRED
-                if server:
-                    ctx.num_tickets = 0  # no session tickets: the TLS part of a connection ends where the frames begin
-                made = self._made[key] = (files.pems, ctx, files.run())
-            return made[1], made[2]
-
-
-contexts = Contexts()
-
-
-class Envelope:
-    """The handshake part of a connection: TLS through memory BIOs (so that this code, not OpenSSL,
-    reads the socket and no byte of the frames after it is taken), or plaintext."""
-
-    def __init__(self, sock: socket.socket, ctx: ssl.SSLContext | None, server: bool, peer: str = "",
-                 deadline: float | None = None) -> None:
-        """`peer`: a client's, the identity whose certificate the server must present. `deadline`
-        (monotonic): when the whole exchange, handshake to start, must be over (HANDSHAKE_SECONDS from
-        now if None): each read waits only what is left, so a peer sending a byte now and then is cut
-        off all the same."""
-        self.sock = sock
-        self.deadline = time.monotonic() + HANDSHAKE_SECONDS if deadline is None else deadline
-        self.obj: ssl.SSLObject | None = None
-        if ctx is not None:
-            self._in, self._out = ssl.MemoryBIO(), ssl.MemoryBIO()
-            self.obj = ctx.wrap_bio(self._in, self._out, server_side=server,
-                                    server_hostname=None if server else tls.server_name(peer))
-            while True:
-                try:
-                    self.obj.do_handshake()
-                    break
-                except ssl.SSLWantReadError:
-                    self._flush()
-                    self._pump()
-            self._flush()
-
-    def _flush(self) -> None:
-        assert self.obj is not None
-        data = self._out.read()
-        if data:
-            self.sock.sendall(data)
-
-    def _wait(self) -> None:
-        """Before a read: the socket waits only what is left of the exchange's time."""
-        left = self.deadline - time.monotonic()
-        if left <= 0:
-            raise TimeoutError(f"the handshake and request took more than {HANDSHAKE_SECONDS:g} s in all")
-        self.sock.settimeout(left)
-
-    def _pump(self) -> None:
-        self._wait()
-        data = self.sock.recv(16384)
-        if not data:
-            raise ConnectionError("the peer closed the connection")
-        self._in.write(data)
-
-    def peer(self) -> tuple[str, str]:
-        """(run, identity) from the peer's certificate; ("", "") in plaintext."""
-        if self.obj is None:
-            return "", ""
-        return authz.certificate_identity(self.obj.getpeercert() or {})
-
-    def send(self, data: bytes) -> None:
-        message = struct.pack("!I", len(data)) + data
-        if self.obj is None:
-            self.sock.sendall(message)
-            return
-        self.obj.write(message)
-        self._flush()
-
-    def _read(self, n: int) -> bytes:
-        out = bytearray()
-        while len(out) < n:
-            if self.obj is None:
-                self._wait()
-                part = self.sock.recv(n - len(out))
-                if not part:
-                    raise ConnectionError("the peer closed the connection")
-            else:
-                try:
-                    part = self.obj.read(n - len(out))
-                except ssl.SSLWantReadError:
-                    self._pump()
-                    continue
-                if not part:
-                    raise ConnectionError("the peer closed the connection")
-            out += part
-        return bytes(out)
-
-    def receive(self, limit: int) -> bytes:
-        (n,) = struct.unpack("!I", self._read(4))
-        if n > limit:
-            raise StreamError(grpc.StatusCode.INVALID_ARGUMENT, f"a message of {n} bytes (at most {limit})")
-        return self._read(n)
-
-    def finish(self) -> None:
-        """The frames begin: nothing of them may have been read into TLS's buffer."""
-        if self.obj is not None and self._in.pending:
-            raise StreamError(grpc.StatusCode.INTERNAL, "the peer sent more than the protocol's handshake")
-
-
-def answer(code: grpc.StatusCode, body: bytes) -> bytes:
-    return struct.pack("!B", code.value[0]) + body
-
-
 # -- frames ------------------------------------------------------------------------------------------
 
-def _nonce(counter: int) -> bytes:
-    return counter.to_bytes(12, "big")
+def _nonce(space: int, counter: int) -> bytes:
+    return bytes((space,)) + counter.to_bytes(11, "big")
 
 
 def send_parts(sock: socket.socket, parts: list[memoryview], deadline: float | None = None) -> None:
@@ -252,9 +126,12 @@ IN_PLACE = hasattr(AESGCM, "encrypt_into") and hasattr(AESGCM, "decrypt_into")
 class FrameWriter:
     """The server's side of a stream once it started: sealed frames, one reused output buffer."""
 
-    def __init__(self, sock: socket.socket, key: bytes, peer: str) -> None:
+    def __init__(self, sock: socket.socket, key: bytes, peer: str, space: int = SERVER_SENDS) -> None:
+        """`space`: the nonce space of the side that writes (SERVER_SENDS, or CALLER_SENDS for a publish)."""
         self.sock = sock
         self.peer = peer
+        self.key = key
+        self.space = space
         self._aead = AESGCM(key) if key else None
         self._out = bytearray()
         self._counter = 0
@@ -267,8 +144,8 @@ class FrameWriter:
     def keepalive(self) -> None:
         self._send(KEEPALIVE, 0, memoryview(b""))
 
-    def end(self) -> None:
-        self._send(END, 0, memoryview(b""))
+    def end(self, body: bytes = b"") -> None:
+        self._send(END, 0, memoryview(body))
 
     def error(self, code: grpc.StatusCode, message: str) -> None:
         self._send(ERROR, 0, memoryview(answer(code, message.encode()[:MAX_ERROR - 1])))
@@ -284,9 +161,9 @@ class FrameWriter:
             self._out = bytearray(need)
         sealed = memoryview(self._out)[:need]
         if IN_PLACE:
-            self._aead.encrypt_into(_nonce(self._counter), payload, header, sealed)
+            self._aead.encrypt_into(_nonce(self.space, self._counter), payload, header, sealed)
         else:
-            sealed[:] = self._aead.encrypt(_nonce(self._counter), payload, header)
+            sealed[:] = self._aead.encrypt(_nonce(self.space, self._counter), payload, header)
         self._counter += 1
         send_parts(self.sock, [memoryview(header), sealed], deadline)
 
@@ -296,6 +173,7 @@ class Frame:
     kind: int
     index: int
     length: int
+    body: bytes = b""  # an END frame's
 
 
 class WeightsStream:
@@ -306,10 +184,13 @@ class WeightsStream:
     frame that does not open (DATA_LOSS: altered on the way)."""
 
     def __init__(self, sock: socket.socket, key: bytes, stall: float, data_stall: float,
-                 stop: Callable[[], bool], deadline: float | None = None) -> None:
+                 stop: Callable[[], bool], deadline: float | None = None, space: int = SERVER_SENDS,
+                 end_bytes: int = 0) -> None:
         """`deadline` (monotonic): the fetch's; a frame under way when it passes ends the stream (Stalled),
-        however steadily its bytes drip."""
+        however steadily its bytes drip. `space`: the nonce space of the side that writes; `end_bytes`:
+        the most an END frame may hold."""
         self.deadline = deadline
+        self.space, self.end_bytes = space, end_bytes
         self.sock = sock
         self._aead = AESGCM(key) if key else None
         self._counter = 0
@@ -348,8 +229,8 @@ class WeightsStream:
         header = memoryview(self._header)
         self._fill(header)
         kind, index, length = HEADER.unpack(header)
-        if kind not in (DATA, KEEPALIVE, END, ERROR) or length > MAX_FRAME or (
-                kind in (KEEPALIVE, END) and length) or (kind == ERROR and not 1 <= length <= MAX_ERROR):
+        if kind not in (DATA, KEEPALIVE, END, ERROR) or length > MAX_FRAME or (kind == KEEPALIVE and length) or (
+                kind == END and length > self.end_bytes) or (kind == ERROR and not 1 <= length <= MAX_ERROR):
             raise StreamError(grpc.StatusCode.INTERNAL, f"a frame of kind {kind} and {length} bytes")
         if kind == DATA:
             dest = into(index, length)  # ValueError: a chunk that was not asked for
@@ -365,7 +246,9 @@ class WeightsStream:
             code = _CODES.get(message[0], grpc.StatusCode.UNKNOWN)
             raise StreamError(code, message[1:].decode(errors="replace"))
         else:
-            self._open(bytes(header), memoryview(bytearray()))
+            body = bytearray(length)
+            self._open(bytes(header), memoryview(body))
+            return Frame(kind, index, length, bytes(body))
         return Frame(kind, index, length)
 
     def _open(self, header: bytes, dest: memoryview) -> None:
@@ -379,9 +262,9 @@ class WeightsStream:
         self._fill(sealed)
         try:
             if IN_PLACE:
-                self._aead.decrypt_into(_nonce(self._counter), sealed, header, dest)
+                self._aead.decrypt_into(_nonce(self.space, self._counter), sealed, header, dest)
             else:
-                dest[:] = self._aead.decrypt(_nonce(self._counter), sealed, header)
+                dest[:] = self._aead.decrypt(_nonce(self.space, self._counter), sealed, header)
         except InvalidTag:
             raise Altered() from None
         self._counter += 1
@@ -400,13 +283,13 @@ def split_address(address: str) -> tuple[str, int]:
     return host.strip("[]"), int(port)
 
 
-def open_stream(address: str, request: pb.FetchRequest, stall: float, data_stall: float,
-                stop: Callable[[], bool], peer: str, connect_timeout: float = HANDSHAKE_SECONDS,
-                deadline: float | None = None) -> WeightsStream:
+def connect(address: str, request: bytes, peer: str, connect_timeout: float = HANDSHAKE_SECONDS
+            ) -> tuple[socket.socket, bytes]:
     """Connect to a weights stream at `address`, served by `peer` (the registry, "model-registry", or a
-    relaying worker, "rollout-worker"), ask for `request`, and return the frames' reader. Raises OSError
-    (nobody answers), ssl.SSLError (the handshake failed), StreamError (its answer; UNAUTHENTICATED: the
-    server presented another identity's certificate)."""
+    relaying worker, "rollout-worker"), send `request` (a serialized FetchRequest, or a publish's
+    VersionInfo), and return the socket with the connection's key once the server said OK and the frames
+    may begin. Raises OSError (nobody answers), ssl.SSLError (the handshake failed), StreamError (its
+    answer; UNAUTHENTICATED: the server presented another identity's certificate)."""
     host, port = split_address(address)
     sock = socket.create_connection((host, port), timeout=connect_timeout)
     try:
@@ -420,7 +303,7 @@ def open_stream(address: str, request: pb.FetchRequest, stall: float, data_stall
                 raise
             raise StreamError(grpc.StatusCode.UNAUTHENTICATED,
                               WrongPeer(address, peer, presented_identity(address, files.directory)).details()) from None
-        envelope.send(request.SerializeToString())
+        envelope.send(request)
         answer = envelope.receive(MAX_ERROR + KEY_BYTES)
         if not answer:
             raise StreamError(grpc.StatusCode.INTERNAL, "an empty answer")
@@ -432,7 +315,16 @@ def open_stream(address: str, request: pb.FetchRequest, stall: float, data_stall
             raise StreamError(grpc.StatusCode.INTERNAL, f"a key of {len(key)} bytes")
         envelope.send(START)
         envelope.finish()
-        return WeightsStream(sock, key, stall, data_stall, stop, deadline)
+        return sock, key
     except BaseException:
         sock.close()
         raise
+
+
+def open_stream(address: str, request: pb.FetchRequest, stall: float, data_stall: float,
+                stop: Callable[[], bool], peer: str, connect_timeout: float = HANDSHAKE_SECONDS,
+                deadline: float | None = None) -> WeightsStream:
+    """Ask the weights stream at `address` (served by `peer`) for `request` and return the frames'
+    reader; raises as `connect`."""
+    sock, key = connect(address, request.SerializeToString(), peer, connect_timeout)
+    return WeightsStream(sock, key, stall, data_stall, stop, deadline)

@@ -11,30 +11,34 @@ import ssl
 import threading
 import time
 from collections.abc import Callable
+from typing import Any
 
 import grpc
 from google.protobuf.message import DecodeError
 
 from overworld.core.security import authz, tls
-from overworld.model_registry.stream.protocol import (
+from overworld.model_registry.stream.envelope import (
     HANDSHAKE_SECONDS,
+    Envelope,
+    StreamError,
+    answer,
+    contexts,
+)
+from overworld.model_registry.stream.protocol import (
     KEY_BYTES,
     MAX_CONNECTIONS,
     MAX_CONNECTIONS_PER_PEER,
     MAX_REQUEST,
     SEND_SECONDS,
     START,
-    Envelope,
     FrameWriter,
-    StreamError,
-    answer,
-    contexts,
 )
 from overworld.v1 import model_registry_pb2 as pb
 
 log = logging.getLogger("overworld.model_registry.stream.protocol")
 
-Handler = Callable[[pb.FetchRequest, FrameWriter, Callable[[], bool]], None]
+# (request, writer, still wanted) -> what the END frame holds (None: nothing)
+Handler = Callable[[Any, FrameWriter, Callable[[], bool]], bytes | None]
 
 
 def _drain(conn: socket.socket, limit: int = MAX_REQUEST + 4096, seconds: float = 1.0) -> None:
@@ -46,20 +50,28 @@ def _drain(conn: socket.socket, limit: int = MAX_REQUEST + 4096, seconds: float 
         deadline, read = time.monotonic() + seconds, 0
         while read < limit and (left := deadline - time.monotonic()) > 0:
             conn.settimeout(left)
-            data = conn.recv(4096)
+            data = conn.recv(1 << 16)
             if not data:
                 return
             read += len(data)
 
 
 class WeightsStreamServer:
-    """Serves one weights-stream endpoint (`method`: authz.WEIGHTS_FROM_REGISTRY or _RELAY) on a TCP
-    port: a thread per connection, each checked against core/security/authz.py's table before `handler` runs.
-    The handler sends frames through the writer and raises StreamError to end with a status; its
-    third argument says whether the connection is still wanted (False once the server stops)."""
+    """Serves one weights-stream endpoint (`method`: authz.WEIGHTS_FROM_REGISTRY, _RELAY or _PUBLISH) on
+    a TCP port: a thread per connection, each checked against core/security/authz.py's table before its
+    request is read. The request is a `request_type` of at most `max_request` bytes; `admit(request)`
+    may refuse it (StreamError) before the frames begin. The handler sends frames through the writer (a
+    publish's reads them from its socket) and raises StreamError to end with a status; its third argument
+    says whether the connection is still wanted (False once the server stops). With `drain_on_error`
+    (a publish, whose caller is sending), what the caller still sends after an ERROR is read and dropped,
+    so that the ERROR reaches it instead of a reset."""
 
-    def __init__(self, method: str, handler: Handler, host: str = "127.0.0.1", port: int = 0) -> None:
+    def __init__(self, method: str, handler: Handler, host: str = "127.0.0.1", port: int = 0, *,
+                 request_type: Any = pb.FetchRequest, max_request: int = MAX_REQUEST,
+                 admit: Callable[[Any], None] | None = None, drain_on_error: bool = False) -> None:
         self.method, self.handler = method, handler
+        self.request_type, self.max_request, self.admit = request_type, max_request, admit
+        self.drain_on_error = drain_on_error
         self._files = tls.credentials()  # this process's identity when the server starts, as a gRPC server's
         self._listener = socket.create_server((host, port), family=socket.AF_INET6 if ":" in host else socket.AF_INET,
                                               backlog=256)
@@ -109,12 +121,15 @@ class WeightsStreamServer:
                     _drain(conn)
                     return
             try:
-                request = pb.FetchRequest.FromString(envelope.receive(MAX_REQUEST))
+                request = self.request_type.FromString(envelope.receive(self.max_request))
+                if self.admit is not None:
+                    self.admit(request)
             except StreamError as err:
                 envelope.send(answer(err.code, err.message.encode()))
                 return
             except DecodeError:
-                envelope.send(answer(grpc.StatusCode.INVALID_ARGUMENT, b"the request is not a FetchRequest"))
+                envelope.send(answer(grpc.StatusCode.INVALID_ARGUMENT,
+                                     f"the request is not a {self.request_type.DESCRIPTOR.name}".encode()))
                 return
             key = os.urandom(KEY_BYTES) if made is not None else b""
             envelope.send(answer(grpc.StatusCode.OK, key))
@@ -124,11 +139,13 @@ class WeightsStreamServer:
             conn.settimeout(SEND_SECONDS)
             writer = FrameWriter(conn, key, peer)
             try:
-                self.handler(request, writer, lambda: not self._stopped.is_set())
+                body = self.handler(request, writer, lambda: not self._stopped.is_set())
             except StreamError as err:
                 writer.error(err.code, err.message)
+                if self.drain_on_error:
+                    _drain(conn, limit=1 << 40, seconds=SEND_SECONDS)
                 return
-            writer.end()
+            writer.end(body or b"")
         except TimeoutError as err:  # the whole exchange's deadline, or a frame's: cut off
             log.warning("weights stream to %s cut off: %s", peer, err)
         except (OSError, ssl.SSLError, StreamError) as err:
