@@ -19,11 +19,13 @@ from hypothesis import given, settings
 from hypothesis import strategies as st
 
 from overworld.model_registry.stream.protocol import (
+    CALLER_SENDS,
     DATA,
     END,
     HEADER,
     KEEPALIVE,
     MAX_FRAME,
+    SERVER_SENDS,
     TAG,
     FrameWriter,
     Stalled,
@@ -35,10 +37,11 @@ KEY = os.urandom(16)
 CHUNK = 4096
 
 
-def written(frames: list[tuple[str, int]]) -> list[bytes]:
-    """The bytes a real FrameWriter puts on the wire for each frame, one item per frame (header + sealed)."""
+def written(frames: list[tuple[str, int]], space: int = SERVER_SENDS) -> list[bytes]:
+    """The bytes a real FrameWriter puts on the wire for each frame, one item per frame (header + sealed),
+    sealed in `space` (the registry's, or a publishing caller's)."""
     out, sent = socket.socketpair()
-    writer = FrameWriter(out, KEY, "test")
+    writer = FrameWriter(out, KEY, "test", space)
     wire = bytearray()
     sizes = []
     for kind, index in frames:
@@ -62,7 +65,8 @@ def written(frames: list[tuple[str, int]]) -> list[bytes]:
     return items
 
 
-def read_all(wire: bytes, stall: float = 2.0, asked: list[int] | None = None) -> list[tuple[int, int, bytes]]:
+def read_all(wire: bytes, stall: float = 2.0, asked: list[int] | None = None,
+             space: int = SERVER_SENDS) -> list[tuple[int, int, bytes]]:
     """What a real WeightsStream makes of `wire`: (kind, index, payload) per frame, until END; raises
     what the reader raises. `asked`: the length of every chunk buffer the reader asked for."""
     theirs, ours = socket.socketpair()
@@ -74,7 +78,7 @@ def read_all(wire: bytes, stall: float = 2.0, asked: list[int] | None = None) ->
 
     feeder = threading.Thread(target=feed, daemon=True)
     feeder.start()
-    reader = WeightsStream(ours, KEY, stall, stall, lambda: False)
+    reader = WeightsStream(ours, KEY, stall, stall, lambda: False, space=space)
     out = []
     buffers: dict[int, bytearray] = {}
 
@@ -160,6 +164,17 @@ def test_a_keepalive_forged_from_another_connection_is_data_loss() -> None:
     with pytest.raises(StreamError) as err:
         read_all(b"".join([mine[0], foreign[0], *mine[2:]]))
     assert err.value.code == grpc.StatusCode.DATA_LOSS
+
+
+def test_a_frame_sent_back_the_other_way_is_data_loss() -> None:
+    """A publish's frames go to the registry and its answer comes back on one connection, under one key:
+    each side seals in its own nonce space, so a frame reflected to its sender does not open there."""
+    trainers = written([("data", 0), ("end", 0)], space=CALLER_SENDS)
+    assert [k for k, _, _ in read_all(b"".join(trainers), space=CALLER_SENDS)] == [DATA, END]
+    for wire, space in ((trainers, SERVER_SENDS), (honest(), CALLER_SENDS)):
+        with pytest.raises(StreamError) as err:
+            read_all(b"".join(wire), space=space)
+        assert err.value.code == grpc.StatusCode.DATA_LOSS
 
 
 @settings(max_examples=300, deadline=None)
