@@ -749,3 +749,13 @@ def test_a_container_that_exits_shows_its_last_log_lines_in_its_status(default_o
     assert len(containers) >= 5
     assert {name: c.get("terminationMessagePolicy") for name, c in containers} == {
         name: "FallbackToLogsOnError" for name, _ in containers}
+
+
+def test_a_workers_flush_fits_in_its_grace_period() -> None:
+    """A stopping worker (a spot node's preemption, a scale-down) flushes what it holds for its grace
+    period less 20 s (the loop's stop, the last heartbeat, Deregister): the 30 s and 120 s clouds give."""
+    for grace, flush in ((30, "10"), (120, "100"), (60, "40"), (10, "5")):
+        objects = render({"rolloutWorker": {"terminationGracePeriodSeconds": grace}})
+        worker = by_kind(objects, "Deployment")["overworld-rollout-worker"]["spec"]["template"]["spec"]
+        assert worker["terminationGracePeriodSeconds"] == grace
+        assert {"name": "OVERWORLD_FLUSH_TIMEOUT", "value": flush} in worker["containers"][0]["env"], grace

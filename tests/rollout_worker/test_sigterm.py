@@ -13,6 +13,7 @@ from pathlib import Path
 
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.rollout_worker.client import RolloutWorkerClient
+from tests.rollout_worker.conftest import T
 from tests.rollout_worker.test_worker import wait_for
 from tests.support import alive, free_port, wait_port
 
@@ -62,10 +63,17 @@ def test_sigterm_flushes_complete_fragments_and_deregisters(make_cluster, tmp_pa
             if proc.poll() is None:
                 proc.kill()
     text = log_path.read_text()
-    m = re.search(r"sender flushed: True \((\d+) complete fragments, (\d+) acknowledged, 0 rejected", text)
+    m = re.search(r"sender flushed: True \((\d+) complete fragments, (\d+) acknowledged, 0 rejected.*; stopping threw "
+                  r"away (\d+) env steps \((\d+) of partial fragments, 0 fragments unacknowledged\)", text)
     assert m, text[-3000:]
-    complete, acked = int(m.group(1)), int(m.group(2))
+    complete, acked, thrown_away, partial = (int(g) for g in m.groups())
     assert complete == acked == cluster.stats().inserted_fragments >= 20
-    assert not client.fleet_status().workers  # deregistered
+    fleet = client.fleet_status()
+    assert not fleet.workers  # deregistered
+    # what the stop cost reaches the manager with the last heartbeat, and stays counted after Deregister:
+    # the steps of the partial fragments, less than a fragment per env
+    assert fleet.preempted_env_steps == thrown_away == partial
+    assert 0 <= partial < 6 * T  # 0 only when every env group stopped at a fragment boundary
+    assert fleet.env_steps == acked * T + partial
     time.sleep(0.5)
     assert not [p for p in envs if alive(p)], "env processes outlived the worker"

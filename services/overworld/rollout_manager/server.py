@@ -41,6 +41,9 @@ log = logging.getLogger("overworld.rollout_manager")
 WORKERS = Gauge("overworld_rollout_workers", "Rollout workers holding a live lease")
 EPISODES = Counter("overworld_episodes_total", "Episodes finished", ["task"])
 EPISODE_RETURN = Gauge("overworld_episode_return", "Mean return of the last 100 episodes", ["task"])
+PREEMPTED_ENV_STEPS = Counter("overworld_fleet_preempted_env_steps_total",
+                              "Env steps the fleet's workers stepped, then threw away as they stopped (preempted, "
+                              "scaled down, deleted), from their last heartbeats")
 EPISODE_LENGTH = Gauge("overworld_episode_length", "Mean length of the last 100 episodes", ["task"])
 
 WINDOW = 100
@@ -66,6 +69,7 @@ class WorkerRecord:
     envs_ready: int = 0
     room_wait_seconds: float = 0.0
     env_slot_seconds: float = 0.0
+    preempted_env_steps: int = 0
 
 
 @dataclass
@@ -94,6 +98,7 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         self._departed_fragments = 0
         self._departed_room_wait = 0.0
         self._departed_slot_seconds = 0.0
+        self._departed_preempted = 0
         self._fragments_lost = 0
         self._spaces: Spaces | None = None
         self._spaces_proto: common_pb2.Spaces | None = None
@@ -144,6 +149,7 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
         self._departed_steps, self._departed_fragments = run["departed_steps"], run["departed_fragments"]
         self._departed_room_wait = run.get("departed_room_wait", 0.0)  # absent in states saved before them
         self._departed_slot_seconds = run.get("departed_slot_seconds", 0.0)
+        self._departed_preempted = run.get("departed_preempted_env_steps", 0)
         self._fragments_lost, self._registrations = run["fragments_lost"], run["registrations"]
         self._reports = {k: int(v) for k, v in run["reports"].items()}
         now = time.monotonic()
@@ -187,6 +193,7 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                 "spaces": base64.b64encode(self._spaces_proto.SerializeToString()).decode() if self._spaces_proto else "",
                 "departed_steps": self._departed_steps, "departed_fragments": self._departed_fragments,
                 "departed_room_wait": self._departed_room_wait, "departed_slot_seconds": self._departed_slot_seconds,
+                "departed_preempted_env_steps": self._departed_preempted,
                 "fragments_lost": self._fragments_lost, "reports": self._reports}
         if episodes:
             parts["episodes"] = {
@@ -225,6 +232,7 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             self._departed_fragments += w.fragments_sent
             self._departed_room_wait += w.room_wait_seconds
             self._departed_slot_seconds += w.env_slot_seconds
+            self._departed_preempted += w.preempted_env_steps
 
     def GetRunConfig(self, request, context):
         return rollout_manager_pb2.RunConfig(run_id=self.run_id, config_yaml=self._yaml, config_hash=self._hash)
@@ -275,6 +283,9 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
             w.envs_ready = request.envs_ready
             w.room_wait_seconds = max(w.room_wait_seconds, request.room_wait_seconds)
             w.env_slot_seconds = max(w.env_slot_seconds, request.env_slot_seconds)
+            if request.preempted_env_steps > w.preempted_env_steps:
+                PREEMPTED_ENV_STEPS.inc(request.preempted_env_steps - w.preempted_env_steps)
+                w.preempted_env_steps = request.preempted_env_steps
             version = max(x.model_version for x in self._workers.values())
             self._save(workers=(w,))
         self.videos.on_model_version(version)
@@ -374,7 +385,8 @@ class RolloutManagerService(rollout_manager_pb2_grpc.RolloutManagerServicer):
                 mean_return_last_100=float(np.mean(self._all_returns)) if self._all_returns else 0.0,
                 tasks=tasks, videos=len(self.videos.list()), pending_video_requests=self.videos.pending(),
                 room_wait_seconds=self._departed_room_wait + sum(w.room_wait_seconds for w in self._workers.values()),
-                env_slot_seconds=self._departed_slot_seconds + sum(w.env_slot_seconds for w in self._workers.values()))
+                env_slot_seconds=self._departed_slot_seconds + sum(w.env_slot_seconds for w in self._workers.values()),
+                preempted_env_steps=self._departed_preempted + sum(w.preempted_env_steps for w in self._workers.values()))
 
     def ListLeases(self, request, context):
         with self._lock:

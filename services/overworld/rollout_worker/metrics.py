@@ -25,6 +25,10 @@ ROOM_WAIT = Counter("overworld_env_room_wait_seconds_total",
                     "Env-slot seconds spent waiting for room in the replay buffer (each waiting slot counts): "
                     "over num_envs x wall seconds, the share of the fleet idle because the learner is behind",
                     ["worker"])
+PREEMPTED_ENV_STEPS = Counter("overworld_worker_preempted_env_steps_total",
+                              "Env steps stepped, then thrown away as the worker stopped (partial fragments, "
+                              "fragments never acknowledged); the fleet's sum is the rollout-manager's "
+                              "overworld_fleet_preempted_env_steps_total")
 QUEUE_DEPTH = Gauge("overworld_send_queue_depth", "Fragments waiting to be sent or acknowledged")
 MODEL_VERSION = Gauge("overworld_worker_model_version", "Model version in use", ["worker"])
 VIDEOS = Counter("overworld_videos_recorded_total", "Episode videos uploaded to the rollout-manager")

@@ -19,6 +19,10 @@ from overworld.v1 import rollout_worker_pb2_grpc
 log = logging.getLogger("overworld.rollout_worker")
 
 
+# The loop stops within a step once told; the rest of a pod's grace period (the chart's
+# terminationGracePeriodSeconds less 20 s) goes to the flush.
+LOOP_STOP_SECONDS = 10.0
+
 class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
     """Serves before the worker is built: status calls answer UNAVAILABLE until then."""
 
@@ -85,7 +89,7 @@ class RolloutWorkerProcess:
 
     def stop(self, grace: float = 5.0) -> None:
         self.worker.stop_event.set()
-        self._thread.join(30)
+        self._thread.join(LOOP_STOP_SECONDS)
         self.worker.shutdown(self.flush_timeout)
         self.relay.stop()
         self.server.stop(grace)

@@ -39,6 +39,7 @@ from overworld.rollout_worker.metrics import (
     INFER_LATENCY,
     MODEL_VERSION,
     POLICY_LAG,
+    PREEMPTED_ENV_STEPS,
     QUEUE_DEPTH,
     ROOM_WAIT,
     SLOTS_WAITING_FOR_ROOM,
@@ -114,12 +115,14 @@ class RolloutWorker:
         self.env_steps = 0
         self.fragments_completed = 0
         self.fragments_dropped = 0
+        self.preempted_env_steps = 0  # stepped, then thrown away as the worker stopped
         self.model_version = 0
         self.steps_per_second = 0.0
         # What the manager has counted under earlier worker ids (a re-registration after a lost lease):
         # the heartbeats of the new id report only what came after, so nothing is counted twice.
         self._counted: dict[str, Any] = {"env_steps": 0, "fragments_sent": 0, "fragments_completed": 0,
-                                           "room_wait_seconds": 0.0, "env_slot_seconds": 0.0}
+                                           "room_wait_seconds": 0.0, "env_slot_seconds": 0.0,
+                                           "preempted_env_steps": 0}
         self._acked = dict(self._counted)  # the counters of the last heartbeat the manager answered
         self._report_sequence = 0
         self._unacked_report: mpb.ReportEpisodesRequest | None = None
@@ -162,7 +165,7 @@ class RolloutWorker:
             self._report_episodes()
             counters = {"env_steps": self.env_steps, "fragments_sent": self.sender.sent,
                         "fragments_completed": self.fragments_completed, "room_wait_seconds": self.room_wait_seconds,
-                        "env_slot_seconds": self.env_slot_seconds}
+                        "env_slot_seconds": self.env_slot_seconds, "preempted_env_steps": self.preempted_env_steps}
             reply = self.manager.heartbeat(mpb.HeartbeatRequest(
                 worker_id=self.worker_id, **{k: v - self._counted[k] for k, v in counters.items()},
                 model_version=self.model_version, env_steps_per_second=self.steps_per_second,
@@ -395,14 +398,21 @@ class RolloutWorker:
         self.stop_event.set()
         self._count_slot_seconds()
         self._slots_counted_at = None
+        partial_steps = int(self.cutter.t.sum())
         self.room.close(in_flight=int(self.has_room.sum()))  # partial fragments are not sent
         for msg in self._leftover:
             self.sender.put(msg, self.stop_event, force=True)
         self._leftover.clear()
         flushed = self.sender.close(timeout)
+        unacknowledged = self.sender.depth()
         self.buffer.close()
-        log.info("sender flushed: %s (%d complete fragments, %d acknowledged, %d rejected, %d partial dropped)",
-                 flushed, self.fragments_completed, self.sender.sent, self.sender.rejected, self.fragments_dropped)
+        thrown_away = partial_steps + unacknowledged * self.T
+        self.preempted_env_steps += thrown_away
+        PREEMPTED_ENV_STEPS.inc(thrown_away)
+        log.info("sender flushed: %s (%d complete fragments, %d acknowledged, %d rejected, %d partial dropped); "
+                 "stopping threw away %d env steps (%d of partial fragments, %d fragments unacknowledged)",
+                 flushed, self.fragments_completed, self.sender.sent, self.sender.rejected, self.fragments_dropped,
+                 thrown_away, partial_steps, unacknowledged)
         self._done.set()
         self._report()
         try:

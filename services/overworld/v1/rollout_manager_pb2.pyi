@@ -46,7 +46,7 @@ class RegisterResponse(_message.Message):
     def __init__(self, worker_id: _Optional[str] = ..., lease_seconds: _Optional[float] = ..., run_id: _Optional[str] = ..., worker_index: _Optional[int] = ...) -> None: ...
 
 class HeartbeatRequest(_message.Message):
-    __slots__ = ("worker_id", "env_steps", "fragments_sent", "model_version", "env_steps_per_second", "env_restarts", "fragments_dropped", "send_queue_depth", "fragments_completed", "envs_ready", "room_wait_seconds", "env_slot_seconds")
+    __slots__ = ("worker_id", "env_steps", "fragments_sent", "model_version", "env_steps_per_second", "env_restarts", "fragments_dropped", "send_queue_depth", "fragments_completed", "envs_ready", "room_wait_seconds", "env_slot_seconds", "preempted_env_steps")
     class EnvRestartsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -66,6 +66,7 @@ class HeartbeatRequest(_message.Message):
     ENVS_READY_FIELD_NUMBER: _ClassVar[int]
     ROOM_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ENV_SLOT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_ENV_STEPS_FIELD_NUMBER: _ClassVar[int]
     worker_id: str
     env_steps: int
     fragments_sent: int
@@ -78,7 +79,8 @@ class HeartbeatRequest(_message.Message):
     envs_ready: int
     room_wait_seconds: float
     env_slot_seconds: float
-    def __init__(self, worker_id: _Optional[str] = ..., env_steps: _Optional[int] = ..., fragments_sent: _Optional[int] = ..., model_version: _Optional[int] = ..., env_steps_per_second: _Optional[float] = ..., env_restarts: _Optional[_Mapping[str, int]] = ..., fragments_dropped: _Optional[int] = ..., send_queue_depth: _Optional[int] = ..., fragments_completed: _Optional[int] = ..., envs_ready: _Optional[int] = ..., room_wait_seconds: _Optional[float] = ..., env_slot_seconds: _Optional[float] = ...) -> None: ...
+    preempted_env_steps: int
+    def __init__(self, worker_id: _Optional[str] = ..., env_steps: _Optional[int] = ..., fragments_sent: _Optional[int] = ..., model_version: _Optional[int] = ..., env_steps_per_second: _Optional[float] = ..., env_restarts: _Optional[_Mapping[str, int]] = ..., fragments_dropped: _Optional[int] = ..., send_queue_depth: _Optional[int] = ..., fragments_completed: _Optional[int] = ..., envs_ready: _Optional[int] = ..., room_wait_seconds: _Optional[float] = ..., env_slot_seconds: _Optional[float] = ..., preempted_env_steps: _Optional[int] = ...) -> None: ...
 
 class HeartbeatResponse(_message.Message):
     __slots__ = ("lease_valid", "record_video", "video_request_id")
@@ -239,7 +241,7 @@ class TaskStats(_message.Message):
     def __init__(self, task: _Optional[str] = ..., episodes: _Optional[int] = ..., mean_return_last_100: _Optional[float] = ..., mean_length_last_100: _Optional[float] = ..., mean_discounted_return_last_100: _Optional[float] = ..., mean_extras_last_100: _Optional[_Mapping[str, float]] = ..., total_return: _Optional[float] = ..., total_discounted_return: _Optional[float] = ..., total_length: _Optional[int] = ..., total_extras: _Optional[_Mapping[str, float]] = ...) -> None: ...
 
 class FleetStatus(_message.Message):
-    __slots__ = ("run_id", "workers", "env_steps", "episodes", "mean_return_last_100", "tasks", "videos", "pending_video_requests", "fragments_sent", "fragments_lost", "fleet_id", "room_wait_seconds", "env_slot_seconds")
+    __slots__ = ("run_id", "workers", "env_steps", "episodes", "mean_return_last_100", "tasks", "videos", "pending_video_requests", "fragments_sent", "fragments_lost", "fleet_id", "room_wait_seconds", "env_slot_seconds", "preempted_env_steps")
     RUN_ID_FIELD_NUMBER: _ClassVar[int]
     WORKERS_FIELD_NUMBER: _ClassVar[int]
     ENV_STEPS_FIELD_NUMBER: _ClassVar[int]
@@ -253,6 +255,7 @@ class FleetStatus(_message.Message):
     FLEET_ID_FIELD_NUMBER: _ClassVar[int]
     ROOM_WAIT_SECONDS_FIELD_NUMBER: _ClassVar[int]
     ENV_SLOT_SECONDS_FIELD_NUMBER: _ClassVar[int]
+    PREEMPTED_ENV_STEPS_FIELD_NUMBER: _ClassVar[int]
     run_id: str
     workers: _containers.RepeatedCompositeFieldContainer[WorkerInfo]
     env_steps: int
@@ -266,7 +269,8 @@ class FleetStatus(_message.Message):
     fleet_id: str
     room_wait_seconds: float
     env_slot_seconds: float
-    def __init__(self, run_id: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., env_steps: _Optional[int] = ..., episodes: _Optional[int] = ..., mean_return_last_100: _Optional[float] = ..., tasks: _Optional[_Iterable[_Union[TaskStats, _Mapping]]] = ..., videos: _Optional[int] = ..., pending_video_requests: _Optional[int] = ..., fragments_sent: _Optional[int] = ..., fragments_lost: _Optional[int] = ..., fleet_id: _Optional[str] = ..., room_wait_seconds: _Optional[float] = ..., env_slot_seconds: _Optional[float] = ...) -> None: ...
+    preempted_env_steps: int
+    def __init__(self, run_id: _Optional[str] = ..., workers: _Optional[_Iterable[_Union[WorkerInfo, _Mapping]]] = ..., env_steps: _Optional[int] = ..., episodes: _Optional[int] = ..., mean_return_last_100: _Optional[float] = ..., tasks: _Optional[_Iterable[_Union[TaskStats, _Mapping]]] = ..., videos: _Optional[int] = ..., pending_video_requests: _Optional[int] = ..., fragments_sent: _Optional[int] = ..., fragments_lost: _Optional[int] = ..., fleet_id: _Optional[str] = ..., room_wait_seconds: _Optional[float] = ..., env_slot_seconds: _Optional[float] = ..., preempted_env_steps: _Optional[int] = ...) -> None: ...
 
 class RequestVideoRequest(_message.Message):
     __slots__ = ("iteration",)

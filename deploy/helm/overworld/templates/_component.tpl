@@ -97,6 +97,11 @@ spec:
           {{- if $v.publishPort }}
           {{- $env = append $env (dict "name" "OVERWORLD_PUBLISH_PORT" "value" (toString $v.publishPort)) }}
           {{- end }}
+          {{- if and (eq .component "rollout-worker") $v.terminationGracePeriodSeconds }}
+          {{- /* the stop fits in the grace period: the flush gets what the loop, report and deregister leave */}}
+          {{- $flush := max 5 (sub (int $v.terminationGracePeriodSeconds) 20) }}
+          {{- $env = append $env (dict "name" "OVERWORLD_FLUSH_TIMEOUT" "value" (toString $flush)) }}
+          {{- end }}
           env:
             {{- toYaml (concat $env (.env | default list) ($v.extraEnv | default list)) | nindent 12 }}
           ports:
