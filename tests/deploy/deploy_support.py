@@ -44,6 +44,7 @@ CUSTOM_KINDS = {
     ("overworld.dev/v1alpha1", "TrainingRun"),
     ("cert-manager.io/v1", "Certificate"),
     ("cert-manager.io/v1", "Issuer"),
+    ("keda.sh/v1alpha1", "ScaledObject"),
 }
 SERVICES = ("rollout-manager", "replay-buffer", "gae", "model-registry", "rollout-worker")
 

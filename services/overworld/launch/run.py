@@ -264,6 +264,7 @@ class RunFollower:
             out.update(env_steps=self.env_steps(), episodes=f.episodes,
                        mean_return_last_100=f.mean_return_last_100 if f.episodes else None,
                        fragments_acknowledged=f.fragments_sent, fragments_lost=f.fragments_lost,
+                       preempted_env_steps=f.preempted_env_steps,
                        tasks=task_figures(f, self.task_metrics),
                        idle_share=env_steps.idle_share(f.room_wait_seconds, f.env_slot_seconds))
         if self.trainer is not None:

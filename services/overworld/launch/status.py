@@ -57,7 +57,8 @@ def format_run_status(status: dict[str, Any]) -> str:
 def format_status(fleet: pb.FleetStatus, videos: list[pb.VideoInfo] | None = None) -> str:
     lines = [f"run {fleet.run_id}: {len(fleet.workers)} workers, {fleet.env_steps:,} env steps, "
              f"{fleet.episodes} episodes, mean return (last 100) {fleet.mean_return_last_100:.2f}, "
-             f"{fleet.fragments_sent:,} fragments acknowledged, {fleet.fragments_lost} lost"]
+             f"{fleet.fragments_sent:,} fragments acknowledged, {fleet.fragments_lost} lost, "
+             f"{fleet.preempted_env_steps:,} env steps thrown away by stopping workers"]
     header = (f"{'worker':<12} {'address':<21} {'host':<16} {'envs':>7} {'steps/s':>8} {'env steps':>12} "
               f"{'fragments':>9} {'dropped':>7} {'queue':>5} {'model':>6} {'heartbeat':>9}  restarts")
     lines.append(header)

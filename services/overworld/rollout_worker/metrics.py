@@ -29,6 +29,8 @@ PREEMPTED_ENV_STEPS = Counter("overworld_worker_preempted_env_steps_total",
                               "Env steps stepped, then thrown away as the worker stopped (partial fragments, "
                               "fragments never acknowledged); the fleet's sum is the rollout-manager's "
                               "overworld_fleet_preempted_env_steps_total")
+ENV_SLOTS = Gauge("overworld_env_slots", "Env slots this worker steps (num_envs): the room-wait counter's "
+                  "denominator, the autoscaler's idle share", ["worker"])
 QUEUE_DEPTH = Gauge("overworld_send_queue_depth", "Fragments waiting to be sent or acknowledged")
 MODEL_VERSION = Gauge("overworld_worker_model_version", "Model version in use", ["worker"])
 VIDEOS = Counter("overworld_videos_recorded_total", "Episode videos uploaded to the rollout-manager")

@@ -32,6 +32,7 @@ from overworld.rollout_worker.env_runner import TASK_KEY
 from overworld.rollout_worker.episodes import EpisodeTracker
 from overworld.rollout_worker.fragments import FragmentCutter
 from overworld.rollout_worker.metrics import (
+    ENV_SLOTS,
     ENV_STEPS,
     FRAGMENTS_DROPPED,
     FRAGMENTS_SENT,
@@ -141,6 +142,7 @@ class RolloutWorker:
         self.pool = make_pool(self.config, self.spaces, seed, env_backend)
         self.room = self.buffer.reservations(self.worker_id, on_room=self.pool.wake)
         self.cutter = FragmentCutter(self.spaces, self.N, self.T)
+        ENV_SLOTS.labels(self.worker_id).set(self.N)
         task = self.config.task_name or self.config.env_generator.rsplit(":", 1)[-1]
         self.episodes = EpisodeTracker(self.N, self.config.train_config.discount, task)
         self.pipeline = PipelineReport(wc.log_interval, wc.moving_stat_duration, wc.max_fast_reset)
@@ -178,7 +180,9 @@ class RolloutWorker:
             else:
                 log.warning("lease expired (worker too slow, or the manager lost its state); registering again")
                 again = self.manager.register(self._register_request(), timeout=PERIODIC_TIMEOUT)
+                ENV_SLOTS.remove(self.worker_id)
                 self.worker_id = again.worker_id
+                ENV_SLOTS.labels(self.worker_id).set(self.N)
                 self.watcher.watcher_id = self.worker_id  # push acknowledgements follow the new id
                 self.room.change_holder(self.worker_id, int(self.has_room.sum()))
                 self.has_room[:] = False
