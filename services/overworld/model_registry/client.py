@@ -37,7 +37,8 @@ class ModelRegistryClient(ServiceClient):
         super().__init__(address, model_registry_pb2_grpc.ModelRegistryStub, "model-registry", channel=channel)
         self._acks: set[grpc.Future] = set()
         self._acks_lock = threading.Lock()
-        self._endpoint: pb.PublishEndpoint | None = None
+        # A channel made otherwise (a port-forward's) reaches the gRPC port alone: publish over gRPC then
+        self._endpoint: pb.PublishEndpoint | None = None if channel is None else pb.PublishEndpoint()
         # Publish and Fetch through hand-encoded messages (same bytes on the wire): one copy per chunk
         self._publish = self._channel.stream_unary(
             _SERVICE + "Publish", request_serializer=_identity, response_deserializer=pb.VersionInfo.FromString,
@@ -50,8 +51,9 @@ class ModelRegistryClient(ServiceClient):
     def publish(self, version: int, data: bytes | bytearray | memoryview, parent: int = 0,
                 counters: dict[str, int] | None = None, config_hash: str = "", tags: list[str] | None = None,
                 dtype: str = "", chunk_size: int = CHUNK, *, timeout: float = 300.0) -> pb.VersionInfo:
-        """Publish `data` (safetensors bytes) as `version`. Retried (publishing the same bytes again is
-        idempotent). `dtype` defaults to the payload's floating dtype."""
+        """Publish `data` (safetensors bytes) as `version`: over the weights stream to the registry's
+        publish port when it has one, else by gRPC Publish (`_publish_endpoint` says when). Retried
+        (publishing the same bytes again is idempotent). `dtype` defaults to the payload's floating dtype."""
         view = memoryview(data)
         manifest = pb.VersionInfo(version=version, parent=parent, size_bytes=len(view),
                                   dtype=dtype or safetensors_format.payload_dtype(view), counters=counters or {},
@@ -81,8 +83,9 @@ class ModelRegistryClient(ServiceClient):
         return Retry(timeout).run(attempt, "registry.Publish")
 
     def _publish_endpoint(self, timeout: float) -> pb.PublishEndpoint:
-        """Where this registry takes a publish over the weights stream (asked once); port 0: over gRPC
-        (a registry from before the publish port)."""
+        """Where this registry takes a publish over the weights stream (asked once, and again after a
+        connection to it failed); port 0: over gRPC (a registry from before the publish port, or a client
+        on a channel of its own, such as a port-forward's, which carries the gRPC port alone)."""
         if self._endpoint is None:
             try:
                 self._endpoint = Retry(timeout).unary(self._stub.GetPublishEndpoint, pb.PublishEndpointRequest(),
