@@ -24,6 +24,7 @@ from overworld.core.security import authz, tls
 from overworld.core.wire import weights
 from overworld.model_registry.relay_plan import relay_chunk_bytes
 from overworld.model_registry.server import ModelRegistryService, registration
+from overworld.model_registry.stream import envelope as envelope_module
 from overworld.model_registry.stream import protocol as stream_module
 from overworld.model_registry.stream import server as stream_server
 from overworld.model_registry.stream.protocol import DATA, END, FrameWriter, Stalled, StreamError, open_stream
@@ -117,7 +118,7 @@ def test_a_slowloris_handshake_is_cut_off_at_the_deadline_and_others_get_their_v
         identities: dict[str, Path], registry: str, monkeypatch: pytest.MonkeyPatch) -> None:
     """The handshake, request and start have HANDSHAKE_SECONDS in all (here 1.5 s), not per read: three
     clients without certificates sending a byte every 0.3 s are dropped in time."""
-    monkeypatch.setattr(stream_module, "HANDSHAKE_SECONDS", 1.5)
+    monkeypatch.setattr(envelope_module, "HANDSHAKE_SECONDS", 1.5)
     drippers = [connect_from(registry, f"127.0.0.{2 + i}") for i in range(3)]
     results: list[float | None] = [None] * 3
     threads = [threading.Thread(target=lambda i=i: results.__setitem__(

@@ -14,6 +14,8 @@ import grpc
 
 from overworld.core.security import authz, tls
 
+RECORD_HEADER = 5  # a TLS record: type, version (2 bytes), length (2 bytes), then that many bytes
+MAX_RECORD = (1 << 14) + 256  # TLS 1.3's largest ciphertext record
 HANDSHAKE_SECONDS = 10.0  # TLS, request, answer and start, all of it: a peer slower than this is dropped
 
 
@@ -96,11 +98,23 @@ class Envelope:
         self.sock.settimeout(left)
 
     def _pump(self) -> None:
-        self._wait()
-        data = self.sock.recv(16384)
-        if not data:
-            raise ConnectionError("the peer closed the connection")
-        self._in.write(data)
+        """One TLS record from the socket into TLS, read exactly: the bytes after the handshake's last
+        record (a publisher's first frames, sent with its "start") stay on the socket."""
+        header = self._exactly(RECORD_HEADER)
+        length = int.from_bytes(header[3:5], "big")
+        if length > MAX_RECORD:
+            raise StreamError(grpc.StatusCode.INTERNAL, f"a TLS record of {length} bytes")
+        self._in.write(header + self._exactly(length))
+
+    def _exactly(self, n: int) -> bytes:
+        out = bytearray()
+        while len(out) < n:
+            self._wait()
+            data = self.sock.recv(n - len(out))
+            if not data:
+                raise ConnectionError("the peer closed the connection")
+            out += data
+        return bytes(out)
 
     def peer(self) -> tuple[str, str]:
         """(run, identity) from the peer's certificate; ("", "") in plaintext."""
