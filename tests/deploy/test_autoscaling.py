@@ -12,6 +12,7 @@ from typing import Any
 import pytest
 import yaml
 
+from rehearsal.autoscaler import Behavior, Recommender
 from tests.deploy.deploy_support import by_kind, promtool, render, validate_object
 
 ON = {"rolloutWorker": {"autoscaling": {"enabled": True, "prometheusAddress": "http://prometheus.monitoring:9090"}}}
@@ -111,3 +112,50 @@ def test_the_metric_grows_the_fleet_when_the_learner_waits_and_shrinks_it_when_w
     result = subprocess.run([promtool(), "test", "rules", "tests.yaml"], cwd=tmp_path, capture_output=True,
                             text=True, timeout=120)
     assert result.returncode != 0
+
+
+# --- the HPA's algorithm, as the rehearsal runs it (rehearsal/autoscaler.py) --------------------------
+
+def recommender(target: float = 0.1, up: float = 0.0, down: float = 0.0, low: int = 1, high: int = 100) -> Recommender:
+    return Recommender(Behavior(low, high, target, up, down))
+
+
+def test_behavior_is_read_from_the_rendered_scaled_object() -> None:
+    values = {"rolloutWorker": {"autoscaling": {**ON["rolloutWorker"]["autoscaling"], "minReplicas": 2,
+                                                "maxReplicas": 9, "targetBusyShare": 0.85,
+                                                "scaleUpStabilizationSeconds": 30,
+                                                "scaleDownStabilizationSeconds": 240}}}
+    assert Behavior.of(scaled_object(values)) == Behavior(2, 9, 0.85, 30.0, 240.0)
+
+
+def test_the_documented_examples() -> None:
+    """Kubernetes' docs: a metric at 200m for a target of 100m doubles the replicas, at 50m halves them;
+    within the tolerance of 0.1 nothing changes."""
+    assert recommender().desired(2, 0.2, now=0.0) == 4
+    assert recommender().desired(4, 0.05, now=0.0) == 2
+    assert recommender().desired(4, 0.109, now=0.0) == 4
+    assert recommender().desired(4, 0.0911, now=0.0) == 4
+    assert recommender().desired(4, 0.089, now=0.0) == 4  # ceil(4 x 0.89) = 4 all the same
+    assert recommender().desired(10, 0.089, now=0.0) == 9
+
+
+def test_scale_up_is_limited_to_double_or_four_pods_per_fifteen_seconds() -> None:
+    r = recommender()
+    assert r.desired(2, 1.0, now=0.0) == 6  # 20 asked: max(2 x 2, 2 + 4)
+    r.scaled(4, now=0.0)
+    assert r.desired(6, 1.0, now=5.0) == 6  # within the same period: still from the 2 it began with
+    assert r.desired(6, 1.0, now=16.0) == 12  # a new period: max(6 x 2, 6 + 4)
+
+
+def test_scale_down_waits_out_its_stabilization_window_so_a_dip_does_not_flap() -> None:
+    r = recommender(down=300.0)
+    assert r.desired(8, 0.1, now=0.0) == 8
+    assert r.desired(8, 0.05, now=60.0) == 8  # 4 recommended, but 8 was recommended within the window
+    assert r.desired(8, 0.1, now=120.0) == 8
+    assert r.desired(8, 0.05, now=301.0) == 8  # the 8 of 120 s is still in the window
+    assert r.desired(8, 0.05, now=421.0) == 4  # every recommendation of the last 300 s was 4
+
+
+def test_min_and_max_bound_it() -> None:
+    assert recommender(low=3).desired(4, 0.01, now=0.0) == 3
+    assert recommender(high=5).desired(4, 0.5, now=0.0) == 5
