@@ -99,7 +99,7 @@ class Autoscaler:
         self.expr = scaled_object["spec"]["triggers"][0]["metadata"]["query"]
         self.recommender = Recommender(behavior or Behavior.of(scaled_object))
         self.query, self.replicas, self.scale, self.sync = query, replicas, scale, sync
-        self.trajectory: list[dict[str, float]] = []
+        self.trajectory: list[dict[str, float | None]] = []
         self._stop = threading.Event()
         self._thread = threading.Thread(target=self._run, name="autoscaler", daemon=True)
         self.started = time.monotonic()
@@ -113,7 +113,7 @@ class Autoscaler:
         value = self.query(self.expr)
         current = self.replicas()
         if value is None:  # KEDA reports an error; the HPA keeps the size
-            self.trajectory.append({"seconds": round(now - self.started, 1), "replicas": current, "metric": math.nan})
+            self.trajectory.append({"seconds": round(now - self.started, 1), "replicas": current, "metric": None})
             return
         desired = self.recommender.desired(current, value, now)
         self.trajectory.append({"seconds": round(now - self.started, 1), "replicas": current,

@@ -102,8 +102,9 @@ def pod_images(objects: list[dict[str, Any]], store: ImageStore) -> dict[str, Im
 
 
 class Rehearsal:
-    def __init__(self, workdir: Path, store: ImageStore) -> None:
-        self.objects = render(rehearsal_values(), release=RELEASE, namespace=NAMESPACE)
+    def __init__(self, workdir: Path, store: ImageStore, values: dict[str, Any] | None = None) -> None:
+        """`values`: the chart's (default: rehearsal_values())."""
+        self.objects = render(values or rehearsal_values(), release=RELEASE, namespace=NAMESPACE)
         self.cluster = Cluster(self.objects, workdir, images=pod_images(self.objects, store))
         # the node's device plugin declares one GPU: the Ray worker group's pod asks for it
         self.cluster.node_resources = {"nvidia.com/gpu": 1}
@@ -114,9 +115,9 @@ class Rehearsal:
 
     @classmethod
     @contextlib.contextmanager
-    def up(cls, workdir: Path, store: ImageStore) -> Iterator[Rehearsal]:
+    def up(cls, workdir: Path, store: ImageStore, values: dict[str, Any] | None = None) -> Iterator[Rehearsal]:
         remove_leftovers()
-        rehearsal = cls(workdir, store)
+        rehearsal = cls(workdir, store, values)
         try:
             rehearsal.start()
             yield rehearsal
