@@ -11,7 +11,7 @@ From one worker, every 10 s: the replicas, the metric, the learner's wait share,
 share, its env steps/s and the return of the last 100 episodes. Results: bench/results/NAME.json and a
 plot, docs/images/NAME.png.
 
-    sudo python -m bench.bench_autoscaling [--minutes 15] [--step-ms 20] [--max-workers 6]
+    sudo python -m bench.bench_autoscaling [--minutes 15] [--step-ms 20] [--envs-per-worker 1] [--max-workers 10]
 """
 
 from __future__ import annotations
@@ -48,7 +48,9 @@ def autoscaling_values(args: argparse.Namespace) -> dict[str, Any]:
                              "minReplicas": 1, "maxReplicas": args.max_workers, "targetBusyShare": args.target,
                              "window": args.window, "scaleUpStabilizationSeconds": args.up_window,
                              "scaleDownStabilizationSeconds": args.down_window}
-    values["run"]["config"]["env_kwargs"] = {"step_seconds": args.step_ms / 1000}
+    config = values["run"]["config"]
+    config["env_kwargs"] = {"step_seconds": args.step_ms / 1000}
+    config["rollout_config"]["worker_config"]["num_envs"] = args.envs_per_worker
     return values
 
 
@@ -122,7 +124,9 @@ def main(argv: list[str] | None = None) -> int:
     p = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     p.add_argument("--minutes", type=float, default=15.0, help="how long the autoscaler runs")
     p.add_argument("--step-ms", type=float, default=20.0, help="each env step takes at least this long")
-    p.add_argument("--max-workers", type=int, default=6)
+    p.add_argument("--envs-per-worker", type=int, default=1,
+                   help="few, so that the fleet, not the replay buffer's room, is what the learner waits for")
+    p.add_argument("--max-workers", type=int, default=10)
     p.add_argument("--target", type=float, default=0.9, help="targetBusyShare")
     p.add_argument("--sync", type=float, default=5.0, help="seconds between the autoscaler's looks (the HPA's 15)")
     p.add_argument("--up-window", type=int, default=10, help="scale-up stabilization, s (the chart's 60)")
@@ -138,7 +142,7 @@ def main(argv: list[str] | None = None) -> int:
     log("building the images (make rehearsal-images; cached layers are reused)")
     build(Path(args.workdir).with_name("autoscaling-image-build.log"), target="rehearsal-images")
     store = ImageStore.here()
-    settings = {"step_ms": args.step_ms, "max_workers": args.max_workers, "target_busy_share": args.target,
+    settings = {"step_ms": args.step_ms, "envs_per_worker": args.envs_per_worker, "max_workers": args.max_workers, "target_busy_share": args.target,
                 "sync_seconds": args.sync, "scale_up_window_seconds": args.up_window,
                 "scale_down_window_seconds": args.down_window, "rate_window": args.window,
                 "shortened": "sync 15 s, windows 60/300 s and rate window 2m in the chart and the HPA; shorter "

@@ -309,6 +309,17 @@ def readme_rows(results: dict[str, dict[str, Any]]) -> list[str]:
         add(f"| PPO on CartPole (one process, examples/cartpole.yaml's settings) fed data k versions old, "
             f"{len(d['seeds'])} seeds: median env steps to {d['target_return']:.0f} by k, PPO's ratio to the "
             f"behaviour policy / the decoupled objective | {cells} | {_at(d)} |")
+    if "autoscaling" in results:
+        d = results["autoscaling"]
+        o, st = d["outcome"], d["settings"]
+        add(f"| Rollout fleet sized by the HPA (the chart's KEDA ScaledObject, the HPA's algorithm on the rehearsal's "
+            f"Prometheus; sync {st['sync_seconds']:g} s, windows {st['scale_up_window_seconds']}/"
+            f"{st['scale_down_window_seconds']} s, shortened), CartPole at {st['step_ms']:g} ms per step, from 1 "
+            f"worker for {d['samples'][-1]['seconds'] / 60:.0f} min: replicas at the end (largest); scalings (in the "
+            f"last third); last third's learner wait share, fleet idle share, env steps/s; return first → last | "
+            f"{o['replicas_at_end']} ({o['largest']}); {o['scalings']} ({o['scalings_in_the_last_third']}); "
+            f"{o['learner_wait_share_last_third']}, {o['fleet_idle_share_last_third']}, "
+            f"{o['env_steps_per_second_last_third']}; {o['return_first']} → {o['return_last']} | {_at(d)} |")
     if "relay" in results:
         d = results["relay"]
         w = d["worker_cpu_seconds_per_gb"]

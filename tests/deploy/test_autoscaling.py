@@ -85,7 +85,9 @@ def learner(wait_seconds_per_minute: int) -> list[dict[str, str]]:
 CASES = [
     ("workers idle half their time for room, the learner fed: halve", workers(120), 0.5),
     ("the learner waits half its time, the workers busy: double", [*workers(0), *learner(30)], 2.0),
-    ("both: the learner's wait weighs more", [*workers(60), *learner(30)], 1.5),
+    ("the learner waits while the workers idle a quarter: the pipeline, not the fleet: shrink",
+     [*workers(60), *learner(30)], 0.75),
+    ("workers 95 % busy, above the target: the learner's wait counts whole", [*workers(12), *learner(30)], 1.9),
     ("every slot waits, the learner fed", workers(240), 0.0),
     ("no trainer series yet (placing its pods): the workers alone", workers(0), 1.0),
     ("nothing scraped yet (a fresh release): the target, nothing moves", [], 0.9),
