@@ -127,7 +127,7 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--envs-per-worker", type=int, default=1,
                    help="few, so that the fleet, not the replay buffer's room, is what the learner waits for")
     p.add_argument("--max-workers", type=int, default=10)
-    p.add_argument("--target", type=float, default=0.9, help="targetBusyShare")
+    p.add_argument("--target", type=float, default=0.75, help="targetBusyShare (the chart's default)")
     p.add_argument("--sync", type=float, default=5.0, help="seconds between the autoscaler's looks (the HPA's 15)")
     p.add_argument("--up-window", type=int, default=10, help="scale-up stabilization, s (the chart's 60)")
     p.add_argument("--down-window", type=int, default=60, help="scale-down stabilization, s (the chart's 300)")

@@ -1,7 +1,7 @@
 """The rollout fleet's autoscaler (templates/autoscaling.yaml): a KEDA ScaledObject that validates
 against KEDA's own CRD, refused where it would fight Helm or has nothing to query, and a metric that the
-real promtool evaluates to what the HPA needs: above the target when the learner waits for samples,
-below it when the workers idle waiting for room."""
+real promtool evaluates to what the HPA needs: the workers' busy share, above the target when they never
+wait for room, below it when they idle."""
 
 from __future__ import annotations
 
@@ -44,6 +44,7 @@ def test_the_scaled_object_validates_against_kedas_crd_and_targets_the_fleet() -
     (trigger,) = spec["triggers"]
     assert trigger["type"] == "prometheus" and trigger["metricType"] == "Value"
     assert trigger["metadata"]["threshold"] == "0.8"
+    assert "overworld_trainer_sample_wait_seconds_total" not in trigger["metadata"]["query"]
     assert trigger["metadata"]["serverAddress"] == "http://prometheus.monitoring:9090"
 
 
@@ -83,14 +84,13 @@ def learner(wait_seconds_per_minute: int) -> list[dict[str, str]]:
 
 # (name, input series, the metric's value): the HPA's desired replicas are ceil(replicas x value / target)
 CASES = [
-    ("workers idle half their time for room, the learner fed: halve", workers(120), 0.5),
-    ("the learner waits half its time, the workers busy: double", [*workers(0), *learner(30)], 2.0),
-    ("the learner waits while the workers idle a quarter: the pipeline, not the fleet: shrink",
+    ("workers idle half their time for room: halve", workers(120), 0.5),
+    ("workers never wait, the learner waits half its time: grow (by value / target)", [*workers(0), *learner(30)],
+     1.0),
+    ("workers wait a quarter of their time while the learner waits: the learner's wait does not count",
      [*workers(60), *learner(30)], 0.75),
-    ("workers 95 % busy, above the target: the learner's wait counts whole", [*workers(12), *learner(30)], 1.9),
-    ("every slot waits, the learner fed", workers(240), 0.0),
-    ("no trainer series yet (placing its pods): the workers alone", workers(0), 1.0),
-    ("nothing scraped yet (a fresh release): the target, nothing moves", [], 0.9),
+    ("every slot waits", workers(240), 0.0),
+    ("nothing scraped yet (a fresh release): the target, nothing moves", [], 0.75),
 ]
 
 
@@ -108,7 +108,7 @@ def test_the_metric_grows_the_fleet_when_the_learner_waits_and_shrinks_it_when_w
                             text=True, timeout=120)
     assert result.returncode == 0, result.stdout + result.stderr
     # the harness can fail: the same series, another value expected
-    tests[1]["promql_expr_test"][0]["exp_samples"][0]["value"] = 1.0
+    tests[1]["promql_expr_test"][0]["exp_samples"][0]["value"] = 2.0
     (tmp_path / "tests.yaml").write_text(yaml.safe_dump({"rule_files": ["rules.yaml"], "evaluation_interval": "1m",
                                                          "tests": tests}))
     result = subprocess.run([promtool(), "test", "rules", "tests.yaml"], cwd=tmp_path, capture_output=True,
