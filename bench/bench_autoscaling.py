@@ -17,14 +17,12 @@ plot, docs/images/NAME.png.
 from __future__ import annotations
 
 import argparse
-import os
-import signal
 import sys
 import time
 from pathlib import Path
 from typing import Any
 
-from bench.runs import RESULTS, RunRecord, write
+from bench.runs import RESULTS, RunRecord, ready_to_rehearse, write
 from rehearsal.autoscaler import Autoscaler, Behavior
 from rehearsal.chart import by_kind
 from rehearsal.oci_images import ImageStore, build
@@ -135,10 +133,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default="/var/tmp/overworld-autoscaling")
     p.add_argument("--name", default="autoscaling")
     args = p.parse_args(argv)
-    if os.geteuid() != 0:
-        print("bench_autoscaling needs root: the rehearsal builds network namespaces", file=sys.stderr)
+    if not ready_to_rehearse("bench_autoscaling"):
         return 1
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     log("building the images (make rehearsal-images; cached layers are reused)")
     build(Path(args.workdir).with_name("autoscaling-image-build.log"), target="rehearsal-images")
     store = ImageStore.here()

@@ -27,8 +27,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import os
-import signal
 import statistics
 import sys
 import threading
@@ -38,7 +36,7 @@ from typing import Any
 
 import torch
 
-from bench.runs import RESULTS, RunRecord, write
+from bench.runs import RESULTS, RunRecord, ready_to_rehearse, write
 from overworld.core.wire import weights
 from rehearsal import scale_standin
 from rehearsal.netns import wait_until
@@ -388,11 +386,8 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--training-only", action="store_true",
                    help="only the pipeline while training at each size: no pushes with the trainer stopped, no churn")
     args = p.parse_args(argv)
-    if os.geteuid() != 0:
-        print("bench_scale needs root: the scale rehearsal builds network namespaces", file=sys.stderr)
+    if not ready_to_rehearse("bench_scale"):
         return 1
-    # SIGTERM (a CI timeout, kill) unwinds like Ctrl-C: the fleet's pods and namespaces are removed
-    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
     log("building the images (make scale-images; cached layers are reused)")
     build(Path(args.workdir) / "image-build.log", target="scale-images")
     store = ImageStore.here()

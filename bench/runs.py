@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import signal
 import subprocess
 import sys
 import time
@@ -130,3 +131,13 @@ def first_reaching(curve: list[dict[str, Any]], target: float) -> dict[str, Any]
         if value is not None and value >= target and point.get("episodes", 0) >= 100:
             return point
     return None
+
+
+def ready_to_rehearse(name: str) -> bool:
+    """A rehearsal bench's start: root (it builds network namespaces; False, said, without), and SIGTERM
+    (a CI timeout, kill) unwinding like Ctrl-C, so that its pods and namespaces are removed."""
+    if os.geteuid() != 0:
+        print(f"{name} needs root: the rehearsal builds network namespaces", file=sys.stderr)
+        return False
+    signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
+    return True
