@@ -4,6 +4,7 @@ the registry free for the next publish."""
 
 from __future__ import annotations
 
+import contextlib
 import hashlib
 import random
 import socket
@@ -20,10 +21,11 @@ from overworld.core.grpc_util import serve, wait_healthy
 from overworld.model_registry.client import ModelRegistryClient
 from overworld.model_registry.server import ModelRegistryService, registration
 from overworld.model_registry.stream import publish as publish_stream
-from overworld.model_registry.stream.envelope import StreamError
+from overworld.model_registry.stream.envelope import Envelope, StreamError
 from overworld.model_registry.stream.protocol import (
     CALLER_SENDS,
     SERVER_SENDS,
+    START,
     FrameWriter,
     WeightsStream,
     connect,
@@ -164,3 +166,52 @@ def test_a_restarted_registry_on_another_publish_port_is_found_again(tmp_path: P
         service.stop()
         for s in restarted:
             s.stop(0)  # type: ignore[attr-defined]
+
+
+def test_a_registry_that_goes_silent_is_given_up_within_the_answer_stall(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A deleted pod's connection never closes: a registry that took the bytes and then says nothing is
+    taken for gone after ANSWER_STALL (then the publish is tried again), not after the whole timeout."""
+    monkeypatch.setattr(publish_stream, "ANSWER_STALL", 1.0)
+    listener = socket.create_server(("127.0.0.1", 0))
+    held: list[socket.socket] = []
+
+    def silent_registry() -> None:  # plaintext: answers OK, reads everything, never answers the publish
+        conn, _ = listener.accept()
+        held.append(conn)
+        envelope = Envelope(conn, None, server=True)
+        envelope.receive(1 << 16)
+        envelope.send(b"\0")  # OK, and no key (plaintext)
+        envelope.receive(len(START))
+        conn.settimeout(10)
+        with contextlib.suppress(OSError):
+            while conn.recv(1 << 20):
+                pass
+
+    threading.Thread(target=silent_registry, daemon=True).start()
+    data = bytes(CHUNK)
+    started = time.monotonic()
+    with pytest.raises(publish_stream.PublishFailed) as err:
+        publish_stream.publish(f"127.0.0.1:{listener.getsockname()[1]}", manifest_of(1, data), memoryview(data),
+                               CHUNK, 60.0)
+    assert err.value.code() == grpc.StatusCode.UNAVAILABLE
+    assert time.monotonic() - started < 5
+    for conn in held:
+        conn.close()
+    listener.close()
+
+
+def test_keepalives_carry_a_publish_through_a_slow_store(registry, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Storing a version may take longer than the answer stall (a slow object store): the registry's
+    keep-alives say it lives, and the publish completes."""
+    service, client, address = registry
+    monkeypatch.setattr(publish_stream, "ANSWER_STALL", 1.0)
+    monkeypatch.setattr(publish_stream, "KEEPALIVE_SECONDS", 0.2)
+    slow = service._store
+
+    def slow_store(key: str, payload: object) -> None:
+        time.sleep(3.0)
+        slow(key, payload)  # type: ignore[arg-type]
+
+    monkeypatch.setattr(service, "_store", slow_store)
+    data = bytes(range(256)) * 4096
+    assert publish(address, 1, data).sha256 == hashlib.sha256(data).hexdigest()

@@ -22,6 +22,7 @@ blob. `pushes.py` follows the acknowledgements.
 
 from __future__ import annotations
 
+import threading
 from collections.abc import Callable, Iterator
 from typing import Any
 
@@ -108,10 +109,27 @@ class ModelRegistryService(Publishing, Watching, model_registry_pb2_grpc.ModelRe
 
     def stream_publish(self, manifest: pb.VersionInfo, writer: FrameWriter, is_active: Callable[[], bool]) -> bytes:
         parts = publish_stream.received_parts(manifest, writer, is_active, publish_stream.CHUNK_BYTES)
+        done = threading.Event()
+
+        own = writer.sock.dup()  # its timeouts apart from the reading thread's
+
+        def keepalives() -> None:  # the publisher hears the registry live while it stores (or waits to)
+            with own:
+                while not done.wait(publish_stream.KEEPALIVE_SECONDS):
+                    try:
+                        writer.keepalive(own)
+                    except OSError:
+                        return
+
+        thread = threading.Thread(target=keepalives, name="publish-keepalive", daemon=True)
+        thread.start()
         try:
             return self.publish_from(parts, is_active).SerializeToString()
         except Refused as err:
             raise StreamError(err.code, str(err)) from None
+        finally:
+            done.set()
+            thread.join()  # the writer is this thread's again before the answer goes out
 
     # -- the weights stream -------------------------------------------------------------------------
     def stream_fetch(self, request: pb.FetchRequest, writer: FrameWriter, is_active: Callable[[], bool]) -> None:

@@ -141,8 +141,10 @@ class FrameWriter:
         self._send(DATA, index, chunk)
         self.sent += len(chunk)
 
-    def keepalive(self) -> None:
-        self._send(KEEPALIVE, 0, memoryview(b""))
+    def keepalive(self, sock: socket.socket | None = None) -> None:
+        """`sock`: another socket object of the same connection (`sock.dup()`), for a thread that sends
+        keep-alives while this one reads: a socket object's timeout is its own."""
+        self._send(KEEPALIVE, 0, memoryview(b""), sock)
 
     def end(self, body: bytes = b"") -> None:
         self._send(END, 0, memoryview(body))
@@ -150,11 +152,12 @@ class FrameWriter:
     def error(self, code: grpc.StatusCode, message: str) -> None:
         self._send(ERROR, 0, memoryview(answer(code, message.encode()[:MAX_ERROR - 1])))
 
-    def _send(self, kind: int, index: int, payload: memoryview) -> None:
+    def _send(self, kind: int, index: int, payload: memoryview, sock: socket.socket | None = None) -> None:
+        sock = sock or self.sock
         header = HEADER.pack(kind, index, len(payload))
         deadline = time.monotonic() + SEND_SECONDS + len(payload) / MIN_RATE  # a slow reader is cut off
         if self._aead is None:
-            send_parts(self.sock, [memoryview(header), payload], deadline)
+            send_parts(sock, [memoryview(header), payload], deadline)
             return
         need = len(payload) + TAG
         if len(self._out) < need:
@@ -165,7 +168,7 @@ class FrameWriter:
         else:
             sealed[:] = self._aead.encrypt(_nonce(self.space, self._counter), payload, header)
         self._counter += 1
-        send_parts(self.sock, [memoryview(header), sealed], deadline)
+        send_parts(sock, [memoryview(header), sealed], deadline)
 
 
 @dataclass

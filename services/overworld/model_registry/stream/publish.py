@@ -9,7 +9,8 @@ trainer's pods to it):
    which the registry checks before it answers with the connection's key;
 2. the trainer's DATA frames, chunk `index` of `chunk_bytes` bytes each (the last one shorter), then an
    END frame holding the sha256 of them all, every frame sealed in the caller's nonce space;
-3. the registry's answer, sealed in its own: END holding the stored VersionInfo, or ERROR.
+3. the registry's answer, sealed in its own: keep-alives while it works, then END holding the stored
+   VersionInfo, or ERROR.
 
 A publish refused half-way is answered all the same: the registry reads on (and drops) what the trainer
 still sends, so that its ERROR frame is not lost in a reset.
@@ -46,6 +47,11 @@ CHUNK_BYTES = 4 << 20  # every DATA frame of a publish but the last
 DIGEST_BYTES = 32  # the END frame of a publish: the sha256 of its bytes
 MAX_MANIFEST = 64 << 10
 MAX_ANSWER = 64 << 10  # the registry's END: the stored VersionInfo
+# The registry sends a keep-alive this often while a publish runs (it stores the version before it
+# answers: seconds, or more on a slow object store); a publisher that hears nothing for ANSWER_STALL
+# takes the registry for gone (a deleted pod's connection never closes) and tries again.
+KEEPALIVE_SECONDS = 2.0
+ANSWER_STALL = 15.0
 
 
 class PublishFailed(grpc.RpcError):
@@ -79,11 +85,12 @@ def publish(address: str, manifest: pb.VersionInfo, data: memoryview, chunk_byte
         raise PublishFailed(grpc.StatusCode.UNAVAILABLE, f"the registry's publish port {address}: {err}") from None
     try:
         sent = _send(sock, key, address, data, chunk_bytes)
-        left = deadline - time.monotonic()
-        answer = WeightsStream(sock, key, max(left, 0.001), max(left, 0.001), lambda: False, deadline,
+        left = max(deadline - time.monotonic(), 0.001)
+        answer = WeightsStream(sock, key, min(ANSWER_STALL, left), left, lambda: False, deadline,
                                space=SERVER_SENDS, end_bytes=MAX_ANSWER)
         try:
-            frame = answer.next(_no_data)
+            while (frame := answer.next(_no_data)).kind == KEEPALIVE:
+                pass
         except (OSError, Stalled) as err:
             broke = f"sending: {sent!r}; then reading the answer: {err!r}" if sent else repr(err)
             raise PublishFailed(grpc.StatusCode.UNAVAILABLE, f"the publish to {address} broke ({broke})") from None
