@@ -53,7 +53,8 @@ class ModelRegistryClient(ServiceClient):
                 dtype: str = "", chunk_size: int = CHUNK, *, timeout: float = 300.0) -> pb.VersionInfo:
         """Publish `data` (safetensors bytes) as `version`: over the weights stream to the registry's
         publish port when it has one, else by gRPC Publish (`_publish_endpoint` says when). Retried
-        (publishing the same bytes again is idempotent). `dtype` defaults to the payload's floating dtype."""
+        (publishing the same bytes again is idempotent). `dtype` defaults to the payload's floating dtype.
+        `chunk_size`: the gRPC Publish's messages; over the stream the registry's frame size is used."""
         view = memoryview(data)
         manifest = pb.VersionInfo(version=version, parent=parent, size_bytes=len(view),
                                   dtype=dtype or safetensors_format.payload_dtype(view), counters=counters or {},
