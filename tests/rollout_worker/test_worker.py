@@ -80,6 +80,24 @@ def test_worker_streams_valid_fragments_swaps_weights_and_flushes(make_cluster, 
     assert manager._episodes > 0 and not manager._workers  # episodes reported; deregistered
 
 
+@pytest.mark.parametrize("backend", ["subprocess", "inprocess"])
+def test_every_group_of_slots_steps_its_share(make_cluster, backend: str) -> None:
+    # Two groups of two slots: the in-process pool steps a group synchronously in send(), and a
+    # wait_any that always answered the first group in flight left the second one stepped once.
+    cluster = make_cluster(rollout_config={"worker_config": {"batch_size": 2}})
+    run = Running(cluster, backend)
+    w = run.worker
+    try:
+        assert len(w.pool.groups) == 2
+        wait_for(lambda: w.sender.sent >= 24, 60, "24 fragments")
+    finally:
+        run.stop()
+    per_slot = [0] * 4
+    for f in all_fragments(cluster):
+        per_slot[f.env_slot] += 1
+    assert min(per_slot) >= max(per_slot) // 2 and min(per_slot) >= 3, per_slot
+
+
 @pytest.mark.parametrize("fault", ["crash", "hang", "die"])
 def test_faulty_envs_still_yield_valid_fragments(make_cluster, tmp_path: Path, fault: str) -> None:
     gen, kwargs, reason = {

@@ -196,6 +196,7 @@ class InProcessEnvPool(_PoolBase):
         self._on_message({"joined": self.runner.take_joined()})
         for r in self._pending:
             r.joined.clear()  # the worker starts every slot with first=True anyway
+        self._sent: list[int] = []  # groups in the order they were last sent
 
     def _check(self) -> None:
         if self.runner.fatal:
@@ -206,9 +207,14 @@ class InProcessEnvPool(_PoolBase):
         reply = self.runner.step([int(s) for s in self.groups[g]])
         self._check()
         self._on_message({"group": g, **reply})
+        if g in self._sent:
+            self._sent.remove(g)
+        self._sent.append(g)
 
     def wait_any(self, groups: list[int], timeout: float, stop: threading.Event | None = None) -> int | None:
-        return groups[0] if groups else None  # send() steps synchronously
+        """Every group sent has stepped already (send() is synchronous): the one sent longest ago, so that
+        each group gets its turn (the first in the list, every time, starved the others)."""
+        return next((g for g in self._sent if g in groups), groups[0] if groups else None)
 
     def close(self) -> None:
         self.runner.close()
