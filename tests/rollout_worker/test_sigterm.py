@@ -70,10 +70,9 @@ def test_sigterm_flushes_complete_fragments_and_deregisters(make_cluster, tmp_pa
     assert complete == acked == cluster.stats().inserted_fragments >= 20
     fleet = client.fleet_status()
     assert not fleet.workers  # deregistered
-    # what the stop cost reaches the manager with the last heartbeat, and stays counted after Deregister:
-    # the steps of the partial fragments, less than a fragment per env
-    assert fleet.preempted_env_steps == thrown_away == partial
-    assert 0 <= partial < 6 * T  # 0 only when every env group stopped at a fragment boundary
-    assert fleet.env_steps == acked * T + partial
+    # the worker finished every fragment under way before it stopped (CartPole: within milliseconds),
+    # and what a stop costs reaches the manager with the last heartbeat, counted after Deregister
+    assert fleet.preempted_env_steps == thrown_away == partial == 0
+    assert fleet.env_steps == acked * T
     time.sleep(0.5)
     assert not [p for p in envs if alive(p)], "env processes outlived the worker"

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable
 from pathlib import Path
 
+import numpy as np
 import pytest
 
 from overworld.core.wire.fragment import Fragment, validate
@@ -96,6 +97,43 @@ def test_every_group_of_slots_steps_its_share(make_cluster, backend: str) -> Non
     for f in all_fragments(cluster):
         per_slot[f.env_slot] += 1
     assert min(per_slot) >= max(per_slot) // 2 and min(per_slot) >= 3, per_slot
+
+
+def test_a_finishing_worker_completes_the_fragments_under_way(make_cluster) -> None:
+    # 50 ms a step: a fragment takes 0.8 s, so the call lands mid-fragment in every slot; two groups
+    # take turns, so one finishes its fragments a step before the other
+    cluster = make_cluster(env_generator=f"{ENVS}:paced", env_kwargs={"seconds": 0.05, "length": 40},
+                           rollout_config={"worker_config": {"batch_size": 2}})
+    run = Running(cluster, "inprocess")
+    w = run.worker
+    try:
+        wait_for(lambda: w.sender.sent >= 4 and w.cutter.t.all(), 60, "4 fragments, then every slot mid-fragment")
+        started = w.fragments_completed
+        w.finish(10.0)
+        run.thread.join(10.0)
+        assert not run.thread.is_alive() and not w.cutter.t.any()
+        assert w.fragments_completed >= started + 4  # one more per slot: none begun after the call
+        assert w.fragments_completed <= started + 4
+        assert not w._with_room(np.arange(w.N)).size  # every slot at a boundary, and none may begin
+    finally:
+        run.stop()
+    assert w.preempted_env_steps == 0
+    assert cluster.stats().inserted_fragments == w.sender.sent == w.fragments_completed
+
+
+def test_finishing_gives_up_at_its_deadline(make_cluster) -> None:
+    cluster = make_cluster(env_generator=f"{ENVS}:paced", env_kwargs={"seconds": 0.2, "length": 40})
+    run = Running(cluster, "inprocess")
+    w = run.worker
+    try:
+        wait_for(lambda: w.env_steps >= 8, 60, "8 env steps")  # a fragment takes 3.2 s: mid-fragment
+        called = time.monotonic()
+        w.finish(0.5)
+        run.thread.join(5.0)
+        assert not run.thread.is_alive() and time.monotonic() - called < 1.5
+    finally:
+        run.stop()
+    assert w.preempted_env_steps > 0  # what could not be finished in time is counted, not sent
 
 
 @pytest.mark.parametrize("fault", ["crash", "hang", "die"])

@@ -19,8 +19,10 @@ from overworld.v1 import rollout_worker_pb2_grpc
 log = logging.getLogger("overworld.rollout_worker")
 
 
-# The loop stops within a step once told; the rest of a pod's grace period (the chart's
-# terminationGracePeriodSeconds less 20 s) goes to the flush.
+# Told to stop, the loop finishes the fragments under way for up to FINISH_SECONDS, then stops within a
+# step (LOOP_STOP_SECONDS); the rest of a pod's grace period (the chart's terminationGracePeriodSeconds
+# less 20 s) goes to the flush.
+FINISH_SECONDS = 8.0
 LOOP_STOP_SECONDS = 10.0
 
 class WorkerService(rollout_worker_pb2_grpc.RolloutWorkerServicer):
@@ -88,6 +90,8 @@ class RolloutWorkerProcess:
             done.set()
 
     def stop(self, grace: float = 5.0) -> None:
+        self.worker.finish(FINISH_SECONDS)
+        self._thread.join(FINISH_SECONDS + 1.0)
         self.worker.stop_event.set()
         self._thread.join(LOOP_STOP_SECONDS)
         self.worker.shutdown(self.flush_timeout)

@@ -113,6 +113,7 @@ class RolloutWorker:
         log.info("registered as %s (index %d) in run %s; inference on %s", self.worker_id, self.index, self.run_id,
                  self.device)
         self.stop_event = threading.Event()
+        self._finish_by: float | None = None  # monotonic: finishing the fragments under way until then
         self.env_steps = 0
         self.fragments_completed = 0
         self.fragments_dropped = 0
@@ -334,6 +335,8 @@ class RolloutWorker:
         rate_started, rate_steps = time.monotonic(), self.env_steps
         self._slots_counted_at = rate_started
         while not self.stop_event.is_set():
+            if self._finish_by is not None and (not self.cutter.t.any() or time.monotonic() > self._finish_by):
+                break
             self._count_slot_seconds()
             self._swap_weights(self.watcher.take())
             for g in groups:  # groups with nothing in flight: failures and joins, and envs that became ready
@@ -359,6 +362,13 @@ class RolloutWorker:
                 self.steps_per_second = (self.env_steps - rate_steps) / (now - rate_started)
                 rate_started, rate_steps = now, self.env_steps
 
+    def finish(self, seconds: float) -> None:
+        """Begin no fragment; the loop returns once every fragment under way is complete (and sent) or
+        after `seconds`. A stopping worker (a preempted pod, the end of a run) then throws away at most
+        what could not be finished in time."""
+        self._finish_by = time.monotonic() + seconds
+        self.pool.wake()
+
     def _count_slot_seconds(self) -> None:
         """Env-slot seconds since the last count: all of them, and those of slots waiting for room."""
         now = time.monotonic()
@@ -383,6 +393,9 @@ class RolloutWorker:
         wait for room. Room goes to the slots furthest into their episodes first, and a slot that would
         begin a new episode asks for room that no worker's episode under way waits for: the fleet
         finishes the episodes it began before it begins more (docs/replay_buffer.md)."""
+        if self._finish_by is not None:
+            self.waiting_for_room[:] = False
+            return ready[self.cutter.t[ready] > 0]
         starting = ready[(self.cutter.t[ready] == 0) & ~self.has_room[ready]]
         if starting.size:
             starting = starting[np.lexsort((self.cutter.sequence[starting], -self.episodes.length[starting]))]
