@@ -4,13 +4,14 @@ front on a loopback socket."""
 
 from __future__ import annotations
 
+import threading
 import time
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
 
-from overworld.replay_buffer.reader import NoDataError
+from overworld.replay_buffer.reader import STOP_POLL_SECONDS, NoDataError
 from tests.replay_buffer.rb_support import (
     LENGTH,
     SERVICE_DEFAULTS,
@@ -48,5 +49,27 @@ def test_the_prefetching_reader_hands_the_failure_to_the_learner(empty_buffer: B
     try:
         with pytest.raises(NoDataError, match="rank-0-r"):
             reader.next()  # without data_timeout this would block forever
+    finally:
+        reader.close()
+
+
+@pytest.mark.parametrize("prefetch", [0, 1])
+def test_a_reader_told_to_stop_waiting_returns_what_it_has(empty_buffer: Buffer, prefetch: int) -> None:
+    # the trainer's stop while the fleet is gone: without it, next() waits for chunks that never come
+    insert(empty_buffer.client, [empty_buffer.fragment(seq=0)])  # one chunk of the three asked for
+    reader = empty_buffer.client.reader(chunks_per_batch=3, num_readers=1, prefetch_batches=prefetch, name="rank-0",
+                                        wait=60.0, data_timeout=None)
+    got: list[list] = []
+    waiting = threading.Thread(target=lambda: got.append(reader.next()), daemon=True)
+    try:
+        waiting.start()
+        waiting.join(1.0)
+        assert waiting.is_alive()  # one chunk of three: it waits
+        reader.stop_waiting()
+        waiting.join(STOP_POLL_SECONDS + 5.0)
+        assert not waiting.is_alive()
+        # what it had claimed; a prefetching reader's partial batch is not handed out (claimed, not trained)
+        assert len(got[0]) == (1 if prefetch == 0 else 0)
+        assert reader.next() == []  # and nothing more after
     finally:
         reader.close()

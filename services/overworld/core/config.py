@@ -274,6 +274,11 @@ def learner_ranks(train: TrainConfig) -> int:
     return max(1, train.num_workers)
 
 
+def chunks_per_iteration(train: TrainConfig) -> int:
+    """Chunks one iteration samples, all ranks (learner ranks x batch_size_per_gpu x batches_per_iteration)."""
+    return learner_ranks(train) * train.batch_size_per_gpu * train.batches_per_iteration
+
+
 def validate(config: RunConfig) -> None:
     """Checks across keys that a type system cannot express."""
     rollout, train = config.rollout_config, config.train_config

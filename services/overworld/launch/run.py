@@ -15,7 +15,14 @@ from typing import Any
 
 import grpc
 
-from overworld.core.config import ConfigError, RunConfig, check_generators, load_config, to_yaml
+from overworld.core.config import (
+    ConfigError,
+    RunConfig,
+    check_generators,
+    chunks_per_iteration,
+    load_config,
+    to_yaml,
+)
 from overworld.core.imports import import_object
 from overworld.core.security import tls
 from overworld.core.service import EXIT_CONFIG
@@ -35,6 +42,8 @@ from overworld.trainer.client import TrainerClient
 from overworld.v1 import replay_buffer_pb2
 
 POLL_SECONDS = 0.5
+LEFT_OVER_SECONDS = 60.0  # at most this long the learner trains on what the buffer holds once the fleet stopped
+LEFT_OVER_STALL = 10.0  # ... and gives up sooner when it takes nothing for this long
 
 
 def prepare_workdir(config_source: str, overrides: list[str], workdir: str | None,
@@ -202,6 +211,22 @@ class RunFollower:
             return None
         return push.push_seconds if push.complete and push.acked else None
 
+    def train_on_what_is_left(self) -> None:
+        """Once the workers have stopped: while the replay buffer holds an iteration's chunks, the learner
+        samples on (it takes them as they come), so that what the fleet stepped is trained on rather than
+        left behind; then the trainer is stopped (up to LEFT_OVER_SECONDS)."""
+        need = chunks_per_iteration(self.config.train_config)
+        deadline, taken_at, sampled = time.monotonic() + LEFT_OVER_SECONDS, time.monotonic(), -1
+        while time.monotonic() < deadline and time.monotonic() - taken_at < LEFT_OVER_STALL:
+            stats = self.buffer_stats()
+            if stats is None or stats.chunks < need:
+                return
+            if stats.sampled_chunks != sampled:
+                if sampled < 0:
+                    self.display.message(f"training on the {stats.chunks} chunks left in the replay buffer...")
+                taken_at, sampled = time.monotonic(), stats.sampled_chunks
+            time.sleep(POLL_SECONDS)
+
     def read_final_counts(self) -> None:
         """Once the trainer and the workers have stopped (the workers' last heartbeats counted, the trainer's
         last checkpoint written) and before the services stop: the final counts of the fleet, the learner
@@ -333,7 +358,8 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
         follower.display.message(f"error: {err}", sys.stderr)
     finally:
         follower.display.message("interrupted: stopping services..." if status == "interrupted" else "stopping services...")
-        supervisor.stop(after_workers=follower.read_final_counts)
+        supervisor.stop(after_workers=follower.read_final_counts,
+                        before_trainer=follower.train_on_what_is_left if status != "interrupted" else None)
         tls.reset()
     summary = follower.summary(status, error)
     write_run_status(work, {**follower.status_record(status), "summary": summary_path})

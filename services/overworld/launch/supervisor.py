@@ -265,18 +265,22 @@ class Supervisor:
     def dead(self) -> list[Child]:
         return [c for c in self.children if c.proc.poll() is not None]
 
-    def stop(self, after_workers: Callable[[], None] | None = None) -> None:
-        """The trainer first (it checkpoints after its current iteration, which needs the workers'
-        fragments: stopped after them, it waited out its stop timeout for a batch that never came),
-        then the workers (they flush and report their last counts), then `after_workers` (the services
-        still answer: the run's final counts are read there), then the rest; SIGKILL whatever lingers,
-        descendants included (Ray's raylet and workers, env processes). A second Ctrl-C skips the
-        graceful part but still leaves no process behind."""
+    def stop(self, after_workers: Callable[[], None] | None = None,
+             before_trainer: Callable[[], None] | None = None) -> None:
+        """The workers first (they finish the fragments under way, flush them and report their last
+        counts), then `before_trainer` (the learner trains on what the buffer holds), then the trainer
+        (it checkpoints after its current iteration, or stops waiting for a batch that will not come),
+        then `after_workers` (the services still answer: the run's final counts are read there), then
+        the rest; SIGKILL whatever lingers, descendants included (Ray's raylet and workers, env
+        processes). A second Ctrl-C skips the graceful part but still leaves no process behind."""
         self.remember_families()
         family = {c.proc.pid: self.family.get(c.proc.pid, []) for c in self.children}
         try:
             workers = [c for c in self.children if c.name.startswith("rollout-worker")]
-            for group in ([c for c in self.children if c.name == "trainer"], workers, self.children):
+            trainer = [c for c in self.children if c.name == "trainer"]
+            for group in (workers, trainer, self.children):
+                if group is trainer and before_trainer is not None and any(c.proc.poll() is None for c in trainer):
+                    before_trainer()
                 if group is self.children and after_workers is not None:
                     after_workers()
                 for c in group:

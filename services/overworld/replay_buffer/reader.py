@@ -8,7 +8,8 @@ asking the front to wait up to `wait` seconds for chunks.
 `ChunkReader`: `num_readers` Sample streams split each batch between them; `prefetch_batches` batches
 are fetched ahead in the background (0: fetch when asked, which keeps the policy lag of on-policy runs
 lowest). Every call has a deadline, and a reader that receives no chunk at all for `data_timeout`
-seconds fails (`NoDataError`, naming what it waited for): nothing here waits forever.
+seconds fails (`NoDataError`, naming what it waited for): nothing here waits forever. A reader told to
+stop (`ChunkReader.stop_waiting`, the trainer's stop) returns what it holds within STOP_POLL_SECONDS.
 
 When the buffer's blobs are in S3, chunks are sampled by reference: the front claims them and hands
 out their blob keys, and the reader fetches the blobs from the store itself, in parallel threads
@@ -33,6 +34,7 @@ if TYPE_CHECKING:
     from overworld.replay_buffer.refs import BlobRefReader
 
 log = logging.getLogger("overworld.replay_buffer.reader")
+STOP_POLL_SECONDS = 2.0  # a Sample call that may be stopped waits this long at most, then asks again
 
 
 class SampleSource(Protocol):
@@ -87,17 +89,19 @@ def sample_chunks(client: SampleSource, n: int, reader_id: str, wait: float, sto
     the store here; a chunk whose blob is gone is skipped and another one sampled in its place.
     data_timeout: raise NoDataError once no chunk has arrived for that many seconds."""
     chunks: list[replay_buffer_pb2.SampledChunk] = []
-    last_data = time.monotonic()
+    last_data = last_said = time.monotonic()
+    poll = min(wait, STOP_POLL_SECONDS) if stop is not None else wait
     while len(chunks) < n and not (stop and stop.is_set()):
         store = client.blob_refs.store_for(blob_refs)
-        held = wait if data_timeout is None else max(0.1, min(wait, last_data + data_timeout - time.monotonic()))
+        held = poll if data_timeout is None else max(0.1, min(poll, last_data + data_timeout - time.monotonic()))
         request = replay_buffer_pb2.SampleRequest(num_chunks=n - len(chunks), timeout_seconds=held,
                                                   reader_id=reader_id, allow_partial=True,
                                                   blob_refs=store is not None)
         got = sample_stream(client, request, held + 30, held + 60)
-        if not got:
+        if not got and time.monotonic() - last_said >= wait:
+            last_said = time.monotonic()
             log.info("%s waiting for data: %d of %d chunks", reader_id, len(chunks), n)
-        elif store is not None:
+        elif got and store is not None:
             got = client.blob_refs.fetch(store, reader_id, got)
         if got:
             last_data = time.monotonic()
@@ -155,13 +159,25 @@ class ChunkReader:
                 return
 
     def next(self) -> list[replay_buffer_pb2.SampledChunk]:
+        """The next batch: `chunks_per_batch` chunks, fewer (maybe none) once told to stop waiting."""
         if self.queue is None:
             return self._fetch()
-        batch = self.queue.get()
+        while True:
+            try:
+                batch = self.queue.get(timeout=0.5)
+                break
+            except queue.Empty:
+                if self.stop.is_set():
+                    return []
         if isinstance(batch, Exception):
             self.stop.set()
             raise batch
         return batch
+
+    def stop_waiting(self) -> None:
+        """From another thread: the call waiting for chunks returns what it has (its claimed chunks count as
+        sampled), and every later one returns at once."""
+        self.stop.set()
 
     def close(self) -> None:
         self.stop.set()

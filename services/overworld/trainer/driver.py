@@ -77,6 +77,7 @@ class TrainerStatusService(trainer_pb2_grpc.TrainerServicer):
         with self._lock:
             out = pb.TrainerStatus()
             out.CopyFrom(self.status)
+        out.stop_requested = self.stop_requested.is_set()
         if out.state in ("finished", "failed"):
             self.final_state_read.set()
         return out

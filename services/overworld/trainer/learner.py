@@ -37,7 +37,7 @@ from overworld.replay_buffer.reader import ChunkReader
 from overworld.trainer.data import Batch, chains_from_chunks, to_device
 from overworld.trainer.hooks import Hooks, around
 from overworld.trainer.loss import LossConfig, LossMeans, LossTerms, ppo_loss
-from overworld.trainer.runtime import TrainerRuntime
+from overworld.trainer.runtime import StoppedWaiting, TrainerRuntime
 
 log = logging.getLogger("overworld.trainer.learner")
 
@@ -122,6 +122,8 @@ class PPOLearner(TrainerRuntime):
             started = time.monotonic()
             chunks = self.reader.next()
             self.sample_wait_seconds += time.monotonic() - started  # waiting for the fleet's data, mostly
+            if self.stopped_waiting(len(chunks) < self.reader.n):
+                raise StoppedWaiting(f"{len(chunks)} of {self.reader.n} chunks")
             return chains_from_chunks(chunks)
 
     # -- values and advantages -------------------------------------------------------------------------

@@ -16,6 +16,7 @@ import contextlib
 import hashlib
 import logging
 import math
+import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -26,7 +27,13 @@ import grpc
 import torch
 import torch.distributed as dist
 
-from overworld.core.config import RunConfig, config_hash, from_yaml, learner_ranks, to_yaml
+from overworld.core.config import (
+    RunConfig,
+    chunks_per_iteration,
+    config_hash,
+    from_yaml,
+    to_yaml,
+)
 from overworld.core.imports import generator_ref, import_object, lazy_import
 from overworld.core.wire.weights import to_bytes
 from overworld.gae.client import GaeClient
@@ -52,6 +59,12 @@ from overworld.v1 import (
 )
 
 log = logging.getLogger("overworld.trainer")
+STOP_PROBE_SECONDS = 2.0  # how often a rank asks the driver whether to stop (seen while it waits for samples)
+
+
+class StoppedWaiting(Exception):
+    """The driver asked to stop while a rank waited for samples: the iteration is not trained (its chunks
+    are claimed; the summary counts their steps as `claimed_not_trained`)."""
 
 
 class TrainerRuntime:
@@ -137,8 +150,7 @@ class TrainerRuntime:
     @property
     def fragments_per_iteration(self) -> int:
         """Chunks of one iteration, all ranks (num_workers x batch_size_per_gpu x batches_per_iteration)."""
-        t = self.config.train_config
-        return learner_ranks(t) * t.batch_size_per_gpu * t.batches_per_iteration
+        return chunks_per_iteration(self.config.train_config)
 
     # -- the iteration loop --------------------------------------------------------------------
     def train(self) -> None:
@@ -159,7 +171,13 @@ class TrainerRuntime:
                 fleet = self._ask_fleet()  # answered while this iteration runs: no round trip of its own
                 self.hooks.run("pre_collect", self)
                 updates_before = self.updates
-                metrics = dict(self.train_iteration() or {})
+                try:
+                    metrics = dict(self.train_iteration() or {})
+                except StoppedWaiting:
+                    self.iteration -= 1
+                    log.info("stop requested while waiting for samples: iteration %d not trained; "
+                             "checkpointing iteration %d and finishing", self.iteration + 1, self.iteration)
+                    break
                 self.lr_schedule.step()
                 updated = time.monotonic()
                 fetched = sum(self.timings.get(part, 0.0) for part in ("sample", "values", "gae"))
@@ -266,11 +284,36 @@ class TrainerRuntime:
         self.model, self.optimizer = self.build_starting_model()
         self.lr_schedule = self.setup_lr_schedule(self.optimizer)
         torch.manual_seed(self.config.seed * 7919 + self.rank)  # minibatch order; a resume restores it
+        done = threading.Event()
+        probe = threading.Thread(target=self._watch_for_stop, args=(done,), name="stop-probe", daemon=True)
+        probe.start()
         try:
             self.restore()
             self.train()
         finally:
+            done.set()
             self.reader.close()
+
+    def _watch_for_stop(self, done: threading.Event) -> None:
+        """Every rank: once the driver says stop, the reader stops waiting for samples (the iteration
+        boundary may be a batch away that a stopped fleet will never send)."""
+        while self._status is not None and not done.wait(STOP_PROBE_SECONDS):
+            try:
+                stop = self._status.status(timeout=STOP_PROBE_SECONDS).stop_requested
+            except grpc.RpcError:
+                continue  # the driver is advisory here: the iteration boundary still sees the stop
+            if stop:
+                self.reader.stop_waiting()
+                return
+
+    def stopped_waiting(self, short: bool) -> bool:
+        """Whether any rank's batch came back short (its reader was told to stop waiting): then no rank
+        trains this iteration, so that their collectives stay matched."""
+        if self.distributed:
+            flag = torch.tensor(float(short), device=self.device)
+            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
+            short = bool(flag.item())
+        return short
 
     def _connect(self) -> None:
         t = self.config.train_config
