@@ -254,6 +254,8 @@ class RunFollower:
             self.display.message(f"could not read the last checkpoint ({err}); the summary has the trainer's last report")
             return
         if state is not None and int(state.get("iteration", 0)) >= self.trainer.iteration:
+            assert latest is not None
+            self.trainer.latest_checkpoint = latest
             self.trainer.iteration, self.trainer.updates = int(state["iteration"]), int(state["updates"])
             self.trainer.samples_trained = int(state["samples_trained"])
             self.trainer.model_version = int(state["model_version"])
