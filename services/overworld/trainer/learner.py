@@ -56,7 +56,8 @@ class PPOLearner(TrainerRuntime):
     iteration: int  # 1 during the first
     model_version: int  # the newest version published: the policy lag of a batch
     # ... and its methods: all_reduce_sum(x): over the ranks, a no-op on one; build_policy(): the run's
-    # policy, fresh; timed(part): seconds of a part, trainer/<part>_seconds; unwrapped_model: without DDP.
+    # policy, fresh; stopped_waiting(short): whether any rank's batch came back short (told to stop);
+    # timed(part): seconds of a part, trainer/<part>_seconds; unwrapped_model: without DDP.
     # What the learner keeps up to date (saved in every checkpoint: trainer/training_state.py):
     rho: float  # the KL coefficient, decayed every iteration
     updates: int  # optimizer steps
