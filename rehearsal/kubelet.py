@@ -206,9 +206,11 @@ class Kubelet(PodTemplates):
         pod.probed.clear()
         pod.failed.clear()
 
-    def delete_pod(self, pod: Pod, graceful: bool = False, wait: bool = True) -> threading.Thread:
+    def delete_pod(self, pod: Pod, graceful: bool = False, wait: bool = True,
+                   grace: float | None = None) -> threading.Thread:
         """`kubectl delete pod` (graceful: preStop, SIGTERM, grace period) or a node loss (SIGKILL).
-        Its disk goes with it; the workload's controller starts a new pod elsewhere."""
+        `grace`: `--grace-period`, as a spot node's reclaim cuts the pod's own short. Its disk goes with
+        it; the workload's controller starts a new pod elsewhere."""
         with self.lock:
             if pod.deleting:
                 thread = threading.Thread(target=lambda: None)
@@ -219,7 +221,7 @@ class Kubelet(PodTemplates):
 
         def run() -> None:
             if graceful:
-                self._terminate(pod)
+                self._terminate(pod, grace)
             self._kill(pod)
             self.network.remove_host(pod.host)
             self.event("pod-gone", pod.name)
@@ -230,8 +232,8 @@ class Kubelet(PodTemplates):
             thread.join()
         return thread
 
-    def _terminate(self, pod: Pod) -> None:
-        deadline = time.monotonic() + pod.template.grace
+    def _terminate(self, pod: Pod, grace: float | None = None) -> None:
+        deadline = time.monotonic() + (pod.template.grace if grace is None else grace)
         pid1 = pod.pid1()
         if pid1 is None:
             return
