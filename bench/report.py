@@ -286,11 +286,14 @@ def readme_rows(results: dict[str, dict[str, Any]]) -> list[str]:
         d = results["reservations"]
         on, off = d["median"]["on"], d["median"]["off"]
         add(f"| {d['workers']} Minecraft-paced workers ({d['workers'] * d['envs_per_worker']} envs at "
-            f"{d['env_steps_per_second_per_env']} steps/s; the fleet is the bottleneck), reservations on vs off, "
-            f"{len(d['runs']) // 2} seeds: env steps/s (lost to reservations; goal ≤ 5%), idle share, share "
-            f"trained on | {on['env_steps_per_second']:.0f} vs {off['env_steps_per_second']:.0f} "
-            f"({d['env_steps_per_second_lost_to_reservations']:.1%}), {on['idle_share']:.0%} vs {off['idle_share']:.0%}, "
-            f"{on['env_steps_used']:.1%} vs {off['env_steps_used']:.1%} | {_at(d)} |")
+            f"{d['env_steps_per_second_per_env']} steps/s; the fleet is the bottleneck; {d.get('band_batches', 1)} "
+            f"batches in flight), reservations on vs off, {len(d['runs']) // 2} seeds of "
+            f"{d['budget_env_steps']:,} env steps: env steps/s (lost to reservations; goal ≤ 5%), idle share, share "
+            f"trained on, worst (goal ≥ 97%) | {on['env_steps_per_second']:.0f} vs {off['env_steps_per_second']:.0f} "
+            f"({d['env_steps_per_second_lost_to_reservations']:.1%})".replace("-0.0%", "0.0%")
+            + f", {on['idle_share']:.1%} vs {off['idle_share']:.1%}, "
+            f"{on['env_steps_used']:.1%} vs {off['env_steps_used']:.1%}, "
+            f"{min(r['env_steps_used'] for r in d['runs'] if r['reservations']):.1%} | {_at(d)} |")
     if "crafter_used" in results:
         d = results["crafter_used"]
         cells = "; ".join(f"{r['workers']}-{r['mode']} {r['env_steps_used']:.1%} (idle {r['idle_share']:.0%}, lag "
