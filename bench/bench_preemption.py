@@ -56,7 +56,7 @@ def values(grace: int, workers: int, step_ms: float) -> dict[str, Any]:
     out = rehearsal_values()
     out["rolloutWorker"]["replicaCount"] = workers
     out["rolloutWorker"]["terminationGracePeriodSeconds"] = grace
-    out["run"]["config"]["env_kwargs"] = {"step_seconds": step_ms / 1000}
+    out["run"]["config"]["env_kwargs"] = {"id": "CartPole-v1", "step_seconds": step_ms / 1000}
     out["run"]["config"]["rollout_config"]["worker_config"]["num_envs"] = 1
     return out
 
