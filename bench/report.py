@@ -196,7 +196,6 @@ SUPERSEDED = {
     "scale": "its push curve is of the gRPC relay, replaced by the weights stream (scale_relay); its 32 pods "
              "while training ran before reservations (scale_training)",
     "scale_soak": "before reservations and leases changed the replay buffer and the workers (2026-11-28)",
-    "e2e": "before reservations (CartPole's band and prefetch changed since)",
 }
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -228,6 +227,13 @@ def readme_rows(results: dict[str, dict[str, Any]]) -> list[str]:
             f"{s['overworld_wall_seconds_to_target_median']} s vs {s['sb3_wall_seconds_to_target_median']} s "
             f"(ratio {s['wall_ratio_overworld_to_sb3']}; goal ≤ 1); {s['overworld_env_steps_to_target_median']:,} "
             f"vs {s['sb3_env_steps_to_target_median']:,} | {_at(d)} |")
+        crafter = d.get("crafter_cow") or {}
+        if crafter.get("env_steps_per_second_training"):
+            add(f"| Crafter cow task end to end (`examples/crafter_cow.yaml`, every service, the learner included): "
+                f"env steps/s once training runs vs 2 bare Crafter processes stepping random actions on the same "
+                f"cores; seconds from `overworld run` to the first update (CartPole, median) | "
+                f"{crafter['env_steps_per_second_training']} vs {crafter['bare_processes_2_env_steps_per_second']} "
+                f"({crafter['pipeline_vs_bare']}); {s['startup_median']['first_update']} s | {_at(d)} |")
     for name, label in (("learning_cartpole", "CartPole"), ("learning_crafter_cow", "Crafter cow task (cows per episode)")):
         if name in results:
             d = results[name]
