@@ -26,6 +26,8 @@ from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
+import grpc
+
 from bench.runs import RESULTS, RunRecord, ready_to_rehearse, write
 from overworld.trainer.checkpoint import iteration_of
 from rehearsal.oci_images import ImageStore, build
@@ -56,7 +58,7 @@ def values(grace: int, workers: int, step_ms: float) -> dict[str, Any]:
     out = rehearsal_values()
     out["rolloutWorker"]["replicaCount"] = workers
     out["rolloutWorker"]["terminationGracePeriodSeconds"] = grace
-    out["run"]["config"]["env_kwargs"] = {"step_seconds": step_ms / 1000}
+    out["run"]["config"]["env_kwargs"] = {"id": "CartPole-v1", "step_seconds": step_ms / 1000}
     out["run"]["config"]["rollout_config"]["worker_config"]["num_envs"] = 1
     return out
 
@@ -101,8 +103,14 @@ def preempt_trainer(rehearsal: Rehearsal, grace: int) -> dict[str, Any]:
     deleted = time.monotonic()
     cluster.delete_pod(head, graceful=True, grace=grace)
     gone = time.monotonic() - deleted
-    resumed = wait_until(lambda: (s := rehearsal.trainer_status()).state == "running" and s.resumed_from and s,
-                         900, "the next trainer resumed", interval=2.0)
+    def resumed_trainer() -> Any:
+        try:
+            status = rehearsal.trainer_status()
+        except (grpc.RpcError, AssertionError, KeyError):  # no head, or no RayCluster named yet
+            return None
+        return status if status.state == "running" and status.resumed_from else None
+
+    resumed = wait_until(resumed_trainer, 900, "the next trainer resumed", interval=2.0)
     rehearsal.wait_training(beyond=max(version, int(resumed.start_model_version)), timeout=600)
     back = time.monotonic() - deleted
     resumed_iteration = iteration_of(resumed.resumed_from)

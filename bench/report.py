@@ -196,7 +196,6 @@ SUPERSEDED = {
     "scale": "its push curve is of the gRPC relay, replaced by the weights stream (scale_relay); its 32 pods "
              "while training ran before reservations (scale_training)",
     "scale_soak": "before reservations and leases changed the replay buffer and the workers (2026-11-28)",
-    "e2e": "before reservations (CartPole's band and prefetch changed since)",
 }
 
 README = Path(__file__).resolve().parents[1] / "README.md"
@@ -228,6 +227,13 @@ def readme_rows(results: dict[str, dict[str, Any]]) -> list[str]:
             f"{s['overworld_wall_seconds_to_target_median']} s vs {s['sb3_wall_seconds_to_target_median']} s "
             f"(ratio {s['wall_ratio_overworld_to_sb3']}; goal ≤ 1); {s['overworld_env_steps_to_target_median']:,} "
             f"vs {s['sb3_env_steps_to_target_median']:,} | {_at(d)} |")
+        crafter = d.get("crafter_cow") or {}
+        if crafter.get("env_steps_per_second_training"):
+            add(f"| Crafter cow task end to end (`examples/crafter_cow.yaml`, every service, the learner included): "
+                f"env steps/s once training runs vs 2 bare Crafter processes stepping random actions on the same "
+                f"cores; seconds from `overworld run` to the first update (CartPole, median) | "
+                f"{crafter['env_steps_per_second_training']} vs {crafter['bare_processes_2_env_steps_per_second']} "
+                f"({crafter['pipeline_vs_bare']}); {s['startup_median']['first_update']} s | {_at(d)} |")
     for name, label in (("learning_cartpole", "CartPole"), ("learning_crafter_cow", "Crafter cow task (cows per episode)")):
         if name in results:
             d = results[name]
@@ -286,11 +292,14 @@ def readme_rows(results: dict[str, dict[str, Any]]) -> list[str]:
         d = results["reservations"]
         on, off = d["median"]["on"], d["median"]["off"]
         add(f"| {d['workers']} Minecraft-paced workers ({d['workers'] * d['envs_per_worker']} envs at "
-            f"{d['env_steps_per_second_per_env']} steps/s; the fleet is the bottleneck), reservations on vs off, "
-            f"{len(d['runs']) // 2} seeds: env steps/s (lost to reservations; goal ≤ 5%), idle share, share "
-            f"trained on | {on['env_steps_per_second']:.0f} vs {off['env_steps_per_second']:.0f} "
-            f"({d['env_steps_per_second_lost_to_reservations']:.1%}), {on['idle_share']:.0%} vs {off['idle_share']:.0%}, "
-            f"{on['env_steps_used']:.1%} vs {off['env_steps_used']:.1%} | {_at(d)} |")
+            f"{d['env_steps_per_second_per_env']} steps/s; the fleet is the bottleneck; {d.get('band_batches', 1)} "
+            f"batches in flight), reservations on vs off, {len(d['runs']) // 2} seeds of "
+            f"{d['budget_env_steps']:,} env steps: env steps/s (lost to reservations; goal ≤ 5%), idle share, share "
+            f"trained on, worst (goal ≥ 97%) | {on['env_steps_per_second']:.0f} vs {off['env_steps_per_second']:.0f} "
+            f"({d['env_steps_per_second_lost_to_reservations']:.1%})".replace("-0.0%", "0.0%")
+            + f", {on['idle_share']:.1%} vs {off['idle_share']:.1%}, "
+            f"{on['env_steps_used']:.1%} vs {off['env_steps_used']:.1%}, "
+            f"{min(r['env_steps_used'] for r in d['runs'] if r['reservations']):.1%} | {_at(d)} |")
     if "crafter_used" in results:
         d = results["crafter_used"]
         cells = "; ".join(f"{r['workers']}-{r['mode']} {r['env_steps_used']:.1%} (idle {r['idle_share']:.0%}, lag "

@@ -79,7 +79,8 @@ def provenance() -> dict[str, Any]:
 
 def _tree() -> dict[str, Any]:
     return {"commit": _git("rev-parse", "HEAD"),
-            "tree_modified": bool(_git("status", "--porcelain", "--untracked-files=no"))}
+            # a bench's own results (written as it goes) are not a change to what it measures
+            "tree_modified": bool(_git("status", "--porcelain", "--untracked-files=no", "--", ".", ":!bench/results"))}
 
 
 def wait_for_quiet(limit: float = 120.0) -> float:
