@@ -25,7 +25,6 @@ from typing import Any
 from bench.runs import RESULTS, RunRecord, ready_to_rehearse, write
 from rehearsal.autoscaler import Autoscaler, Behavior
 from rehearsal.chart import by_kind
-from rehearsal.oci_images import ImageStore, build
 from rehearsal.pods import RELEASE, REPO
 from rehearsal.training_rehearsal import Rehearsal, rehearsal_values
 
@@ -133,11 +132,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--workdir", default="/var/tmp/overworld-autoscaling")
     p.add_argument("--name", default="autoscaling")
     args = p.parse_args(argv)
-    if not ready_to_rehearse("bench_autoscaling"):
+    store = ready_to_rehearse("bench_autoscaling", Path(args.workdir).with_name("autoscaling-image-build.log"))
+    if store is None:
         return 1
-    log("building the images (make rehearsal-images; cached layers are reused)")
-    build(Path(args.workdir).with_name("autoscaling-image-build.log"), target="rehearsal-images")
-    store = ImageStore.here()
     settings = {"step_ms": args.step_ms, "envs_per_worker": args.envs_per_worker, "max_workers": args.max_workers, "target_busy_share": args.target,
                 "sync_seconds": args.sync, "scale_up_window_seconds": args.up_window,
                 "scale_down_window_seconds": args.down_window, "rate_window": args.window,

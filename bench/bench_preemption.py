@@ -30,7 +30,7 @@ import grpc
 
 from bench.runs import RESULTS, RunRecord, ready_to_rehearse, write
 from overworld.trainer.checkpoint import iteration_of
-from rehearsal.oci_images import ImageStore, build
+from rehearsal.oci_images import ImageStore
 from rehearsal.pods import RELEASE, Pod
 from rehearsal.training_rehearsal import Rehearsal, rehearsal_values
 
@@ -165,11 +165,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--step-ms", type=float, default=20.0, help="each env step takes at least this long")
     p.add_argument("--workdir", default="/var/tmp/overworld-preemption")
     args = p.parse_args(argv)
-    if not ready_to_rehearse("bench_preemption"):
+    store = ready_to_rehearse("bench_preemption", Path(args.workdir).with_name("preemption-image-build.log"))
+    if store is None:
         return 1
-    log("building the images (make rehearsal-images; cached layers are reused)")
-    build(Path(args.workdir).with_name("preemption-image-build.log"), target="rehearsal-images")
-    store = ImageStore.here()
     try:
         runs = [one_grace(args, store, int(g)) for g in args.graces.split(",")]
     finally:

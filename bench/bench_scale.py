@@ -40,7 +40,7 @@ from bench.runs import RESULTS, RunRecord, ready_to_rehearse, write
 from overworld.core.wire import weights
 from rehearsal import scale_standin
 from rehearsal.netns import wait_until
-from rehearsal.oci_images import ImageStore, build
+from rehearsal.oci_images import ImageStore
 from rehearsal.scale_rehearsal import (
     BUFFER,
     COMPONENTS,
@@ -386,11 +386,9 @@ def main(argv: list[str] | None = None) -> int:
     p.add_argument("--training-only", action="store_true",
                    help="only the pipeline while training at each size: no pushes with the trainer stopped, no churn")
     args = p.parse_args(argv)
-    if not ready_to_rehearse("bench_scale"):
+    store = ready_to_rehearse("bench_scale", Path(args.workdir) / "image-build.log", target="scale-images")
+    if store is None:
         return 1
-    log("building the images (make scale-images; cached layers are reused)")
-    build(Path(args.workdir) / "image-build.log", target="scale-images")
-    store = ImageStore.here()
     try:
         return measure(args, store, argv)
     finally:

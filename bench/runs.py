@@ -9,7 +9,10 @@ import subprocess
 import sys
 import time
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from rehearsal.oci_images import ImageStore
 
 ROOT = Path(__file__).resolve().parents[1]
 RESULTS = ROOT / "bench" / "results"
@@ -134,11 +137,17 @@ def first_reaching(curve: list[dict[str, Any]], target: float) -> dict[str, Any]
     return None
 
 
-def ready_to_rehearse(name: str) -> bool:
-    """A rehearsal bench's start: root (it builds network namespaces; False, said, without), and SIGTERM
-    (a CI timeout, kill) unwinding like Ctrl-C, so that its pods and namespaces are removed."""
+def ready_to_rehearse(name: str, build_log: Path, target: str = "rehearsal-images") -> ImageStore | None:
+    """A rehearsal bench's start: root (it builds network namespaces; None, said, without), SIGTERM (a CI
+    timeout, kill) unwinding like Ctrl-C, so that its pods and namespaces are removed, and its images
+    built (`make TARGET`, cached layers reused; the build's output in `build_log`). The caller closes
+    the store it gets."""
+    from rehearsal.oci_images import ImageStore, build
+
     if os.geteuid() != 0:
         print(f"{name} needs root: the rehearsal builds network namespaces", file=sys.stderr)
-        return False
+        return None
     signal.signal(signal.SIGTERM, lambda signum, frame: sys.exit(128 + signum))
-    return True
+    print(f"[{time.strftime('%H:%M:%S')}] building the images (make {target}; cached layers are reused)", flush=True)
+    build(build_log, target=target)
+    return ImageStore.here()

@@ -354,14 +354,14 @@ def validate(config: RunConfig) -> None:
             check_rate_limit(rb.samples_per_insert, rb.samples_per_insert_error, rb.max_reuse)
         except ValueError as err:
             raise ConfigError(f"config key rollout_config.replay_buffer_config.samples_per_insert: {err}") from None
-        warn_if_stale_by_design(rb, train, per_iteration)
+        warn_if_stale_by_design(rb, rb.samples_per_insert, train, per_iteration)
 
 
-def warn_if_stale_by_design(rb: ReplayBufferConfig, train: TrainConfig, per_iteration: int) -> None:
+def warn_if_stale_by_design(rb: ReplayBufferConfig, spi: float, train: TrainConfig, per_iteration: int) -> None:
     """The lag the room holds, in learner versions: the batches in flight (`samples_per_insert x
     min_size_to_sample + samples_per_insert_error` chunks, over an iteration's) and those fetched ahead.
     A `max_staleness` below it throws away, as stale, steps the fleet was told to step."""
-    room = rb.samples_per_insert * rb.min_size_to_sample + rb.samples_per_insert_error
+    room = spi * rb.min_size_to_sample + rb.samples_per_insert_error
     lag = math.ceil(room / per_iteration) + train.prefetch_batches
     key = "rollout_config.replay_buffer_config.max_staleness"
     if rb.max_staleness < lag and key not in _warned:
