@@ -360,7 +360,7 @@ def run(config_source: str, overrides: list[str], max_env_steps: int | None, sum
         follower.display.message(f"error: {err}", sys.stderr)
     finally:
         follower.display.message("interrupted: stopping services..." if status == "interrupted" else "stopping services...")
-        supervisor.stop(after_workers=follower.read_final_counts,
+        supervisor.stop(after_training=follower.read_final_counts,
                         before_trainer=follower.train_on_what_is_left if status != "interrupted" else None)
         tls.reset()
     summary = follower.summary(status, error)

@@ -265,12 +265,12 @@ class Supervisor:
     def dead(self) -> list[Child]:
         return [c for c in self.children if c.proc.poll() is not None]
 
-    def stop(self, after_workers: Callable[[], None] | None = None,
+    def stop(self, after_training: Callable[[], None] | None = None,
              before_trainer: Callable[[], None] | None = None) -> None:
         """The workers first (they finish the fragments under way, flush them and report their last
         counts), then `before_trainer` (the learner trains on what the buffer holds), then the trainer
         (it checkpoints after its current iteration, or stops waiting for a batch that will not come),
-        then `after_workers` (the services still answer: the run's final counts are read there), then
+        then `after_training` (the services still answer: the run's final counts are read there), then
         the rest; SIGKILL whatever lingers, descendants included (Ray's raylet and workers, env
         processes). A second Ctrl-C skips the graceful part but still leaves no process behind."""
         self.remember_families()
@@ -281,8 +281,8 @@ class Supervisor:
             for group in (workers, trainer, self.children):
                 if group is trainer and before_trainer is not None and any(c.proc.poll() is None for c in trainer):
                     before_trainer()
-                if group is self.children and after_workers is not None:
-                    after_workers()
+                if group is self.children and after_training is not None:
+                    after_training()
                 for c in group:
                     if c.proc.poll() is None:
                         c.proc.send_signal(signal.SIGTERM)
