@@ -89,7 +89,8 @@ def sample_chunks(client: SampleSource, n: int, reader_id: str, wait: float, sto
     the store here; a chunk whose blob is gone is skipped and another one sampled in its place.
     data_timeout: raise NoDataError once no chunk has arrived for that many seconds."""
     chunks: list[replay_buffer_pb2.SampledChunk] = []
-    last_data = last_said = time.monotonic()
+    last_data = time.monotonic()
+    last_said = last_data - wait  # the first empty answer is said, then one every `wait` seconds
     poll = min(wait, STOP_POLL_SECONDS) if stop is not None else wait
     while len(chunks) < n and not (stop and stop.is_set()):
         store = client.blob_refs.store_for(blob_refs)

@@ -37,7 +37,8 @@ from overworld.replay_buffer.reader import ChunkReader
 from overworld.trainer.data import Batch, chains_from_chunks, to_device
 from overworld.trainer.hooks import Hooks, around
 from overworld.trainer.loss import LossConfig, LossMeans, LossTerms, ppo_loss
-from overworld.trainer.runtime import StoppedWaiting, TrainerRuntime
+from overworld.trainer.runtime import TrainerRuntime
+from overworld.trainer.stopping import StoppedWaiting, any_rank
 
 log = logging.getLogger("overworld.trainer.learner")
 
@@ -56,8 +57,7 @@ class PPOLearner(TrainerRuntime):
     iteration: int  # 1 during the first
     model_version: int  # the newest version published: the policy lag of a batch
     # ... and its methods: all_reduce_sum(x): over the ranks, a no-op on one; build_policy(): the run's
-    # policy, fresh; stopped_waiting(short): whether any rank's batch came back short (told to stop);
-    # timed(part): seconds of a part, trainer/<part>_seconds; unwrapped_model: without DDP.
+    # policy, fresh; distributed: more than one rank, their process group up; timed(part): seconds of a part, trainer/<part>_seconds; unwrapped_model: without DDP.
     # What the learner keeps up to date (saved in every checkpoint: trainer/training_state.py):
     rho: float  # the KL coefficient, decayed every iteration
     updates: int  # optimizer steps
@@ -123,7 +123,7 @@ class PPOLearner(TrainerRuntime):
             started = time.monotonic()
             chunks = self.reader.next()
             self.sample_wait_seconds += time.monotonic() - started  # waiting for the fleet's data, mostly
-            if self.stopped_waiting(len(chunks) < self.reader.n):
+            if any_rank(len(chunks) < self.reader.n, self.distributed, self.device):
                 raise StoppedWaiting(f"{len(chunks)} of {self.reader.n} chunks")
             return chains_from_chunks(chunks)
 

@@ -16,7 +16,6 @@ import contextlib
 import hashlib
 import logging
 import math
-import threading
 import time
 from collections import Counter
 from collections.abc import Iterator
@@ -53,18 +52,13 @@ from overworld.trainer.placement import (
     torch_trainer_class,
     worker_resources,
 )
+from overworld.trainer.stopping import StoppedWaiting, watch_for_stop
 from overworld.trainer.training_state import FleetMark, StartPoint
 from overworld.v1 import (
     trainer_pb2,
 )
 
 log = logging.getLogger("overworld.trainer")
-STOP_PROBE_SECONDS = 2.0  # how often a rank asks the driver whether to stop (seen while it waits for samples)
-
-
-class StoppedWaiting(Exception):
-    """The driver asked to stop while a rank waited for samples: the iteration is not trained (its chunks
-    are claimed; the summary counts their steps as `claimed_not_trained`)."""
 
 
 class TrainerRuntime:
@@ -284,36 +278,13 @@ class TrainerRuntime:
         self.model, self.optimizer = self.build_starting_model()
         self.lr_schedule = self.setup_lr_schedule(self.optimizer)
         torch.manual_seed(self.config.seed * 7919 + self.rank)  # minibatch order; a resume restores it
-        done = threading.Event()
-        probe = threading.Thread(target=self._watch_for_stop, args=(done,), name="stop-probe", daemon=True)
-        probe.start()
+        done = watch_for_stop(self._status, self.reader)
         try:
             self.restore()
             self.train()
         finally:
             done.set()
             self.reader.close()
-
-    def _watch_for_stop(self, done: threading.Event) -> None:
-        """Every rank: once the driver says stop, the reader stops waiting for samples (the iteration
-        boundary may be a batch away that a stopped fleet will never send)."""
-        while self._status is not None and not done.wait(STOP_PROBE_SECONDS):
-            try:
-                stop = self._status.status(timeout=STOP_PROBE_SECONDS).stop_requested
-            except grpc.RpcError:
-                continue  # the driver is advisory here: the iteration boundary still sees the stop
-            if stop:
-                self.reader.stop_waiting()
-                return
-
-    def stopped_waiting(self, short: bool) -> bool:
-        """Whether any rank's batch came back short (its reader was told to stop waiting): then no rank
-        trains this iteration, so that their collectives stay matched."""
-        if self.distributed:
-            flag = torch.tensor(float(short), device=self.device)
-            dist.all_reduce(flag, op=dist.ReduceOp.MAX)
-            short = bool(flag.item())
-        return short
 
     def _connect(self) -> None:
         t = self.config.train_config
