@@ -318,6 +318,24 @@ def readme_rows(results: dict[str, dict[str, Any]]) -> list[str]:
         add(f"| PPO on CartPole (one process, examples/cartpole.yaml's settings) fed data k versions old, "
             f"{len(d['seeds'])} seeds: median env steps to {d['target_return']:.0f} by k, PPO's ratio to the "
             f"behaviour policy / the decoupled objective | {cells} | {_at(d)} |")
+    if "preemption" in results:
+        d = results["preemption"]
+
+        def worst(rows: list[dict[str, Any]], key: str) -> Any:
+            return max(r[key] for r in rows)
+
+        cells = "; ".join(
+            f"{r['grace_seconds']} s: {worst(r['worker_preemptions'], 'env_steps_thrown_away')} / "
+            f"{worst(r['worker_preemptions'], 'seconds_to_go')} / {worst(r['worker_preemptions'], 'seconds_until_fleet_back')}"
+            f" / {worst(r['worker_preemptions'], 'seconds_until_a_newer_version')} s "
+            f"({len(r['worker_preemptions'])} workers); trainer {r['trainer_preemption']['iterations_lost']} / "
+            f"{r['trainer_preemption']['seconds_until_a_newer_version']} s; "
+            f"{'nothing' if r['ledger']['nothing_acknowledged_lost'] else 'SOME'} acknowledged lost "
+            f"({r['ledger']['acknowledged']} fragments)" for r in d["runs"])
+        add(f"| Preemptions in the cluster rehearsal ({d['workers']} CartPole workers at {d['step_ms']:g} ms a step), "
+            f"pods deleted with the spot node's grace period: per rollout worker, worst env steps thrown away / "
+            f"seconds to go / until its replacement holds a lease / until a newer version; per trainer (the Ray "
+            f"head), iterations lost / seconds until a newer version; the fleet's ledger | {cells} | {_at(d)} |")
     if "autoscaling" in results:
         d = results["autoscaling"]
         o, st = d["outcome"], d["settings"]
