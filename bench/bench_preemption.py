@@ -22,14 +22,12 @@ import argparse
 import re
 import sys
 import time
-from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
-import grpc
-
 from bench.runs import RESULTS, RunRecord, ready_to_rehearse, write
 from overworld.trainer.checkpoint import iteration_of
+from rehearsal.netns import wait_until
 from rehearsal.oci_images import ImageStore
 from rehearsal.pods import RELEASE, Pod
 from rehearsal.training_rehearsal import Rehearsal, rehearsal_values
@@ -41,17 +39,6 @@ FLUSHED = re.compile(r"sender flushed: (True|False) \((\d+) complete fragments, 
 
 def log(message: str) -> None:
     print(f"[{time.strftime('%H:%M:%S')}] {message}", flush=True)
-
-
-def wait_until(condition: Callable[[], Any], timeout: float, what: str, interval: float = 0.5) -> Any:
-    deadline = time.monotonic() + timeout
-    while True:
-        got = condition()
-        if got:
-            return got
-        if time.monotonic() > deadline:
-            raise TimeoutError(f"timed out after {timeout:.0f}s waiting for {what}")
-        time.sleep(interval)
 
 
 def values(grace: int, workers: int, step_ms: float) -> dict[str, Any]:
@@ -106,14 +93,9 @@ def preempt_trainer(rehearsal: Rehearsal, grace: int) -> dict[str, Any]:
     deleted = time.monotonic()
     cluster.delete_pod(head, graceful=True, grace=grace)
     gone = time.monotonic() - deleted
-    def resumed_trainer() -> Any:
-        try:
-            status = rehearsal.trainer_status()
-        except (grpc.RpcError, AssertionError, KeyError):  # no head, or no RayCluster named yet
-            return None
-        return status if status.state == "running" and status.resumed_from else None
-
-    resumed = wait_until(resumed_trainer, 900, "the next trainer resumed", interval=2.0)
+    # wait_until's probe may raise while the new head starts (no RayCluster named, nothing answering)
+    resumed = wait_until(lambda: (s := rehearsal.trainer_status()).state == "running" and s.resumed_from and s,
+                         900, "the next trainer resumed", interval=2.0)
     rehearsal.wait_training(beyond=max(version, int(resumed.start_model_version)), timeout=600)
     back = time.monotonic() - deleted
     resumed_iteration = iteration_of(resumed.resumed_from)

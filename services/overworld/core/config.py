@@ -338,7 +338,7 @@ def validate(config: RunConfig) -> None:
             f"config key train_config.context_length: {train.context_length} must divide the chunk length "
             f"fragment_length x fragments_per_chunk = {chunk_steps}"
         )
-    per_iteration = learner_ranks(train) * train.batch_size_per_gpu * train.batches_per_iteration
+    per_iteration = chunks_per_iteration(train)
     if per_iteration > rb.max_chunks:
         raise ConfigError(
             f"config key rollout_config.replay_buffer_config.max_chunks: {rb.max_chunks} is smaller than one "
