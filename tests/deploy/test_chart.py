@@ -569,6 +569,7 @@ def test_default_values_make_a_runnable_trainer(default_objects: list[dict[str, 
     assert rayjob["spec"]["entrypoint"] == "exec overworld serve trainer --ray-address auto --resume latest"
     assert rayjob["spec"]["backoffLimit"] == 2
     cluster = rayjob["spec"]["rayClusterSpec"]
+    assert cluster["headGroupSpec"]["template"]["spec"]["terminationGracePeriodSeconds"] == 180  # trainer's value
     assert (
         cluster["rayVersion"] == yaml.safe_load((CHART / "values.yaml").read_text())["trainer"]["rayVersion"]
     )

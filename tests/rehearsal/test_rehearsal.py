@@ -25,7 +25,7 @@ from typing import Any
 
 import pytest
 
-from overworld.run_controller.rayjob import JOB_STOP_WAIT_SECONDS
+from overworld.run_controller.rayjob import stop_seconds
 from rehearsal.netns import wait_until
 from rehearsal.oci_images import OBJECT_STORE, REDIS, ImageStore, reference
 from rehearsal.pods import NAMESPACE, RELEASE, REPO
@@ -574,7 +574,8 @@ def test_kubectl_resume_replaces_the_trainer_and_continues_from_its_checkpoint(r
     assert job["spec"]["entrypoint"].endswith("--resume latest")
     # The old trainer ended by itself: Ray did not wait out RAY_JOB_STOP_WAIT_TIME_S to SIGKILL it (a
     # driver aborted by Ray's signal handler, or a zombie under the head's PID 1, made every resume wait).
-    assert time.monotonic() - patched < JOB_STOP_WAIT_SECONDS, cluster.logs(old["status"]["rayClusterName"])[-6000:]
+    # (Ray's stop wait at the chart's default grace)
+    assert time.monotonic() - patched < stop_seconds({})[1], cluster.logs(old["status"]["rayClusterName"])[-6000:]
     # The old trainer was gone before the new RayJob existed: no two trainers of one run at once. (The
     # API server holds the new RayJob before KubeRay's next reconcile sees it: wait for that.)
     wait_until(lambda: any(kind == "rayjob-seen" and what == job["metadata"]["name"] for _, kind, what in cluster.events),

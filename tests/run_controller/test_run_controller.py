@@ -196,6 +196,22 @@ def test_ray_pods_outlast_the_trainers_checkpoint_on_stop() -> None:
     assert worker["lifecycle"]["preStop"]["exec"]["command"] == ["ray", "stop", "--force"]
 
 
+@pytest.mark.parametrize("grace", [30, 120])
+def test_a_spot_grace_period_reaches_the_trainer_as_its_deadline(grace: int) -> None:
+    """A TrainingRun's terminationGracePeriodSeconds (a spot node pool's notice) is the Ray pods' grace;
+    the trainer driver on the head reads what is left of it after the preStop's job stop, and checkpoints
+    (its stop budget, less its exit) before Ray's stop wait SIGKILLs it, which comes before the kubelet's."""
+    from overworld.trainer.driver import EXIT_SECONDS
+
+    templates = dict(pod_templates(build_rayjob(training_run(terminationGracePeriodSeconds=grace), attempt=1)))
+    head = templates["headGroupSpec"]["spec"]
+    env = {e["name"]: e.get("value") for e in head["containers"][0]["env"]}
+    trainer_grace, wait = int(env["OVERWORLD_STOP_GRACE_SECONDS"]), int(env["RAY_JOB_STOP_WAIT_TIME_S"])
+    assert head["terminationGracePeriodSeconds"] == grace
+    assert templates["workerGroupSpecs[gpu]"]["spec"]["terminationGracePeriodSeconds"] == grace
+    assert EXIT_SECONDS < trainer_grace < wait < grace
+
+
 def test_rayjob_names_fit_kuberay_limits() -> None:
     long_name = "a" * 63
     name = rayjob_name(long_name, 12345)

@@ -153,6 +153,23 @@ def rng_per_rank(rank: int, world: int, out_dir: Path) -> dict[str, Any]:
             "iteration": fresh.iteration}
 
 
+def deadline_on_rank_1(rank: int, world: int) -> dict[str, Any]:
+    """Only rank 1 has heard of the stop's deadline (each rank asks the driver on its own)."""
+    import time
+
+    from overworld.trainer.stopping import STOP_MARGIN_SECONDS
+
+    trainer = helpers.make_trainer(*BASE, "train_config.epochs_per_iteration=100000",
+                                   f"train_config.batch_size_per_gpu={B // world}", world_size=world, rank=rank)
+    part = share(helpers.make_batch(trainer, B=B, L=L, seed=5), rank, world)
+    if rank == 1:
+        trainer.stop_deadline.checkpoint_seconds = 0.5
+        trainer.stop_deadline.at = time.monotonic() + STOP_MARGIN_SECONDS + 3.0
+    trainer.train_iteration(part)
+    return {"updates": trainer.updates, "cut_short": trainer.cut_short,
+            "params": helpers.flat_params(trainer.unwrapped_model)}
+
+
 CASES: dict[str, Callable[[int, int, Path], dict[str, Any]]] = {
     "doubled_batch": lambda r, w, d: doubled_batch(r, w),
     "accumulation": lambda r, w, d: accumulation(r, w),
@@ -165,6 +182,7 @@ CASES: dict[str, Callable[[int, int, Path], dict[str, Any]]] = {
                                                   "policy_kwargs.recurrent=true"),
     "unused_head": lambda r, w, d: two_iterations(r, w, cls=UnusedHeadTrainer),
     "rng_per_rank": rng_per_rank,
+    "deadline_on_rank_1": lambda r, w, d: deadline_on_rank_1(r, w),
 }
 
 
@@ -228,6 +246,13 @@ def test_gradient_accumulation_is_one_big_step_and_all_reduces_once(ranks) -> No
     # micro-step) all-reduces, the others run under no_sync
     assert r0["backward_passes"] == r1["backward_passes"] == 4
     assert r0["synced_at"] == r1["synced_at"] == [4]
+
+
+def test_a_deadline_one_rank_heard_of_cuts_every_ranks_update_at_the_same_step(ranks) -> None:
+    r0, r1 = case(ranks, "deadline_on_rank_1")
+    assert r0["cut_short"] and r1["cut_short"]
+    assert 0 < r0["updates"] == r1["updates"] < 100000
+    assert torch.equal(r0["params"], r1["params"])  # the same steps, all-reduced: the same weights
 
 
 def test_nan_on_one_rank_skips_the_step_on_every_rank(ranks) -> None:

@@ -30,13 +30,23 @@ MAX_RUN_NAME = 40
 RAY_UID = 1000
 RAY_GID = 100
 
-# On SIGTERM the trainer asks rank 0 to checkpoint after the current iteration and waits for it
-# up to overworld.trainer.driver.STOP_TIMEOUT_SECONDS (120 s). Ray's job supervisor gives a
-# stopped job RAY_JOB_STOP_WAIT_TIME_S (3 s by default) before SIGKILL, and Kubernetes gives a pod
-# terminationGracePeriodSeconds (30 s by default): both must be longer.
+# A deleted head pod stops the trainer in its preStop hook, through Ray's job API (ray_prestop.py),
+# which gives the job RAY_JOB_STOP_WAIT_TIME_S (3 s by default) before SIGKILL; Kubernetes gives the
+# pod terminationGracePeriodSeconds (the TrainingRun's, 30 s by default in Kubernetes) in all. The
+# trainer reads that grace (OVERWORLD_STOP_GRACE_SECONDS, less the preStop's own seconds) and cuts an
+# update short to checkpoint within it; Ray's wait ends just before the kubelet's SIGKILL. Without a
+# grace in the TrainingRun, 180 s: past the 120 s a trainer without a deadline waits for its iteration
+# (overworld.trainer.driver.STOP_TIMEOUT_SECONDS).
 TRAINER_STOP_SECONDS = 120
-JOB_STOP_WAIT_SECONDS = TRAINER_STOP_SECONDS + 30
-TERMINATION_GRACE_SECONDS = JOB_STOP_WAIT_SECONDS + 30
+TERMINATION_GRACE_SECONDS = 180
+PRE_STOP_SECONDS = 5  # the preStop's job API call before the trainer's SIGTERM, its `ray stop` after
+MIN_GRACE_SECONDS = 15  # the CRD's minimum: a grace shorter than a few seconds checkpoints nothing
+
+
+def stop_seconds(spec: Mapping[str, Any]) -> tuple[int, int, int]:
+    """(the Ray pods' grace period, Ray's stop wait for the trainer job, the trainer's own grace)."""
+    grace = max(MIN_GRACE_SECONDS, int(spec.get("terminationGracePeriodSeconds") or TERMINATION_GRACE_SECONDS))
+    return grace, grace - PRE_STOP_SECONDS, grace - 2 * PRE_STOP_SECONDS
 # KubeRay's retries of one attempt (each on a new RayCluster) when spec.backoffLimit is not set.
 DEFAULT_BACKOFF_LIMIT = 2
 DASHBOARD_PORT = 8265
@@ -137,6 +147,7 @@ def _ray_pod_template(
     head: bool,
 ) -> dict[str, Any]:
     env = copy.deepcopy(list(spec.get("env") or []))
+    grace, job_stop_wait, trainer_grace = stop_seconds(spec)
     container: dict[str, Any] = {
         "name": container_name,
         "image": spec["image"],
@@ -157,9 +168,10 @@ def _ray_pod_template(
         # stops a deleted RayJob: through Ray's job API, which sends SIGTERM and waits
         # RAY_JOB_STOP_WAIT_TIME_S; the trainer checkpoints and exits. The container's own
         # SIGTERM never reaches the trainer (it goes to `ray start`).
-        env.append({"name": "RAY_JOB_STOP_WAIT_TIME_S", "value": str(JOB_STOP_WAIT_SECONDS)})
+        env.append({"name": "RAY_JOB_STOP_WAIT_TIME_S", "value": str(job_stop_wait)})
+        env.append({"name": "OVERWORLD_STOP_GRACE_SECONDS", "value": str(trainer_grace)})
         pre_stop = ["python", "-m", "overworld.run_controller.ray_prestop", "--dashboard",
-                    f"http://127.0.0.1:{DASHBOARD_PORT}", "--timeout", str(JOB_STOP_WAIT_SECONDS), "--stop-ray"]
+                    f"http://127.0.0.1:{DASHBOARD_PORT}", "--timeout", str(job_stop_wait), "--stop-ray"]
     else:
         pre_stop = ["ray", "stop", "--force"]
     # `ray start --block` (PID 1) ignores SIGTERM: without stopping Ray here, every Ray pod would
@@ -177,7 +189,7 @@ def _ray_pod_template(
         container["volumeMounts"].append({"name": "tls", "mountPath": TLS_MOUNT, "readOnly": True})
         volumes.append({"name": "tls", "secret": {"secretName": spec["tlsSecret"], "defaultMode": 0o440}})
     pod_spec = _pod_spec(spec, group, container, volumes)
-    pod_spec["terminationGracePeriodSeconds"] = TERMINATION_GRACE_SECONDS
+    pod_spec["terminationGracePeriodSeconds"] = grace
     return {"metadata": {"labels": dict(labels)}, "spec": pod_spec}
 
 

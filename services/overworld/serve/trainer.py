@@ -37,6 +37,8 @@ def add_flags(p: argparse.ArgumentParser) -> None:
     env_flag(p, "--resume", "", "latest, auto, a checkpoint id, or a MineStudio checkpoint directory")
     env_flag(p, "--save-path", "", "replaces train_config.save_path")
     env_flag(p, "--workdir", ".", "checkpoints and logs when local")
+    env_flag(p, "--stop-grace-seconds", 0.0, "seconds a SIGTERM leaves this process (the pod's grace period): "
+             "an update that would outlast them is cut short to checkpoint in time; 0: finish the iteration")
 
 
 def build(args: argparse.Namespace, done: threading.Event) -> Any:
@@ -44,4 +46,5 @@ def build(args: argparse.Namespace, done: threading.Event) -> Any:
 
     return TrainerDriver(args.rollout_manager, args.replay_buffer, args.gae, args.model_registry, args.host,
                          args.port, args.ray_address, str(Path(args.workdir).resolve()), args.resume, done,
-                         config_path=args.config, save_path=args.save_path)
+                         config_path=args.config, save_path=args.save_path,
+                         stop_grace=args.stop_grace_seconds)

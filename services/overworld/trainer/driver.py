@@ -40,6 +40,9 @@ SAMPLE_WAIT = Counter("overworld_trainer_sample_wait_seconds_total",
                       "seconds, the share of its time it waits for the fleet")
 
 STOP_TIMEOUT_SECONDS = 120
+# From the SIGTERM, the stop's deadline is the pod's grace period (`--stop-grace-seconds`) less this: the
+# process's exit after the checkpoint (Ray's shutdown, the status server's).
+EXIT_SECONDS = 5.0
 # A trainer that ended by itself keeps answering GetStatus this long, until its final state has been
 # read: `overworld run` and the run-controller poll it, and a trainer gone before they saw "finished"
 # looks like one that crashed (restarted, then resumed from its last checkpoint only to finish again).
@@ -69,6 +72,7 @@ class TrainerStatusService(trainer_pb2_grpc.TrainerServicer):
     def __init__(self) -> None:
         self.status = pb.TrainerStatus(state="starting")
         self.stop_requested = threading.Event()
+        self.stop_deadline: float | None = None  # time.monotonic() by which the stop must be done, if known
         self.training_loop_started = threading.Event()  # rank 0 has reported: stops go through it
         self.final_state_read = threading.Event()  # someone has read "finished" or "failed"
         self._lock = threading.Lock()
@@ -78,6 +82,7 @@ class TrainerStatusService(trainer_pb2_grpc.TrainerServicer):
             out = pb.TrainerStatus()
             out.CopyFrom(self.status)
         out.stop_requested = self.stop_requested.is_set()
+        out.stop_seconds_left = self.seconds_left()
         if out.state in ("finished", "failed"):
             self.final_state_read.set()
         return out
@@ -99,6 +104,18 @@ class TrainerStatusService(trainer_pb2_grpc.TrainerServicer):
         LAST_UPDATE.set(time.time())
         self.training_loop_started.set()
         return pb.ReportProgressResponse(stop=self.stop_requested.is_set())
+
+    def request_stop(self, deadline_in: float | None = None) -> None:
+        """Ask training to stop; with `deadline_in`, by that many seconds from now."""
+        if deadline_in is not None and self.stop_deadline is None:
+            self.stop_deadline = time.monotonic() + deadline_in
+        self.stop_requested.set()
+
+    def seconds_left(self) -> float:
+        """Seconds to the stop's deadline (0: none known; a deadline passed answers a millisecond)."""
+        if self.stop_deadline is None:
+            return 0.0
+        return max(0.001, self.stop_deadline - time.monotonic())
 
     def set_state(self, state: str, error: str = "") -> None:
         with self._lock:
@@ -199,8 +216,9 @@ def apply_flags(config: RunConfig, resume: str, save_path: str) -> RunConfig:
 class TrainerDriver:
     def __init__(self, rollout_manager: str, replay_buffer: str, gae: str, model_registry: str, host: str,
                  port: int, ray_address: str, workdir: str, resume: str, done: threading.Event,
-                 config_path: str = "", save_path: str = "") -> None:
+                 config_path: str = "", save_path: str = "", stop_grace: float = 0.0) -> None:
         self.status = TrainerStatusService()
+        self.stop_grace = stop_grace  # the pod's grace period from the SIGTERM (0: not known)
         self.server: Server = serve([(trainer_pb2_grpc.add_TrainerServicer_to_server, self.status,
                                       "overworld.v1.Trainer")], host, port)
         # TrainerRuntime.from_config's keyword arguments
@@ -285,14 +303,19 @@ class TrainerDriver:
 
     def stop(self, grace: float = 5.0) -> None:
         """Ask rank 0 to checkpoint after the current iteration and finish; then shut Ray down (if this
-        process ever imported it: local mode never does)."""
+        process ever imported it: local mode never does). With a grace period, the learners know its
+        deadline: an update that would outlast it is cut short for the checkpoint."""
         if self.status.status.state in ("finished", "failed"):  # ended by itself, not by a signal
             self.status.final_state_read.wait(FINAL_STATE_SECONDS)
-        self.status.stop_requested.set()
+        budget = float(STOP_TIMEOUT_SECONDS)
+        if self.stop_grace > 0:
+            budget = max(1.0, self.stop_grace - EXIT_SECONDS)
+            log.info("stopping within the grace period: checkpoint within %.0fs", budget)
+            self.status.request_stop(deadline_in=budget)
+        self.status.request_stop()
         if self.status.training_loop_started.is_set():
-            if not self.done.wait(STOP_TIMEOUT_SECONDS):
-                log.warning("training did not finish within %ds of the stop request; shutting Ray down",
-                            STOP_TIMEOUT_SECONDS)
+            if not self.done.wait(budget):
+                log.warning("training did not finish within %.0fs of the stop request; shutting Ray down", budget)
         elif not self.done.is_set():  # Ray Train is still placing or starting its workers (minutes on a cluster)
             log.info("stop requested before the training loop started: nothing to checkpoint; shutting Ray down")
         self._ray_released.set()

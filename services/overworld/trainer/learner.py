@@ -38,7 +38,7 @@ from overworld.trainer.data import Batch, chains_from_chunks, to_device
 from overworld.trainer.hooks import Hooks, around
 from overworld.trainer.loss import LossConfig, LossMeans, LossTerms, ppo_loss
 from overworld.trainer.runtime import TrainerRuntime
-from overworld.trainer.stopping import StoppedWaiting, any_rank
+from overworld.trainer.stopping import StopDeadline, StoppedWaiting, any_rank
 
 log = logging.getLogger("overworld.trainer.learner")
 
@@ -48,6 +48,7 @@ class PPOLearner(TrainerRuntime):
     config: RunConfig  # train_config holds every knob below
     device: torch.device  # this rank's
     world_size: int  # learner ranks: DDP when more than one
+    rank: int  # this learner's (0 logs)
     model: torch.nn.Module  # the policy, wrapped by DDP when world_size > 1
     optimizer: torch.optim.Optimizer
     lr_schedule: torch.optim.lr_scheduler.LRScheduler  # stepped by the loop after each iteration
@@ -56,6 +57,7 @@ class PPOLearner(TrainerRuntime):
     gae_client: GaeClient
     iteration: int  # 1 during the first
     model_version: int  # the newest version published: the policy lag of a batch
+    stop_deadline: StopDeadline  # when a stop must be checkpointed by, once the driver says (trainer/stopping.py)
     # ... and its methods: all_reduce_sum(x): over the ranks, a no-op on one; build_policy(): the run's
     # policy, fresh; distributed: more than one rank, their process group up; timed(part): seconds of a part, trainer/<part>_seconds; unwrapped_model: without DDP.
     # What the learner keeps up to date (saved in every checkpoint: trainer/training_state.py):
@@ -204,7 +206,15 @@ class PPOLearner(TrainerRuntime):
         old_value = normalizer.denormalize(batch.old_vpred.to(self.device)).cpu()
         self._update_value_normalizer(batch.value_target)
         losses = LossMeans()
-        skipped = sum(self._epoch(epoch, batch, old_value, losses) for epoch in range(t.epochs_per_iteration))
+        if self.iteration == 1 and self.rank == 0:  # a large policy's first update can take minutes
+            log.info("first batch in: updating (%d epochs of %d minibatches)", t.epochs_per_iteration,
+                     t.batches_per_iteration)
+        self.cut_short = False
+        skipped = 0
+        for epoch in range(t.epochs_per_iteration):
+            skipped += self._epoch(epoch, batch, old_value, losses)
+            if self.cut_short:
+                break
         self.samples_trained += batch.size * batch.length
         lags, counts = torch.unique((self.model_version - batch.model_version).clamp(min=0), return_counts=True)
         self.lag_steps.update(dict(zip(lags.tolist(), counts.tolist(), strict=True)))
@@ -216,6 +226,7 @@ class PPOLearner(TrainerRuntime):
             "trainer/abs_td_target": float(batch.value_target.abs().mean()),
             "trainer/buffer_reward": float(batch.reward.sum(1).mean()),
             "trainer/skipped_steps": float(skipped),
+            "trainer/update_cut_short": float(self.cut_short),
             "trainer/policy_lag": float((self.model_version - batch.model_version.float()).mean()),
             # over every step trained on since this learner began (the summary's and the bench's figures)
             "trainer/policy_lag_p50": percentile(self.lag_steps, 0.5),
@@ -226,11 +237,17 @@ class PPOLearner(TrainerRuntime):
     @around("post_epoch", arguments=("epoch",))
     def _epoch(self, epoch: int, batch: Batch, old_value: torch.Tensor, losses: LossMeans) -> int:
         """One pass over the batch in minibatches, each loss term added to `losses`; returns how many
-        optimizer steps were skipped (a non-finite gradient)."""
+        optimizer steps were skipped (a non-finite gradient). Before each optimizer step's minibatches,
+        a stop's deadline too close for one more step and the checkpoint ends the update (`cut_short`)."""
         t = self.config.train_config
         normalizer = self.unwrapped_model.value_normalizer
         skipped = 0
         for b, idx in self._minibatches(batch):
+            if b % t.gradient_accumulation == 0:
+                if self.stop_deadline.too_close(self.step_seconds, self.distributed, self.device):
+                    self.cut_short = True
+                    return skipped
+                step_started = time.monotonic()
             mb = batch.select(idx).to(self.device)
             assert mb.advantage is not None and mb.value_target is not None
             if not t.normalize_advantage_full_batch:
@@ -243,6 +260,8 @@ class PPOLearner(TrainerRuntime):
                     losses.add(terms)
                 if step:
                     skipped += self._optimizer_step()
+            if step:
+                self.step_seconds = time.monotonic() - step_started
         return skipped
 
     def _normalize(self, adv: torch.Tensor, global_batch: bool) -> torch.Tensor:

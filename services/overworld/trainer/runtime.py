@@ -52,7 +52,7 @@ from overworld.trainer.placement import (
     torch_trainer_class,
     worker_resources,
 )
-from overworld.trainer.stopping import StoppedWaiting, watch_for_stop
+from overworld.trainer.stopping import StopDeadline, StoppedWaiting, watch_for_stop
 from overworld.trainer.training_state import FleetMark, StartPoint
 from overworld.v1 import (
     trainer_pb2,
@@ -91,6 +91,9 @@ class TrainerRuntime:
         self.start: StartPoint = {"model_version": 0, "env_steps": 0, "rho": self.rho}
         self.latest_checkpoint = ""
         self.timings: dict[str, float] = {}  # seconds of each part of the last iteration (trainer/*_seconds)
+        self.stop_deadline = StopDeadline()  # set once the driver says stop by a deadline
+        self.cut_short = False  # the last update stopped early for the stop's deadline
+        self.step_seconds = 0.0  # the last optimizer step's minibatches (how close to a deadline one more fits)
         # How long fit() waits for the cluster to offer the workers' resources (train_config.
         # placement_timeout); the driver sets 0 for a Ray it started itself: that cluster cannot grow.
         self.placement_timeout = config.train_config.placement_timeout
@@ -173,12 +176,17 @@ class TrainerRuntime:
                              "checkpointing iteration %d and finishing", self.iteration + 1, self.iteration)
                     break
                 self.lr_schedule.step()
+                if self.cut_short:  # no hooks (publishing, logging): the deadline leaves time for the checkpoint only
+                    training_state.count_env_steps(self, fleet)
+                    log.info("stop requested: update of iteration %d cut short after %d optimizer steps, to "
+                             "checkpoint before the deadline", self.iteration, self.updates - updates_before)
+                    break
                 updated = time.monotonic()
                 fetched = sum(self.timings.get(part, 0.0) for part in ("sample", "values", "gae"))
                 self.timings["update"] = updated - started - fetched  # the PPO epochs (hooks included)
                 if self.iteration == 1 and self.rank == 0:
                     log.info("first update done: %d optimizer steps", self.updates)
-                new_steps = self._count_env_steps(fleet)
+                new_steps = training_state.count_env_steps(self, fleet)
                 metrics.update({
                     "trainer/utd_ratio": (self.updates - updates_before) / new_steps if new_steps else math.nan,
                     "trainer/env_steps_all_workers": float(self.env_steps),
@@ -195,7 +203,7 @@ class TrainerRuntime:
         # The fleet's steps up to the stop, in the last checkpoint: a resumed run goes on from there. This
         # iteration's own checkpoint, written before the stop came, gets them in its state (rank 0 only:
         # no collective).
-        counted = self._count_env_steps(self._ask_fleet())
+        counted = training_state.count_env_steps(self, self._ask_fleet())
         if t.save_interval > 0 and self.latest_checkpoint != checkpoint.checkpoint_id(self.iteration):
             self.save_checkpoint()
         elif t.save_interval > 0 and counted and self.rank == 0:
@@ -209,23 +217,6 @@ class TrainerRuntime:
             return self.manager.fleet_status_future(timeout=timeout)
         except Exception:  # statistics only: never stall training on the manager
             return None
-
-    def _count_env_steps(self, asked: grpc.Future | None) -> int:
-        """Adds the env steps the fleet stepped since they were last counted (in this process or before
-        the checkpoint it resumed from); returns how many. The fleet counts from zero, and a new fleet
-        (a new `overworld run`) under a new id: all its steps are new. Nothing while the manager is away:
-        its steps are counted once, when it answers again."""
-        try:
-            status = asked.result() if asked is not None else None
-        except Exception:  # statistics only: never stall training on the manager
-            return 0
-        if status is None:
-            return 0
-        counted = self.fleet["env_steps"] if status.fleet_id == self.fleet["id"] else 0
-        new_steps = max(0, int(status.env_steps) - counted)
-        self.env_steps += new_steps
-        self.fleet = {"id": status.fleet_id, "env_steps": counted + new_steps}
-        return new_steps
 
     # -- Ray Train ------------------------------------------------------------------------------
     def fit(self) -> None:
@@ -278,7 +269,7 @@ class TrainerRuntime:
         self.model, self.optimizer = self.build_starting_model()
         self.lr_schedule = self.setup_lr_schedule(self.optimizer)
         torch.manual_seed(self.config.seed * 7919 + self.rank)  # minibatch order; a resume restores it
-        done = watch_for_stop(self._status, self.reader)
+        done = watch_for_stop(self._status, self.reader, self.stop_deadline.set)
         try:
             self.restore()
             self.train()
@@ -406,7 +397,10 @@ class TrainerRuntime:
     # -- checkpoints (trainer/checkpoint.py) -------------------------------------------------------
     def save_checkpoint(self) -> str:
         """Every rank calls it (the RNG states are gathered); rank 0 writes the full training state."""
-        return training_state.save(self)
+        started = time.monotonic()
+        saved = training_state.save(self)
+        self.stop_deadline.checkpoint_seconds = time.monotonic() - started  # what a deadline must leave room for
+        return saved
 
     def restore(self) -> None:
         """Resume on every rank from what `resume` (or a restart: `continue_run`) names."""

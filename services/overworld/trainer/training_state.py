@@ -9,6 +9,7 @@ import time
 import warnings
 from typing import Any, Protocol, TypedDict
 
+import grpc
 import torch
 
 from overworld.core.config import RunConfig, as_dict, config_hash
@@ -184,3 +185,22 @@ def restore(trainer: TrainingState) -> None:
     trainer.start = {"model_version": trainer.model_version, "env_steps": trainer.env_steps, "rho": trainer.rho}
     log.info("rank %d resumed from %s: iteration %d, model version %d, env steps %d, rho %.4g",
              trainer.rank, ckpt_id, trainer.iteration, trainer.model_version, trainer.env_steps, trainer.rho)
+
+
+def count_env_steps(trainer: TrainingState, asked: grpc.Future | None) -> int:
+    """Adds the env steps the fleet stepped since they were last counted (in this process or before
+    the checkpoint it resumed from) to `env_steps`; returns how many. `asked`: the rollout-manager's
+    FleetStatus, asked while the iteration ran. The fleet counts from zero, and a new fleet (a new
+    `overworld run`) under a new id: all its steps are new. Nothing while the manager is away: its
+    steps are counted once, when it answers again."""
+    try:
+        status = asked.result() if asked is not None else None
+    except Exception:  # statistics only: never stall training on the manager
+        return 0
+    if status is None:
+        return 0
+    counted = trainer.fleet["env_steps"] if status.fleet_id == trainer.fleet["id"] else 0
+    new_steps = max(0, int(status.env_steps) - counted)
+    trainer.env_steps += new_steps
+    trainer.fleet = {"id": status.fleet_id, "env_steps": counted + new_steps}
+    return new_steps

@@ -11,7 +11,7 @@ class GetTrainerStatusRequest(_message.Message):
     def __init__(self) -> None: ...
 
 class TrainerStatus(_message.Message):
-    __slots__ = ("state", "iteration", "updates", "model_version", "samples_trained", "metrics", "error", "resumed_from", "start_model_version", "start_env_steps", "latest_checkpoint", "start_rho", "env_steps", "stop_requested")
+    __slots__ = ("state", "iteration", "updates", "model_version", "samples_trained", "metrics", "error", "resumed_from", "start_model_version", "start_env_steps", "latest_checkpoint", "start_rho", "env_steps", "stop_requested", "stop_seconds_left")
     class MetricsEntry(_message.Message):
         __slots__ = ("key", "value")
         KEY_FIELD_NUMBER: _ClassVar[int]
@@ -33,6 +33,7 @@ class TrainerStatus(_message.Message):
     START_RHO_FIELD_NUMBER: _ClassVar[int]
     ENV_STEPS_FIELD_NUMBER: _ClassVar[int]
     STOP_REQUESTED_FIELD_NUMBER: _ClassVar[int]
+    STOP_SECONDS_LEFT_FIELD_NUMBER: _ClassVar[int]
     state: str
     iteration: int
     updates: int
@@ -47,7 +48,8 @@ class TrainerStatus(_message.Message):
     start_rho: float
     env_steps: int
     stop_requested: bool
-    def __init__(self, state: _Optional[str] = ..., iteration: _Optional[int] = ..., updates: _Optional[int] = ..., model_version: _Optional[int] = ..., samples_trained: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., resumed_from: _Optional[str] = ..., start_model_version: _Optional[int] = ..., start_env_steps: _Optional[int] = ..., latest_checkpoint: _Optional[str] = ..., start_rho: _Optional[float] = ..., env_steps: _Optional[int] = ..., stop_requested: _Optional[bool] = ...) -> None: ...
+    stop_seconds_left: float
+    def __init__(self, state: _Optional[str] = ..., iteration: _Optional[int] = ..., updates: _Optional[int] = ..., model_version: _Optional[int] = ..., samples_trained: _Optional[int] = ..., metrics: _Optional[_Mapping[str, float]] = ..., error: _Optional[str] = ..., resumed_from: _Optional[str] = ..., start_model_version: _Optional[int] = ..., start_env_steps: _Optional[int] = ..., latest_checkpoint: _Optional[str] = ..., start_rho: _Optional[float] = ..., env_steps: _Optional[int] = ..., stop_requested: _Optional[bool] = ..., stop_seconds_left: _Optional[float] = ...) -> None: ...
 
 class ReportProgressResponse(_message.Message):
     __slots__ = ("stop",)
