@@ -19,7 +19,6 @@ every worker pod of the run counted as acknowledged: nothing acknowledged may be
 from __future__ import annotations
 
 import argparse
-import re
 import sys
 import time
 from pathlib import Path
@@ -29,12 +28,10 @@ from bench.runs import RESULTS, RunRecord, ready_to_rehearse, write
 from overworld.trainer.checkpoint import iteration_of
 from rehearsal.netns import wait_until
 from rehearsal.oci_images import ImageStore
-from rehearsal.pods import RELEASE, Pod
-from rehearsal.training_rehearsal import Rehearsal, rehearsal_values
+from rehearsal.pods import RELEASE
+from rehearsal.training_rehearsal import Rehearsal, rehearsal_values, worker_stops
 
 WORKERS = f"{RELEASE}-rollout-worker"
-FLUSHED = re.compile(r"sender flushed: (True|False) \((\d+) complete fragments, (\d+) acknowledged, (\d+) rejected.*"
-                     r"stopping threw away (\d+) env steps")
 
 
 def log(message: str) -> None:
@@ -54,13 +51,6 @@ def live_workers(rehearsal: Rehearsal) -> set[str]:
     return {w.worker_id for w in rehearsal.fleet().workers if w.seconds_since_heartbeat < 10}
 
 
-def ledger(pod: Pod) -> list[dict[str, Any]]:
-    """Each stop of the worker process in this pod: its flush, complete fragments, acknowledged, thrown away."""
-    return [{"flushed": m.group(1) == "True", "complete": int(m.group(2)), "acknowledged": int(m.group(3)),
-             "rejected": int(m.group(4)), "thrown_away_env_steps": int(m.group(5))}
-            for m in FLUSHED.finditer(pod.log.read_text(errors="replace"))]
-
-
 def preempt_worker(rehearsal: Rehearsal, grace: int, workers: int) -> dict[str, Any]:
     cluster = rehearsal.cluster
     victim = min(cluster.pods_of(WORKERS), key=lambda p: p.started)
@@ -78,7 +68,7 @@ def preempt_worker(rehearsal: Rehearsal, grace: int, workers: int) -> dict[str, 
     fleet_back = time.monotonic() - deleted
     rehearsal.wait_training(beyond=version, timeout=300)
     learner_back = time.monotonic() - deleted
-    stops = ledger(victim)
+    stops = worker_stops(victim)
     return {"pod": victim.name, "seconds_to_go": round(gone, 1), "env_steps_thrown_away": lost,
             "stop": stops[-1] if stops else None, "seconds_until_fleet_back": round(fleet_back, 1),
             "seconds_until_a_newer_version": round(learner_back, 1)}
@@ -117,7 +107,7 @@ def fleet_ledger(rehearsal: Rehearsal) -> dict[str, Any]:
         return seen[-1] if len(seen) > 2 and seen[-1] == seen[-2] == seen[-3] else 0
 
     inserted = wait_until(settled, 60, "the index settled", interval=1.0)
-    stops = [s for p in cluster.pods_of(WORKERS, include_ended=True) for s in ledger(p)]
+    stops = [s for p in cluster.pods_of(WORKERS, include_ended=True) for s in worker_stops(p)]
     acknowledged = sum(s["acknowledged"] for s in stops)
     return {"worker_stops": len(stops), "acknowledged": acknowledged, "inserted_in_the_index": inserted,
             "complete_not_acknowledged": sum(s["complete"] - s["acknowledged"] for s in stops),

@@ -11,6 +11,7 @@ from __future__ import annotations
 
 import contextlib
 import json
+import re
 import shutil
 from collections.abc import Iterator
 from pathlib import Path
@@ -254,3 +255,16 @@ class Rehearsal:
 
 
 __all__ = ["Network", "Rehearsal", "rehearsal_values"]
+
+
+# A rollout worker's last line of its stop (rollout_worker/worker.py): its flush and its ledger.
+FLUSHED = re.compile(r"sender flushed: (True|False) \((\d+) complete fragments, (\d+) acknowledged, (\d+) rejected.*"
+                     r"stopping threw away (\d+) env steps")
+
+
+def worker_stops(pod: Pod) -> list[dict[str, Any]]:
+    """Each stop of the rollout worker in this pod: flushed, complete fragments, acknowledged by the
+    replay buffer, rejected, env steps thrown away."""
+    return [{"flushed": m.group(1) == "True", "complete": int(m.group(2)), "acknowledged": int(m.group(3)),
+             "rejected": int(m.group(4)), "thrown_away_env_steps": int(m.group(5))}
+            for m in FLUSHED.finditer(pod.log.read_text(errors="replace"))]

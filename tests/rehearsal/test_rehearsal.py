@@ -30,7 +30,7 @@ from rehearsal.netns import wait_until
 from rehearsal.oci_images import OBJECT_STORE, REDIS, ImageStore, reference
 from rehearsal.pods import NAMESPACE, RELEASE, REPO
 from rehearsal.prometheus import MONITORING
-from rehearsal.training_rehearsal import Rehearsal
+from rehearsal.training_rehearsal import Rehearsal, worker_stops
 
 # Ray clusters come and go in some of these: minutes each on two busy cores.
 pytestmark = [pytest.mark.slow, pytest.mark.timeout(900)]
@@ -471,10 +471,13 @@ def test_worker_cut_off_rejoins_without_losing_or_duplicating_fragments(rehearsa
 
 def test_rollout_workers_scale_one_four_two_while_training(rehearsal: Rehearsal) -> None:
     """The fleet follows `kubectl scale` (1 -> 4 -> 2), and every worker of it produces: the
-    throughput is the fleet's, not one worker's. Back to one worker afterwards (two cores)."""
+    throughput is the fleet's, not one worker's. A scale-down is a preemption: each worker removed
+    hands in what it held (every complete fragment acknowledged by the replay buffer) before it goes.
+    Back to one worker afterwards (two cores)."""
     cluster = rehearsal.cluster
     assert cluster.workloads[WORKERS].replicas == 1
     for size in (4, 2):
+        running = {p.name for p in cluster.pods_of(WORKERS)}
         cluster.scale(WORKERS, size)
         wait_until(lambda n=size: len(cluster.pods_of(WORKERS)) == n and len(live_workers(rehearsal)) == n, 180,
                    f"{size} live rollout workers")
@@ -483,6 +486,12 @@ def test_rollout_workers_scale_one_four_two_while_training(rehearsal: Rehearsal)
         wait_until(lambda f=first: (now := live_workers(rehearsal)).keys() == f.keys()
                    and all(now[w] > f[w] for w in f), 120, f"new env steps from each of {size} workers")
         assert rehearsal.fleet().env_steps > start
+        leaving = [p for p in cluster.pods_of(WORKERS, include_ended=True) if p.name in running and p.deleting]
+        assert len(leaving) == max(0, len(running) - size)
+        wait_until(lambda g=leaving: all(p.ended for p in g), 60, "the removed workers gone")
+        for pod in leaving:
+            (stop,) = worker_stops(pod)
+            assert stop["flushed"] and stop["acknowledged"] == stop["complete"] and not stop["rejected"], (pod.name, stop)
     version, steps = progress(rehearsal)
     wait_progress_beyond(rehearsal, version, steps, 180, "after scaling")
     cluster.scale(WORKERS, 1)
