@@ -8,6 +8,9 @@ chart has `rolloutWorker.terminationGracePeriodSeconds` at that value, and in it
   `preempted_env_steps`, from its last heartbeat), its own ledger (complete fragments against those the
   replay buffer acknowledged, from its log), the seconds it took to go, and from the deletion the seconds
   until the Deployment's replacement holds a lease and until the learner published a newer version;
+- front preemptions: one pod of the rollout-manager, the model-registry, the replay buffer and gae
+  deleted in turn: the calls the fleet saw fail (`overworld_client_calls_failed_total` of every live
+  worker, by call), the seconds until the front is ready again and until a newer version;
 - a trainer preemption: the Ray head pod deleted with that grace period: the iteration it had reached,
   the checkpoint the next attempt resumed from (iterations lost), the seconds until a newer version.
 At the end the workers are scaled to 0 and the replay index's inserted fragments are compared with what
@@ -21,6 +24,7 @@ from __future__ import annotations
 import argparse
 import sys
 import time
+from collections import Counter
 from pathlib import Path
 from typing import Any
 
@@ -32,6 +36,8 @@ from rehearsal.pods import RELEASE
 from rehearsal.training_rehearsal import Rehearsal, rehearsal_values, worker_stops
 
 WORKERS = f"{RELEASE}-rollout-worker"
+FRONTS = ("rollout-manager", "model-registry", "replay-buffer", "gae")
+FAILED_CALLS = "overworld_client_calls_failed_total{"
 
 
 def log(message: str) -> None:
@@ -42,6 +48,7 @@ def values(grace: int, workers: int, step_ms: float) -> dict[str, Any]:
     out = rehearsal_values()
     out["rolloutWorker"]["replicaCount"] = workers
     out["rolloutWorker"]["terminationGracePeriodSeconds"] = grace
+    out["trainer"]["terminationGracePeriodSeconds"] = grace  # the trainer reads it as its deadline
     out["run"]["config"]["env_kwargs"] = {"id": "CartPole-v1", "step_seconds": step_ms / 1000}
     out["run"]["config"]["rollout_config"]["worker_config"]["num_envs"] = 1
     return out
@@ -95,6 +102,38 @@ def preempt_trainer(rehearsal: Rehearsal, grace: int) -> dict[str, Any]:
             "seconds_until_a_newer_version": round(back, 1)}
 
 
+def failed_calls(rehearsal: Rehearsal) -> Counter[str]:
+    """Calls the live workers saw fail (overworld_client_calls_failed_total), by call."""
+    seen: Counter[str] = Counter()
+    for pod in rehearsal.cluster.pods_of(WORKERS):
+        for sample, value in rehearsal.metrics(pod).items():
+            if sample.startswith(FAILED_CALLS):
+                seen[sample[len(FAILED_CALLS):].split('"')[1]] += int(value)
+    return seen
+
+
+def preempt_front(rehearsal: Rehearsal, front: str, grace: int) -> dict[str, Any]:
+    """One pod of a front deleted as a preemption deletes it; what the fleet saw of the hand-over."""
+    cluster = rehearsal.cluster
+    owner = f"{RELEASE}-{front}"
+    replicas = len(cluster.pods_of(owner))
+    victim = cluster.pods_of(owner)[0]
+    before = failed_calls(rehearsal)
+    version = rehearsal.registry_version()
+    deleted = time.monotonic()
+    leaving = cluster.delete_pod(victim, graceful=True, grace=grace, wait=False)
+    wait_until(lambda: sum(p.ready for p in cluster.pods_of(owner)) >= replicas, 300, f"{front} ready again")
+    ready = time.monotonic() - deleted
+    leaving.join()
+    gone = time.monotonic() - deleted
+    rehearsal.wait_training(beyond=version, timeout=300)
+    learner_back = time.monotonic() - deleted
+    seen = failed_calls(rehearsal) - before
+    return {"front": front, "pod": victim.name, "replicas": replicas, "seconds_to_go": round(gone, 1),
+            "seconds_until_ready_again": round(ready, 1), "seconds_until_a_newer_version": round(learner_back, 1),
+            "failed_calls_seen_by_the_fleet": sum(seen.values()), "by_call": dict(seen)}
+
+
 def fleet_ledger(rehearsal: Rehearsal) -> dict[str, Any]:
     """Every worker pod stopped; the index's inserted fragments against what every pod acknowledged."""
     cluster = rehearsal.cluster
@@ -125,11 +164,16 @@ def one_grace(args: argparse.Namespace, store: ImageStore, grace: int) -> dict[s
         for i in range(args.worker_preemptions):
             workers.append(preempt_worker(rehearsal, grace, args.workers))
             log(f"worker preemption {i + 1}: {workers[-1]}")
+        fronts = []
+        for front in FRONTS:
+            fronts.append(preempt_front(rehearsal, front, grace))
+            log(f"front preemption: {fronts[-1]}")
         trainer = preempt_trainer(rehearsal, grace)
         log(f"trainer preemption: {trainer}")
         books = fleet_ledger(rehearsal)
         log(f"ledger: {books}")
-    return {"grace_seconds": grace, **record.fields, "worker_preemptions": workers, "trainer_preemption": trainer,
+    return {"grace_seconds": grace, **record.fields, "worker_preemptions": workers, "front_preemptions": fronts,
+            "trainer_preemption": trainer,
             "ledger": books}
 
 

@@ -69,6 +69,35 @@ def test_timeout_bounds_a_retried_call_retries_included() -> None:
         assert 0.5 < time.monotonic() - started < 5.0
 
 
+def failed(call: str) -> float:
+    return grpc_util.CALLS_FAILED.labels(call)._value.get()
+
+
+def test_a_call_that_gave_up_is_counted_and_one_a_retry_absorbed_is_not() -> None:
+    with GaeClient(f"127.0.0.1:{free_port()}") as client:
+        before = failed("gae.Estimate")
+        with pytest.raises(grpc.RpcError):
+            client.estimate(batch(), 0.9, 0.9, timeout=0.5)
+        assert failed("gae.Estimate") == before + 1
+    # a service back after two attempts (a restart, a hand-over): the caller never sees it fail
+    before = failed("gae.Estimate")
+    attempts: list[float] = []
+
+    def flaky(left: float) -> int:
+        attempts.append(left)
+        if len(attempts) < 3:
+            raise FakeUnavailable()
+        return 1
+
+    assert grpc_util.Retry(5.0).run(flaky, "gae.Estimate") == 1 and len(attempts) == 3
+    assert failed("gae.Estimate") == before
+
+
+class FakeUnavailable(grpc.RpcError):
+    def code(self) -> grpc.StatusCode:
+        return grpc.StatusCode.UNAVAILABLE
+
+
 def test_the_health_check_says_the_status() -> None:
     server = serve([])
     try:

@@ -14,6 +14,7 @@ from typing import Any, NoReturn, TypeVar
 
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import Counter
 
 from overworld.core.security import authz, tls
 
@@ -283,6 +284,18 @@ def wait_healthy(address: str, timeout: float = 30.0, service: str = "", peer: s
 log = logging.getLogger("overworld.grpc")
 T = TypeVar("T")
 
+CALLS_FAILED = Counter(
+    "overworld_client_calls_failed_total",
+    "Calls to another service whose failure reached the caller: a retried call that gave up, or one attempt "
+    "its caller makes again on its own terms (a heartbeat's next period, a fragment stream sent again). "
+    "Attempts a retry absorbed are not counted", ["call"])
+
+
+def call_failed(call: str) -> None:
+    """Count a failed call the caller saw (`call`: "service.Method")."""
+    CALLS_FAILED.labels(call).inc()
+
+
 RETRYABLE = frozenset({grpc.StatusCode.UNAVAILABLE, grpc.StatusCode.DEADLINE_EXCEEDED,
                        grpc.StatusCode.RESOURCE_EXHAUSTED, grpc.StatusCode.ABORTED})
 
@@ -349,6 +362,7 @@ class Retry:
             except grpc.RpcError as err:
                 delay = backoff.next()
                 if not is_retryable(err) or time.monotonic() + delay >= end or (stop and stop()):
+                    call_failed(what)
                     raise
                 failures += 1
                 if failures == 1:

@@ -20,6 +20,7 @@ import numpy as np
 import torch
 
 from overworld.core.config import RunConfig
+from overworld.core.grpc_util import call_failed
 from overworld.core.specs import Spaces
 from overworld.core.wire.fragment import Fragment
 from overworld.model_registry.worker.relay import RelayShelf
@@ -189,6 +190,7 @@ class RolloutWorker:
                 self.has_room[:] = False
                 self._counted = self._acked  # the old id's record keeps what it was told
         except grpc.RpcError as err:
+            call_failed("rollout-manager.Heartbeat")
             log.warning("rollout manager unreachable (%s)", err.code().name)
         QUEUE_DEPTH.set(self.sender.depth())
 
