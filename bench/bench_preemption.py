@@ -10,7 +10,7 @@ chart has `rolloutWorker.terminationGracePeriodSeconds` at that value, and in it
   until the Deployment's replacement holds a lease and until the learner published a newer version;
 - front preemptions: one pod of the rollout-manager, the model-registry, the replay buffer and gae
   deleted in turn: the calls the fleet saw fail (`overworld_client_calls_failed_total` of every live
-  worker, by call), the seconds until the front is ready again and until a newer version;
+  worker, by call) and the attempts it made again (`overworld_client_call_retries_total`), the seconds until the front is ready again and until a newer version;
 - a trainer preemption: the Ray head pod deleted with that grace period: the iteration it had reached,
   the checkpoint the next attempt resumed from (iterations lost), the seconds until a newer version.
 At the end the workers are scaled to 0 and the replay index's inserted fragments are compared with what
@@ -37,7 +37,7 @@ from rehearsal.training_rehearsal import Rehearsal, rehearsal_values, worker_sto
 
 WORKERS = f"{RELEASE}-rollout-worker"
 FRONTS = ("rollout-manager", "model-registry", "replay-buffer", "gae")
-FAILED_CALLS = "overworld_client_calls_failed_total{"
+FAILED_CALLS, CALL_RETRIES = "overworld_client_calls_failed_total", "overworld_client_call_retries_total"
 
 
 def log(message: str) -> None:
@@ -102,13 +102,13 @@ def preempt_trainer(rehearsal: Rehearsal, grace: int) -> dict[str, Any]:
             "seconds_until_a_newer_version": round(back, 1)}
 
 
-def failed_calls(rehearsal: Rehearsal) -> Counter[str]:
-    """Calls the live workers saw fail (overworld_client_calls_failed_total), by call."""
+def fleet_calls(rehearsal: Rehearsal, metric: str) -> Counter[str]:
+    """A client-call counter summed over the live workers, by call."""
     seen: Counter[str] = Counter()
     for pod in rehearsal.cluster.pods_of(WORKERS):
         for sample, value in rehearsal.metrics(pod).items():
-            if sample.startswith(FAILED_CALLS):
-                seen[sample[len(FAILED_CALLS):].split('"')[1]] += int(value)
+            if sample.startswith(metric + "{"):
+                seen[sample.split('"')[1]] += int(value)
     return seen
 
 
@@ -118,7 +118,7 @@ def preempt_front(rehearsal: Rehearsal, front: str, grace: int) -> dict[str, Any
     owner = f"{RELEASE}-{front}"
     replicas = len(cluster.pods_of(owner))
     victim = cluster.pods_of(owner)[0]
-    before = failed_calls(rehearsal)
+    before = {metric: fleet_calls(rehearsal, metric) for metric in (FAILED_CALLS, CALL_RETRIES)}
     version = rehearsal.registry_version()
     deleted = time.monotonic()
     leaving = cluster.delete_pod(victim, graceful=True, grace=grace, wait=False)
@@ -128,10 +128,10 @@ def preempt_front(rehearsal: Rehearsal, front: str, grace: int) -> dict[str, Any
     gone = time.monotonic() - deleted
     rehearsal.wait_training(beyond=version, timeout=300)
     learner_back = time.monotonic() - deleted
-    seen = failed_calls(rehearsal) - before
+    failed, retried = (fleet_calls(rehearsal, metric) - before[metric] for metric in (FAILED_CALLS, CALL_RETRIES))
     return {"front": front, "pod": victim.name, "replicas": replicas, "seconds_to_go": round(gone, 1),
             "seconds_until_ready_again": round(ready, 1), "seconds_until_a_newer_version": round(learner_back, 1),
-            "failed_calls_seen_by_the_fleet": sum(seen.values()), "by_call": dict(seen)}
+            "failed_calls_seen_by_the_fleet": dict(failed), "attempts_the_fleet_made_again": dict(retried)}
 
 
 def fleet_ledger(rehearsal: Rehearsal) -> dict[str, Any]:

@@ -73,14 +73,18 @@ def failed(call: str) -> float:
     return grpc_util.CALLS_FAILED.labels(call)._value.get()
 
 
-def test_a_call_that_gave_up_is_counted_and_one_a_retry_absorbed_is_not() -> None:
+def retried(call: str) -> float:
+    return grpc_util.CALL_RETRIES.labels(call)._value.get()
+
+
+def test_a_call_that_gave_up_is_a_failure_and_one_a_retry_absorbed_is_retries() -> None:
     with GaeClient(f"127.0.0.1:{free_port()}") as client:
         before = failed("gae.Estimate")
         with pytest.raises(grpc.RpcError):
             client.estimate(batch(), 0.9, 0.9, timeout=0.5)
         assert failed("gae.Estimate") == before + 1
     # a service back after two attempts (a restart, a hand-over): the caller never sees it fail
-    before = failed("gae.Estimate")
+    before, retries = failed("gae.Estimate"), retried("gae.Estimate")
     attempts: list[float] = []
 
     def flaky(left: float) -> int:
@@ -90,7 +94,7 @@ def test_a_call_that_gave_up_is_counted_and_one_a_retry_absorbed_is_not() -> Non
         return 1
 
     assert grpc_util.Retry(5.0).run(flaky, "gae.Estimate") == 1 and len(attempts) == 3
-    assert failed("gae.Estimate") == before
+    assert failed("gae.Estimate") == before and retried("gae.Estimate") == retries + 2
 
 
 class FakeUnavailable(grpc.RpcError):

@@ -284,11 +284,23 @@ def wait_healthy(address: str, timeout: float = 30.0, service: str = "", peer: s
 log = logging.getLogger("overworld.grpc")
 T = TypeVar("T")
 
+# A service restarting or handing over (a deleted pod, a preemption) costs its callers retried attempts;
+# a call fails only when what it was for is lost: its retries gave up (the call's timeout), a lease
+# lapsed, fragments were given up.
+CALL_RETRIES = Counter(
+    "overworld_client_call_retries_total",
+    "Attempts of a call to another service that failed and were made again: by a retried call, or by a "
+    "caller that tries again itself (a heartbeat's next period, a fragment stream opened again, the weights "
+    "watch reconnecting)", ["call"])
 CALLS_FAILED = Counter(
     "overworld_client_calls_failed_total",
-    "Calls to another service whose failure reached the caller: a retried call that gave up, or one attempt "
-    "its caller makes again on its own terms (a heartbeat's next period, a fragment stream sent again). "
-    "Attempts a retry absorbed are not counted", ["call"])
+    "Calls to another service whose failure reached the caller: a retried call that gave up, a lease that "
+    "lapsed for want of a heartbeat, fragments given up at shutdown, a version that could not be fetched", ["call"])
+
+
+def call_retried(call: str) -> None:
+    """Count an attempt that failed and is made again (`call`: "service.Method")."""
+    CALL_RETRIES.labels(call).inc()
 
 
 def call_failed(call: str) -> None:
@@ -365,6 +377,7 @@ class Retry:
                     call_failed(what)
                     raise
                 failures += 1
+                call_retried(what)
                 if failures == 1:
                     log.warning("%s: %s; retrying for up to %.0fs", what, err.code().name, self.timeout)
             time.sleep(delay)

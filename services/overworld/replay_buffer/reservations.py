@@ -21,7 +21,7 @@ from typing import Protocol
 
 import grpc
 
-from overworld.core.grpc_util import Backoff, call_failed
+from overworld.core.grpc_util import Backoff, call_failed, call_retried
 from overworld.v1 import replay_buffer_pb2
 
 log = logging.getLogger("overworld.replay_buffer.reservations")
@@ -119,7 +119,7 @@ class Reservations:
         try:
             self._client.reserve(holder, 0, give_back=n, timeout=CALL_TIMEOUT)
         except grpc.RpcError as err:  # the buffer takes it back when the ttl lapses
-            call_failed("replay-buffer.Reserve")
+            call_failed("replay-buffer.Reserve")  # the room lapses at the buffer instead
             log.warning("could not give back %d fragments' room (%s); it lapses at the buffer", n, err.code().name)
 
     def _run(self) -> None:
@@ -141,7 +141,7 @@ class Reservations:
                     with self._cond:
                         self._go_unlimited()
                     continue
-                call_failed("replay-buffer.Reserve")
+                call_retried("replay-buffer.Reserve")
                 delay = backoff.next()
                 log.warning("could not reserve room in the replay buffer (%s: %s); again in %.1fs", err.code().name,
                             err.details(), delay)

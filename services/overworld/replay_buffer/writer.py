@@ -26,7 +26,7 @@ from typing import Protocol
 
 import grpc
 
-from overworld.core.grpc_util import Backoff, call_failed
+from overworld.core.grpc_util import Backoff, call_failed, call_retried
 from overworld.v1 import common_pb2, replay_buffer_pb2
 
 log = logging.getLogger("overworld.replay_buffer.writer")
@@ -145,12 +145,13 @@ class FragmentWriter:
                     log.error("replay buffer rejected fragment %s: %s",
                               bad.header.sequence if bad else "?", err.details())
                     continue
-                call_failed("replay-buffer.Insert")
+                call_retried("replay-buffer.Insert")
                 delay = backoff.next()
                 log.warning("replay buffer %s unavailable (%s); %d fragments to send again, retrying in %.1fs",
                             self.address, err.code().name, len(self._unacked), delay)
                 with self._cond:
                     if self._closing and time.monotonic() + delay > self._give_up_at:
+                        call_failed("replay-buffer.Insert")
                         log.error("giving up on %d unsent fragments at shutdown", len(self._pending) + len(self._unacked))
                         return
                 time.sleep(delay)

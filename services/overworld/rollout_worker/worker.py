@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from overworld.core.config import RunConfig
-from overworld.core.grpc_util import call_failed
+from overworld.core.grpc_util import call_failed, call_retried
 from overworld.core.specs import Spaces
 from overworld.core.wire.fragment import Fragment
 from overworld.model_registry.worker.relay import RelayShelf
@@ -180,6 +180,7 @@ class RolloutWorker:
                 if reply.video_request_id:
                     self.video.requested(reply.video_request_id)
             else:
+                call_failed("rollout-manager.Heartbeat")
                 log.warning("lease expired (worker too slow, or the manager lost its state); registering again")
                 again = self.manager.register(self._register_request(), timeout=PERIODIC_TIMEOUT)
                 ENV_SLOTS.remove(self.worker_id)
@@ -190,7 +191,7 @@ class RolloutWorker:
                 self.has_room[:] = False
                 self._counted = self._acked  # the old id's record keeps what it was told
         except grpc.RpcError as err:
-            call_failed("rollout-manager.Heartbeat")
+            call_retried("rollout-manager.Heartbeat")  # the next one carries what this one had
             log.warning("rollout manager unreachable (%s)", err.code().name)
         QUEUE_DEPTH.set(self.sender.depth())
 
