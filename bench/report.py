@@ -330,12 +330,16 @@ def readme_rows(results: dict[str, dict[str, Any]]) -> list[str]:
             f" / {worst(r['worker_preemptions'], 'seconds_until_a_newer_version')} s "
             f"({len(r['worker_preemptions'])} workers); trainer {r['trainer_preemption']['iterations_lost']} / "
             f"{r['trainer_preemption']['seconds_until_a_newer_version']} s; "
-            f"{'nothing' if r['ledger']['nothing_acknowledged_lost'] else 'SOME'} acknowledged lost "
+            + "".join(f"{f['front']} {sum(f['failed_calls_seen_by_the_fleet'].values())} / "
+                      f"{sum(f['attempts_the_fleet_made_again'].values())} / {f['seconds_until_ready_again']} s; "
+                      for f in r.get("front_preemptions", []))
+            + f"{'nothing' if r['ledger']['nothing_acknowledged_lost'] else 'SOME'} acknowledged lost "
             f"({r['ledger']['acknowledged']} fragments)" for r in d["runs"])
         add(f"| Preemptions in the cluster rehearsal ({d['workers']} CartPole workers at {d['step_ms']:g} ms a step), "
             f"pods deleted with the spot node's grace period: per rollout worker, worst env steps thrown away / "
             f"seconds to go / until its replacement holds a lease / until a newer version; per trainer (the Ray "
-            f"head), iterations lost / seconds until a newer version; the fleet's ledger | {cells} | {_at(d)} |")
+            f"head), iterations lost / seconds until a newer version; per front (one pod deleted), calls the fleet saw "
+            f"fail / attempts it made again / seconds until ready again; the fleet's ledger | {cells} | {_at(d)} |")
     if "autoscaling" in results:
         d = results["autoscaling"]
         o, st = d["outcome"], d["settings"]
