@@ -5,6 +5,11 @@ rehearsal's, rehearsal/local_stores.py)."""
 from __future__ import annotations
 
 import functools
+import os
+import signal
+import subprocess
+import sys
+import time
 from pathlib import Path
 
 import pytest
@@ -42,3 +47,26 @@ class RedisServer(local_stores.RedisServer):
     def __init__(self, workdir: Path, appendonly: bool = True, password: str = "", extra_args: tuple[str, ...] = ()
                  ) -> None:
         super().__init__(workdir, appendonly, password, extra_args, binary=server_binary("redis-server"))
+
+
+def interrupt_run(config: Path, workdir: Path, when_trainer_logs: str, *flags: str, then_wait: float = 0.0,
+                  env: dict[str, str] | None = None) -> str:
+    """An `overworld run` of `config` (plaintext), interrupted as Ctrl-C does once its trainer's log says
+    `when_trainer_logs` (and `then_wait` seconds more); returns the trainer's log."""
+    run = subprocess.Popen(
+        [sys.executable, "-m", "overworld.cli", "run", str(config), "--insecure", "--workdir", str(workdir), *flags],
+        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
+    trainer_log = workdir / "logs" / "trainer.log"
+    try:
+        deadline = time.monotonic() + 240
+        while when_trainer_logs not in (trainer_log.read_text(errors="replace") if trainer_log.exists() else ""):
+            assert run.poll() is None and time.monotonic() < deadline, f"the trainer never logged {when_trainer_logs!r}"
+            time.sleep(0.5)
+        time.sleep(then_wait)
+        run.send_signal(signal.SIGINT)
+        assert run.wait(timeout=300) == 130  # interrupted
+    finally:
+        if run.poll() is None:
+            run.kill()
+            run.wait()
+    return trainer_log.read_text(errors="replace")

@@ -7,15 +7,14 @@ from __future__ import annotations
 
 import json
 import os
-import signal
 import subprocess
 import sys
-import time
 from pathlib import Path
 
 import pytest
 
 from overworld.trainer.checkpoint import iteration_of
+from tests.support import interrupt_run
 
 ROOT = Path(__file__).resolve().parents[2]
 ITERATION_STEPS = 8 * 32
@@ -49,24 +48,8 @@ def test_a_budget_ends_with_what_was_stepped_trained_on(tmp_path: Path) -> None:
 @pytest.mark.slow
 def test_a_trainer_waiting_for_samples_stops_waiting_when_told(tmp_path: Path) -> None:
     # no rollout worker: the learner waits for its first batch until the run is interrupted
-    workdir = tmp_path / "run"
-    run = subprocess.Popen(
-        [sys.executable, "-m", "overworld.cli", "run", str(ROOT / "examples" / "cartpole.yaml"), "--insecure",
-         "--set", "rollout_config.num_rollout_workers=0", "--workdir", str(workdir)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1"})
-    trainer_log = workdir / "logs" / "trainer.log"
-    try:
-        deadline = time.monotonic() + 180
-        while "waiting for data" not in (trainer_log.read_text(errors="replace") if trainer_log.exists() else ""):
-            assert run.poll() is None and time.monotonic() < deadline, "the trainer never waited for data"
-            time.sleep(0.5)
-        run.send_signal(signal.SIGINT)
-        assert run.wait(timeout=300) == 130  # interrupted
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait()
-    text = trainer_log.read_text(errors="replace")
+    text = interrupt_run(ROOT / "examples" / "cartpole.yaml", tmp_path / "run", "waiting for data",
+                         "--set", "rollout_config.num_rollout_workers=0")
     # without the stop reaching the waiting reader, the learner waited out the driver's 120 s and was cut
     # off without its final checkpoint
     assert "stop requested while waiting for samples: iteration 1 not trained" in text, text[-3000:]

@@ -4,11 +4,7 @@ the learner, and a real `overworld run` whose trainer is stopped in the middle o
 
 from __future__ import annotations
 
-import os
 import re
-import signal
-import subprocess
-import sys
 import time
 from pathlib import Path
 
@@ -16,6 +12,7 @@ import pytest
 
 from overworld.trainer.checkpoint import iteration_of
 from overworld.trainer.stopping import STOP_MARGIN_SECONDS
+from tests.support import interrupt_run
 from tests.trainer.helpers import flat_params, make_batch, make_trainer
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -61,25 +58,9 @@ def test_a_trainer_stopped_mid_update_checkpoints_within_its_grace(tmp_path: Pat
     # one iteration's update takes about a minute (30,000 epochs); the trainer's grace period is 12 s
     grace = 12
     workdir = tmp_path / "run"
-    run = subprocess.Popen(
-        [sys.executable, "-m", "overworld.cli", "run", str(ROOT / "examples" / "cartpole.yaml"), "--insecure",
-         "--set", "train_config.epochs_per_iteration=30000", "--workdir", str(workdir)],
-        stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT,
-        env={**os.environ, "PYTHONUNBUFFERED": "1", "OVERWORLD_STOP_GRACE_SECONDS": str(grace)})
-    trainer_log = workdir / "logs" / "trainer.log"
-    try:
-        deadline = time.monotonic() + 240
-        while "first batch in: updating" not in (trainer_log.read_text(errors="replace") if trainer_log.exists() else ""):
-            assert run.poll() is None and time.monotonic() < deadline, "the trainer never began its first update"
-            time.sleep(0.5)
-        time.sleep(3)
-        run.send_signal(signal.SIGINT)
-        assert run.wait(timeout=300) == 130  # interrupted
-    finally:
-        if run.poll() is None:
-            run.kill()
-            run.wait()
-    text = trainer_log.read_text(errors="replace")
+    text = interrupt_run(ROOT / "examples" / "cartpole.yaml", workdir, "first batch in: updating",
+                         "--set", "train_config.epochs_per_iteration=30000", then_wait=3,
+                         env={"OVERWORLD_STOP_GRACE_SECONDS": str(grace)})
     assert "update of iteration 1 cut short" in text, text[-3000:]
     lines = text.splitlines()
     signalled = next(seconds_of(line) for line in lines if "received SIGTERM" in line)
