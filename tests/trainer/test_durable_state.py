@@ -4,6 +4,8 @@ and the TensorBoard / W&B files are copied next to the checkpoints."""
 
 from __future__ import annotations
 
+import threading
+import time
 import uuid
 from pathlib import Path
 
@@ -14,6 +16,7 @@ from overworld.core.config import load_config
 from overworld.trainer.builtin_hooks import LogMetrics
 from overworld.trainer.checkpoint import checkpoint_store, is_durable
 from overworld.trainer.driver import apply_flags
+from tests.support import S3Server
 from tests.trainer.helpers import ROOT, flat_params, make_batch, make_trainer
 
 BASE = ["train_config.epochs_per_iteration=1", "train_config.batches_per_iteration=2",
@@ -82,3 +85,32 @@ def test_the_deployments_save_path_wins_and_local_runs_keep_the_workdir() -> Non
     assert config.train_config.save_path == "output" and not is_durable(config)
     apply_flags(config, "", "s3://bucket/runs")
     assert config.train_config.save_path == "s3://bucket/runs" and is_durable(config)
+
+
+def test_a_checkpoint_waits_out_an_object_store_that_restarts(tmp_path: Path, monkeypatch) -> None:
+    """The object store's pod deleted while a checkpoint is written: nothing answers on its address for a
+    few seconds, then a new server does (its volume still holds the bucket). The checkpoint is written
+    once it is back, instead of the trainer failing (and its attempt with it)."""
+    server = S3Server()
+    server.start()
+    for key, value in server.env.items():
+        monkeypatch.setenv(key, value)
+    save = "s3://overworld-trainer-test/restarting"
+    trainer = make_trainer(*BASE, f"train_config.save_path={save}", "run_id=restarting")
+    trainer.checkpoints = checkpoint_store(trainer.config, str(tmp_path))  # creates the bucket
+    trainer.iteration = 3
+    server.stop()  # the pod is gone: connections refused
+
+    def back_in(seconds: float) -> None:
+        time.sleep(seconds)
+        server.start()  # the same address
+        open_blob_store(save)  # what the object store's volume keeps: the bucket
+
+    threading.Thread(target=back_in, args=(12.0,), daemon=True).start()  # longer than the S3 client's own retries
+    try:
+        started = time.monotonic()
+        assert trainer.save_checkpoint() == "iter-00000003"
+        assert time.monotonic() - started > 11.0
+        assert checkpoint_store(trainer.config, str(tmp_path)).list() == ["iter-00000003"]
+    finally:
+        server.stop()

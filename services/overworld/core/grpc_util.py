@@ -298,7 +298,7 @@ CALLS_FAILED = Counter(
     "lapsed for want of a heartbeat, fragments given up at shutdown, a version that could not be fetched", ["call"])
 
 
-def call_retried(call: str) -> None:
+def attempt_again(call: str) -> None:
     """Count an attempt that failed and is made again (`call`: "service.Method")."""
     CALL_RETRIES.labels(call).inc()
 
@@ -377,7 +377,7 @@ class Retry:
                     call_failed(what)
                     raise
                 failures += 1
-                call_retried(what)
+                attempt_again(what)
                 if failures == 1:
                     log.warning("%s: %s; retrying for up to %.0fs", what, err.code().name, self.timeout)
             time.sleep(delay)

@@ -21,7 +21,7 @@ from typing import Protocol
 
 import grpc
 
-from overworld.core.grpc_util import Backoff, call_failed, call_retried
+from overworld.core.grpc_util import Backoff, attempt_again, call_failed
 from overworld.v1 import replay_buffer_pb2
 
 log = logging.getLogger("overworld.replay_buffer.reservations")
@@ -141,7 +141,7 @@ class Reservations:
                     with self._cond:
                         self._go_unlimited()
                     continue
-                call_retried("replay-buffer.Reserve")
+                attempt_again("replay-buffer.Reserve")
                 delay = backoff.next()
                 log.warning("could not reserve room in the replay buffer (%s: %s); again in %.1fs", err.code().name,
                             err.details(), delay)

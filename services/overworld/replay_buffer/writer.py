@@ -26,7 +26,7 @@ from typing import Protocol
 
 import grpc
 
-from overworld.core.grpc_util import Backoff, call_failed, call_retried
+from overworld.core.grpc_util import Backoff, attempt_again, call_failed
 from overworld.v1 import common_pb2, replay_buffer_pb2
 
 log = logging.getLogger("overworld.replay_buffer.writer")
@@ -145,7 +145,7 @@ class FragmentWriter:
                     log.error("replay buffer rejected fragment %s: %s",
                               bad.header.sequence if bad else "?", err.details())
                     continue
-                call_retried("replay-buffer.Insert")
+                attempt_again("replay-buffer.Insert")
                 delay = backoff.next()
                 log.warning("replay buffer %s unavailable (%s); %d fragments to send again, retrying in %.1fs",
                             self.address, err.code().name, len(self._unacked), delay)

@@ -20,7 +20,7 @@ import numpy as np
 import torch
 
 from overworld.core.config import RunConfig
-from overworld.core.grpc_util import call_failed, call_retried
+from overworld.core.grpc_util import attempt_again, call_failed
 from overworld.core.specs import Spaces
 from overworld.core.wire.fragment import Fragment
 from overworld.model_registry.worker.relay import RelayShelf
@@ -191,7 +191,7 @@ class RolloutWorker:
                 self.has_room[:] = False
                 self._counted = self._acked  # the old id's record keeps what it was told
         except grpc.RpcError as err:
-            call_retried("rollout-manager.Heartbeat")  # the next one carries what this one had
+            attempt_again("rollout-manager.Heartbeat")  # the next one carries what this one had
             log.warning("rollout manager unreachable (%s)", err.code().name)
         QUEUE_DEPTH.set(self.sender.depth())
 

@@ -305,14 +305,16 @@ class TrainerDriver:
         """Ask rank 0 to checkpoint after the current iteration and finish; then shut Ray down (if this
         process ever imported it: local mode never does). With a grace period, the learners know its
         deadline: an update that would outlast it is cut short for the checkpoint."""
-        if self.status.status.state in ("finished", "failed"):  # ended by itself, not by a signal
+        ended = self.status.status.state in ("finished", "failed")
+        if ended:  # ended by itself, not by a signal
             self.status.final_state_read.wait(FINAL_STATE_SECONDS)
         budget = float(STOP_TIMEOUT_SECONDS)
-        if self.stop_grace > 0:
+        if self.stop_grace > 0 and not ended:
             budget = max(1.0, self.stop_grace - EXIT_SECONDS)
             log.info("stopping within the grace period: checkpoint within %.0fs", budget)
             self.status.request_stop(deadline_in=budget)
-        self.status.request_stop()
+        else:
+            self.status.request_stop()
         if self.status.training_loop_started.is_set():
             if not self.done.wait(budget):
                 log.warning("training did not finish within %.0fs of the stop request; shutting Ray down", budget)

@@ -12,6 +12,7 @@ from typing import Any, Protocol, TypedDict
 import grpc
 import torch
 
+from overworld.core.blobs.store import UNREACHABLE
 from overworld.core.config import RunConfig, as_dict, config_hash
 from overworld.core.wire.weights import from_bytes, to_bytes
 from overworld.policies.base import Policy
@@ -19,6 +20,9 @@ from overworld.trainer.checkpoint import CheckpointStore, checkpoint_id, tensors
 from overworld.trainer.minestudio_checkpoint import import_checkpoint, is_minestudio_checkpoint
 
 log = logging.getLogger("overworld.trainer.checkpoint")
+
+# A checkpoint's writes wait out an object store that cannot be reached this long (its pod restarting).
+WRITE_RETRY_SECONDS = 120.0
 
 
 class StartPoint(TypedDict):
@@ -93,9 +97,27 @@ def save(trainer: TrainingState) -> str:
              "rho": trainer.rho,
              "world_size": trainer.world_size, "run_id": trainer.config.run_id,
              "config_hash": config_hash(trainer.config), "saved_unix": time.time(), "config": as_dict(trainer.config)}
-    trainer.checkpoints.save(trainer.iteration, state, files)
+    write_checkpoint(trainer.checkpoints, trainer.iteration, state, files)
     trainer.checkpoints.prune(trainer.config.train_config.keep_interval, ckpt_id)
     return ckpt_id
+
+
+def write_checkpoint(store: CheckpointStore, iteration: int, state: dict[str, Any], files: dict[str, bytes]) -> None:
+    """`store.save`, waiting out an object store that cannot be reached (a restarting pod) for up to
+    WRITE_RETRY_SECONDS: a checkpoint is worth the wait, and a trainer that fails here costs a restart."""
+    deadline = time.monotonic() + WRITE_RETRY_SECONDS
+    delay = 1.0
+    while True:
+        try:
+            store.save(iteration, state, files)
+            return
+        except UNREACHABLE as err:
+            if time.monotonic() + delay > deadline:
+                raise
+            log.warning("checkpoint %s: the store cannot be reached (%s); writing it again in %.0fs",
+                        checkpoint_id(iteration), err, delay)
+            time.sleep(delay)
+            delay = min(2 * delay, 10.0)
 
 
 def fast_forward(schedule: Any, iterations: int) -> None:

@@ -17,6 +17,12 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Protocol
 
+import urllib3
+
+# What a blob store raises while it cannot be reached (a restarting object store, a name that does not
+# resolve yet, a dropped connection): worth trying again, unlike a refusal (a missing bucket, a bad key).
+UNREACHABLE = (OSError, urllib3.exceptions.HTTPError)
+
 
 @dataclass(frozen=True)
 class BlobInfo:

@@ -42,7 +42,7 @@ from typing import Any
 import grpc
 import torch
 
-from overworld.core.grpc_util import Backoff, call_failed, call_retried
+from overworld.core.grpc_util import Backoff, attempt_again, call_failed
 from overworld.core.wire import safetensors_format, weights
 from overworld.model_registry import chunks
 from overworld.model_registry.client import FetchBroken, ModelRegistryClient
@@ -127,7 +127,7 @@ class WeightsWatcher:
                 if err.code() == grpc.StatusCode.DEADLINE_EXCEEDED:  # the stream's deadline: open the next one
                     backoff.reset()
                     continue
-                call_retried("model-registry.Watch")
+                attempt_again("model-registry.Watch")
                 log.warning("model registry watch broke (%s); reconnecting from version %d in %.1fs",
                             err.code().name, self.version, backoff.delay)
             backoff.wait(self._stop)
@@ -167,7 +167,7 @@ class WeightsWatcher:
                     log.warning("model version %d cannot be fetched: %s", info.version,
                                 f"{err.code().name} {err.details()}" if isinstance(err, grpc.RpcError) else err)
                     continue
-                call_retried("model-registry.Fetch")
+                attempt_again("model-registry.Fetch")
                 log.warning("fetching model version %d failed (%s); trying again", info.version, err.code().name)
                 with self._cond:  # fetch it again if nothing newer is announced meanwhile
                     if self._announcement is None:
