@@ -219,6 +219,8 @@ class KubeRay:
                 group.get("rayStartParams") or {}, container.get("resources") or {}, head, head_address)]
             template.env.update({"RAY_CLUSTER_NAME": state.cluster, "RAY_USAGE_STATS_KUBERAY_IN_USE": "1",
                                  "RAY_ADDRESS": f"127.0.0.1:{GCS_PORT}" if head else head_address})
+            if not head:  # KubeRay's name of the head Service on worker pods
+                template.env["FQ_RAY_IP"] = f"{head_service}.{DOMAIN}"
             if head:
                 template.readiness = ("http", DASHBOARD_PORT, "/api/gcs_healthz")
             else:

@@ -10,6 +10,7 @@ import signal
 import subprocess
 import sys
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
@@ -50,18 +51,27 @@ class RedisServer(local_stores.RedisServer):
 
 
 def interrupt_run(config: Path, workdir: Path, when_trainer_logs: str, *flags: str, then_wait: float = 0.0,
-                  env: dict[str, str] | None = None) -> str:
+                  env: dict[str, str] | None = None, act: Callable[[], None] | None = None, until: str = "") -> str:
     """An `overworld run` of `config` (plaintext), interrupted as Ctrl-C does once its trainer's log says
-    `when_trainer_logs` (and `then_wait` seconds more); returns the trainer's log."""
+    `when_trainer_logs` (then `act()`, then until the log also says `until`, then `then_wait` seconds
+    more); returns the trainer's log."""
     run = subprocess.Popen(
         [sys.executable, "-m", "overworld.cli", "run", str(config), "--insecure", "--workdir", str(workdir), *flags],
         stdout=subprocess.DEVNULL, stderr=subprocess.STDOUT, env={**os.environ, "PYTHONUNBUFFERED": "1", **(env or {})})
     trainer_log = workdir / "logs" / "trainer.log"
-    try:
+
+    def wait_for(line: str) -> None:
         deadline = time.monotonic() + 240
-        while when_trainer_logs not in (trainer_log.read_text(errors="replace") if trainer_log.exists() else ""):
-            assert run.poll() is None and time.monotonic() < deadline, f"the trainer never logged {when_trainer_logs!r}"
+        while line not in (trainer_log.read_text(errors="replace") if trainer_log.exists() else ""):
+            assert run.poll() is None and time.monotonic() < deadline, f"the trainer never logged {line!r}"
             time.sleep(0.5)
+
+    try:
+        wait_for(when_trainer_logs)
+        if act is not None:
+            act()
+        if until:
+            wait_for(until)
         time.sleep(then_wait)
         run.send_signal(signal.SIGINT)
         assert run.wait(timeout=300) == 130  # interrupted

@@ -192,8 +192,11 @@ def test_ray_pods_outlast_the_trainers_checkpoint_on_stop() -> None:
     assert pre_stop[pre_stop.index("--timeout") + 1] == str(wait)
     # `ray start --block` as PID 1 ignores SIGTERM: each pod's hook ends Ray, or it waits out its grace.
     assert "--stop-ray" in pre_stop
+    # a worker pod's hook asks the trainer on the head (port 50055, the env's) to checkpoint within Ray's wait
     worker = templates["workerGroupSpecs[gpu]"]["spec"]["containers"][0]
-    assert worker["lifecycle"]["preStop"]["exec"]["command"] == ["ray", "stop", "--force"]
+    assert worker["lifecycle"]["preStop"]["exec"]["command"] == [
+        "python", "-m", "overworld.run_controller.ray_prestop", "--trainer-port", "50055", "--timeout", str(wait),
+        "--stop-ray"]
 
 
 @pytest.mark.parametrize("grace", [30, 120])

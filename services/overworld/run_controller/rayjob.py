@@ -145,6 +145,7 @@ def _ray_pod_template(
     ports: list[dict[str, Any]],
     gpus: int,
     head: bool,
+    trainer_port: int,
 ) -> dict[str, Any]:
     env = copy.deepcopy(list(spec.get("env") or []))
     grace, job_stop_wait, trainer_grace = stop_seconds(spec)
@@ -173,7 +174,10 @@ def _ray_pod_template(
         pre_stop = ["python", "-m", "overworld.run_controller.ray_prestop", "--dashboard",
                     f"http://127.0.0.1:{DASHBOARD_PORT}", "--timeout", str(job_stop_wait), "--stop-ray"]
     else:
-        pre_stop = ["ray", "stop", "--force"]
+        # A deleted worker pod (a spot reclaim, a drain) takes a learner rank with it: its hook asks the
+        # trainer to checkpoint within the grace period and end the attempt, for KubeRay's retry to resume.
+        pre_stop = ["python", "-m", "overworld.run_controller.ray_prestop", "--trainer-port", str(trainer_port),
+                    "--timeout", str(job_stop_wait), "--stop-ray"]
     # `ray start --block` (PID 1) ignores SIGTERM: without stopping Ray here, every Ray pod would
     # take its whole grace period to go, and each resume or retry minutes longer.
     container["lifecycle"] = {"preStop": {"exec": {"command": pre_stop}}}
@@ -262,7 +266,7 @@ def build_rayjob(training_run: Mapping[str, Any], attempt: int, resume_from: str
             "rayStartParams": {"dashboard-host": "0.0.0.0", "num-cpus": "0", "num-gpus": "0"},
             "template": _ray_pod_template(
                 spec, spec.get("head") or {}, container_name="ray-head", labels=labels,
-                ports=head_ports, gpus=0, head=True,
+                ports=head_ports, gpus=0, head=True, trainer_port=trainer_port,
             ),
         },
         "workerGroupSpecs": [
@@ -274,7 +278,7 @@ def build_rayjob(training_run: Mapping[str, Any], attempt: int, resume_from: str
                 "rayStartParams": {},
                 "template": _ray_pod_template(
                     spec, worker_group, container_name="ray-worker", labels=labels,
-                    ports=worker_ports, gpus=gpus, head=False,
+                    ports=worker_ports, gpus=gpus, head=False, trainer_port=trainer_port,
                 ),
             }
         ],

@@ -6,6 +6,7 @@ from __future__ import annotations
 import grpc
 
 from overworld.core.client import ServiceClient
+from overworld.core.grpc_util import Retry
 from overworld.core.security.tls import aio_channel
 from overworld.v1 import trainer_pb2 as pb
 from overworld.v1 import trainer_pb2_grpc
@@ -23,6 +24,12 @@ class TrainerClient(ServiceClient):
         """Rank 0's progress; True when the driver asks training to stop. One attempt: the next
         iteration reports again."""
         return bool(self._stub.ReportProgress(status, timeout=timeout).stop)
+
+    def request_stop(self, seconds_left: float, reason: str, *, timeout: float = 5.0) -> pb.TrainerStatus:
+        """A node of the trainer's is going in `seconds_left` (a Ray worker pod's preStop): checkpoint
+        before then and end the attempt as failed, for KubeRay's retry to resume. Retried: it matters."""
+        request = pb.StopRequest(seconds_left=seconds_left, reason=reason)
+        return Retry(timeout).unary(self._stub.RequestStop, request, "trainer.RequestStop")
 
 
 async def read_status(address: str, timeout: float = 5.0) -> pb.TrainerStatus:

@@ -6,6 +6,7 @@ a machine without Ray trains (tests/trainer/test_local_mode_without_ray.py)."""
 from __future__ import annotations
 
 import logging
+import math
 import os
 import socket
 import sys
@@ -13,11 +14,12 @@ import threading
 import time
 from typing import Any
 
+import grpc
 from prometheus_client import Counter, Gauge
 
 from overworld.core.config import RunConfig, load_config
 from overworld.core.config_files import ConfigError
-from overworld.core.grpc_util import Server, serve
+from overworld.core.grpc_util import Refused, Server, serve
 from overworld.core.imports import UserCodeError, import_object
 from overworld.core.service import log_refusal
 from overworld.rollout_manager.client import RolloutManagerClient
@@ -40,6 +42,7 @@ SAMPLE_WAIT = Counter("overworld_trainer_sample_wait_seconds_total",
                       "seconds, the share of its time it waits for the fleet")
 
 STOP_TIMEOUT_SECONDS = 120
+MAX_STOP_SECONDS = 3600  # RequestStop's deadline: no node's grace period is longer
 # From the SIGTERM, the stop's deadline is the pod's grace period (`--stop-grace-seconds`) less this: the
 # process's exit after the checkpoint (Ray's shutdown, the status server's).
 EXIT_SECONDS = 5.0
@@ -68,11 +71,16 @@ def trainer_class(name: str) -> type[TrainerRuntime]:
     return cls
 
 
+class NodeGoing(Exception):
+    """Training stopped because one of its nodes is going (RequestStop): the attempt fails, to be retried."""
+
+
 class TrainerStatusService(trainer_pb2_grpc.TrainerServicer):
     def __init__(self) -> None:
         self.status = pb.TrainerStatus(state="starting")
         self.stop_requested = threading.Event()
         self.stop_deadline: float | None = None  # time.monotonic() by which the stop must be done, if known
+        self.node_going = ""  # why a node asked to stop (RequestStop): the attempt then ends as failed
         self.training_loop_started = threading.Event()  # rank 0 has reported: stops go through it
         self.final_state_read = threading.Event()  # someone has read "finished" or "failed"
         self._lock = threading.Lock()
@@ -104,6 +112,18 @@ class TrainerStatusService(trainer_pb2_grpc.TrainerServicer):
         LAST_UPDATE.set(time.time())
         self.training_loop_started.set()
         return pb.ReportProgressResponse(stop=self.stop_requested.is_set())
+
+    def RequestStop(self, request, context):
+        seconds = request.seconds_left
+        if not (math.isfinite(seconds) and 0 < seconds <= MAX_STOP_SECONDS) or len(request.reason) > 200:
+            raise Refused(grpc.StatusCode.INVALID_ARGUMENT,
+                          f"RequestStop: seconds_left must be in (0, {MAX_STOP_SECONDS}] (got {seconds}) and the "
+                          f"reason at most 200 characters (got {len(request.reason)})")
+        log.warning("a node of the trainer's is going (%s): checkpointing within %.0fs, then ending this attempt "
+                    "for KubeRay's retry to resume", request.reason or "no reason given", seconds)
+        self.node_going = request.reason or "a node of the trainer's was going"
+        self.request_stop(deadline_in=max(1.0, seconds - EXIT_SECONDS))
+        return self.GetStatus(request, context)
 
     def request_stop(self, deadline_in: float | None = None) -> None:
         """Ask training to stop; with `deadline_in`, by that many seconds from now."""
@@ -276,6 +296,7 @@ class TrainerDriver:
                 raise self._startup_error
             if self.status.stop_requested.is_set():  # stopped while Ray started: nothing to train or save
                 log.info("stop requested before training started: not training")
+                self._end_if_a_node_is_going()
                 return
             assert self._trainer is not None
             if not self.ray_address:
@@ -283,8 +304,13 @@ class TrainerDriver:
                 self._trainer.own_ray = not local_mode
             self.status.set_state("running")
             self._trainer.fit()
+            self._end_if_a_node_is_going()
             self.status.set_state("finished")
             log.info("training finished")
+        except NodeGoing as err:
+            log.warning("%s", err)
+            self.failed = True
+            self.status.set_state("failed", str(err)[:2000])
         except PlacementError as err:
             log.error("the trainer's workers cannot be placed: %s", err)
             self.failed = self.config_error = True
@@ -300,6 +326,13 @@ class TrainerDriver:
         finally:
             self.done.set()
             keep_ray_until_released(self._ray_released)
+
+    def _end_if_a_node_is_going(self) -> None:
+        """Not finished when a node asked to stop: the attempt fails, and KubeRay's retry resumes from the
+        checkpoint just written."""
+        if self.status.node_going:
+            raise NodeGoing(f"stopped because {self.status.node_going}; checkpointed "
+                            f"{self.status.status.latest_checkpoint or 'nothing'}: the next attempt resumes")
 
     def stop(self, grace: float = 5.0) -> None:
         """Ask rank 0 to checkpoint after the current iteration and finish; then shut Ray down (if this

@@ -24,7 +24,7 @@ _sym_db = _symbol_database.Default()
 
 
 
-DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aoverworld/v1/trainer.proto\x12\x0coverworld.v1\"\x19\n\x17GetTrainerStatusRequest\"\xac\x03\n\rTrainerStatus\x12\r\n\x05state\x18\x01 \x01(\t\x12\x11\n\titeration\x18\x02 \x01(\x04\x12\x0f\n\x07updates\x18\x03 \x01(\x04\x12\x15\n\rmodel_version\x18\x04 \x01(\x04\x12\x17\n\x0fsamples_trained\x18\x05 \x01(\x04\x12\x39\n\x07metrics\x18\x06 \x03(\x0b\x32(.overworld.v1.TrainerStatus.MetricsEntry\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x14\n\x0cresumed_from\x18\x08 \x01(\t\x12\x1b\n\x13start_model_version\x18\t \x01(\x04\x12\x17\n\x0fstart_env_steps\x18\n \x01(\x04\x12\x19\n\x11latest_checkpoint\x18\x0b \x01(\t\x12\x11\n\tstart_rho\x18\x0c \x01(\x01\x12\x11\n\tenv_steps\x18\r \x01(\x04\x12\x16\n\x0estop_requested\x18\x0e \x01(\x08\x12\x19\n\x11stop_seconds_left\x18\x0f \x01(\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"&\n\x16ReportProgressResponse\x12\x0c\n\x04stop\x18\x01 \x01(\x08\x32\xaf\x01\n\x07Trainer\x12O\n\tGetStatus\x12%.overworld.v1.GetTrainerStatusRequest\x1a\x1b.overworld.v1.TrainerStatus\x12S\n\x0eReportProgress\x12\x1b.overworld.v1.TrainerStatus\x1a$.overworld.v1.ReportProgressResponseb\x06proto3')
+DESCRIPTOR = _descriptor_pool.Default().AddSerializedFile(b'\n\x1aoverworld/v1/trainer.proto\x12\x0coverworld.v1\"3\n\x0bStopRequest\x12\x14\n\x0cseconds_left\x18\x01 \x01(\x01\x12\x0e\n\x06reason\x18\x02 \x01(\t\"\x19\n\x17GetTrainerStatusRequest\"\xac\x03\n\rTrainerStatus\x12\r\n\x05state\x18\x01 \x01(\t\x12\x11\n\titeration\x18\x02 \x01(\x04\x12\x0f\n\x07updates\x18\x03 \x01(\x04\x12\x15\n\rmodel_version\x18\x04 \x01(\x04\x12\x17\n\x0fsamples_trained\x18\x05 \x01(\x04\x12\x39\n\x07metrics\x18\x06 \x03(\x0b\x32(.overworld.v1.TrainerStatus.MetricsEntry\x12\r\n\x05\x65rror\x18\x07 \x01(\t\x12\x14\n\x0cresumed_from\x18\x08 \x01(\t\x12\x1b\n\x13start_model_version\x18\t \x01(\x04\x12\x17\n\x0fstart_env_steps\x18\n \x01(\x04\x12\x19\n\x11latest_checkpoint\x18\x0b \x01(\t\x12\x11\n\tstart_rho\x18\x0c \x01(\x01\x12\x11\n\tenv_steps\x18\r \x01(\x04\x12\x16\n\x0estop_requested\x18\x0e \x01(\x08\x12\x19\n\x11stop_seconds_left\x18\x0f \x01(\x01\x1a.\n\x0cMetricsEntry\x12\x0b\n\x03key\x18\x01 \x01(\t\x12\r\n\x05value\x18\x02 \x01(\x01:\x02\x38\x01\"&\n\x16ReportProgressResponse\x12\x0c\n\x04stop\x18\x01 \x01(\x08\x32\xf6\x01\n\x07Trainer\x12O\n\tGetStatus\x12%.overworld.v1.GetTrainerStatusRequest\x1a\x1b.overworld.v1.TrainerStatus\x12S\n\x0eReportProgress\x12\x1b.overworld.v1.TrainerStatus\x1a$.overworld.v1.ReportProgressResponse\x12\x45\n\x0bRequestStop\x12\x19.overworld.v1.StopRequest\x1a\x1b.overworld.v1.TrainerStatusb\x06proto3')
 
 _globals = globals()
 _builder.BuildMessageAndEnumDescriptors(DESCRIPTOR, _globals)
@@ -33,14 +33,16 @@ if not _descriptor._USE_C_DESCRIPTORS:
   DESCRIPTOR._loaded_options = None
   _globals['_TRAINERSTATUS_METRICSENTRY']._loaded_options = None
   _globals['_TRAINERSTATUS_METRICSENTRY']._serialized_options = b'8\001'
-  _globals['_GETTRAINERSTATUSREQUEST']._serialized_start=44
-  _globals['_GETTRAINERSTATUSREQUEST']._serialized_end=69
-  _globals['_TRAINERSTATUS']._serialized_start=72
-  _globals['_TRAINERSTATUS']._serialized_end=500
-  _globals['_TRAINERSTATUS_METRICSENTRY']._serialized_start=454
-  _globals['_TRAINERSTATUS_METRICSENTRY']._serialized_end=500
-  _globals['_REPORTPROGRESSRESPONSE']._serialized_start=502
-  _globals['_REPORTPROGRESSRESPONSE']._serialized_end=540
-  _globals['_TRAINER']._serialized_start=543
-  _globals['_TRAINER']._serialized_end=718
+  _globals['_STOPREQUEST']._serialized_start=44
+  _globals['_STOPREQUEST']._serialized_end=95
+  _globals['_GETTRAINERSTATUSREQUEST']._serialized_start=97
+  _globals['_GETTRAINERSTATUSREQUEST']._serialized_end=122
+  _globals['_TRAINERSTATUS']._serialized_start=125
+  _globals['_TRAINERSTATUS']._serialized_end=553
+  _globals['_TRAINERSTATUS_METRICSENTRY']._serialized_start=507
+  _globals['_TRAINERSTATUS_METRICSENTRY']._serialized_end=553
+  _globals['_REPORTPROGRESSRESPONSE']._serialized_start=555
+  _globals['_REPORTPROGRESSRESPONSE']._serialized_end=593
+  _globals['_TRAINER']._serialized_start=596
+  _globals['_TRAINER']._serialized_end=842
 # @@protoc_insertion_point(module_scope)

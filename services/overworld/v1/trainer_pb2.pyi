@@ -6,6 +6,14 @@ from typing import ClassVar as _ClassVar, Optional as _Optional
 
 DESCRIPTOR: _descriptor.FileDescriptor
 
+class StopRequest(_message.Message):
+    __slots__ = ("seconds_left", "reason")
+    SECONDS_LEFT_FIELD_NUMBER: _ClassVar[int]
+    REASON_FIELD_NUMBER: _ClassVar[int]
+    seconds_left: float
+    reason: str
+    def __init__(self, seconds_left: _Optional[float] = ..., reason: _Optional[str] = ...) -> None: ...
+
 class GetTrainerStatusRequest(_message.Message):
     __slots__ = ()
     def __init__(self) -> None: ...

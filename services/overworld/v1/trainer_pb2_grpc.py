@@ -44,6 +44,11 @@ class TrainerStub:
                 request_serializer=overworld_dot_v1_dot_trainer__pb2.TrainerStatus.SerializeToString,
                 response_deserializer=overworld_dot_v1_dot_trainer__pb2.ReportProgressResponse.FromString,
                 _registered_method=True)
+        self.RequestStop = channel.unary_unary(
+                '/overworld.v1.Trainer/RequestStop',
+                request_serializer=overworld_dot_v1_dot_trainer__pb2.StopRequest.SerializeToString,
+                response_deserializer=overworld_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
+                _registered_method=True)
 
 
 class TrainerServicer:
@@ -62,6 +67,14 @@ class TrainerServicer:
         context.set_details('Method not implemented!')
         raise NotImplementedError('Method not implemented!')
 
+    def RequestStop(self, request, context):
+        """A node of the trainer's is going (a Ray worker pod's preStop): the learners checkpoint before the
+        deadline, and this attempt ends as failed, so that KubeRay's retry resumes from that checkpoint.
+        """
+        context.set_code(grpc.StatusCode.UNIMPLEMENTED)
+        context.set_details('Method not implemented!')
+        raise NotImplementedError('Method not implemented!')
+
 
 def add_TrainerServicer_to_server(servicer, server):
     rpc_method_handlers = {
@@ -74,6 +87,11 @@ def add_TrainerServicer_to_server(servicer, server):
                     servicer.ReportProgress,
                     request_deserializer=overworld_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
                     response_serializer=overworld_dot_v1_dot_trainer__pb2.ReportProgressResponse.SerializeToString,
+            ),
+            'RequestStop': grpc.unary_unary_rpc_method_handler(
+                    servicer.RequestStop,
+                    request_deserializer=overworld_dot_v1_dot_trainer__pb2.StopRequest.FromString,
+                    response_serializer=overworld_dot_v1_dot_trainer__pb2.TrainerStatus.SerializeToString,
             ),
     }
     generic_handler = grpc.method_handlers_generic_handler(
@@ -130,6 +148,33 @@ class Trainer:
             '/overworld.v1.Trainer/ReportProgress',
             overworld_dot_v1_dot_trainer__pb2.TrainerStatus.SerializeToString,
             overworld_dot_v1_dot_trainer__pb2.ReportProgressResponse.FromString,
+            options,
+            channel_credentials,
+            insecure,
+            call_credentials,
+            compression,
+            wait_for_ready,
+            timeout,
+            metadata,
+            _registered_method=True)
+
+    @staticmethod
+    def RequestStop(request,
+            target,
+            options=(),
+            channel_credentials=None,
+            call_credentials=None,
+            insecure=False,
+            compression=None,
+            wait_for_ready=None,
+            timeout=None,
+            metadata=None):
+        return grpc.experimental.unary_unary(
+            request,
+            target,
+            '/overworld.v1.Trainer/RequestStop',
+            overworld_dot_v1_dot_trainer__pb2.StopRequest.SerializeToString,
+            overworld_dot_v1_dot_trainer__pb2.TrainerStatus.FromString,
             options,
             channel_credentials,
             insecure,

@@ -51,7 +51,9 @@ ALLOWED: dict[str, tuple[str, ...]] = {
                 _GAE + "Estimate",
                 _MR + "Publish", _MR + "GetPublishEndpoint", WEIGHTS_PUBLISH,
                 _MR + "SetTag", _MR + "ListVersions", _MR + "GetPushStatus",
-                _TR + "ReportProgress", _TR + "GetStatus"),
+                _TR + "ReportProgress", _TR + "GetStatus",
+                # a Ray worker pod's preStop: its node is going
+                _TR + "RequestStop"),
     "gae": (),
     "model-registry": (),
     "rollout-manager": (),
