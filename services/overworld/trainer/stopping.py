@@ -5,7 +5,7 @@ never be completed. Told to stop, its reader returns what it has, the ranks agre
 came back short, and it is not trained: the last iteration trained is the one checkpointed.
 
 Updating: the stop may come with a deadline (the driver's pod's grace period). An update that would
-end too late for the checkpoint is cut short between optimizer steps (`out_of_time`); the iteration
+end too late for the checkpoint is cut short between optimizer steps (`StopDeadline.too_close`); the iteration
 counts as trained with the steps it took, and is the one checkpointed."""
 
 from __future__ import annotations
