@@ -209,12 +209,14 @@ class PPOLearner(TrainerRuntime):
         if self.iteration == 1 and self.rank == 0:  # a large policy's first update can take minutes
             log.info("first batch in: updating (%d epochs of %d minibatches)", t.epochs_per_iteration,
                      t.batches_per_iteration)
-        self.cut_short = False
+        # A deadline already too close for a step: no step at all (the optimizer step's all-reduce agrees
+        # on it after each step from then on).
+        self.cut_short = any_rank(self.stop_deadline.late(self.step_seconds), self.distributed, self.device)
         skipped = 0
         for epoch in range(t.epochs_per_iteration):
-            skipped += self._epoch(epoch, batch, old_value, losses)
             if self.cut_short:
                 break
+            skipped += self._epoch(epoch, batch, old_value, losses)
         self.samples_trained += batch.size * batch.length
         lags, counts = torch.unique((self.model_version - batch.model_version).clamp(min=0), return_counts=True)
         self.lag_steps.update(dict(zip(lags.tolist(), counts.tolist(), strict=True)))
@@ -237,16 +239,13 @@ class PPOLearner(TrainerRuntime):
     @around("post_epoch", arguments=("epoch",))
     def _epoch(self, epoch: int, batch: Batch, old_value: torch.Tensor, losses: LossMeans) -> int:
         """One pass over the batch in minibatches, each loss term added to `losses`; returns how many
-        optimizer steps were skipped (a non-finite gradient). Before each optimizer step's minibatches,
-        a stop's deadline too close for one more step and the checkpoint ends the update (`cut_short`)."""
+        optimizer steps were skipped (a non-finite gradient). An optimizer step after which a stop's
+        deadline is too close for one more step and the checkpoint ends the update (`cut_short`)."""
         t = self.config.train_config
         normalizer = self.unwrapped_model.value_normalizer
         skipped = 0
         for b, idx in self._minibatches(batch):
             if b % t.gradient_accumulation == 0:
-                if self.stop_deadline.too_close(self.step_seconds, self.distributed, self.device):
-                    self.cut_short = True
-                    return skipped
                 step_started = time.monotonic()
             mb = batch.select(idx).to(self.device)
             assert mb.advantage is not None and mb.value_target is not None
@@ -259,9 +258,10 @@ class PPOLearner(TrainerRuntime):
                 for terms in self._backward_windows(mb, target_vpred, old_vpred, sync=step):
                     losses.add(terms)
                 if step:
+                    self.step_seconds = time.monotonic() - step_started
                     skipped += self._optimizer_step()
-            if step:
-                self.step_seconds = time.monotonic() - step_started
+                    if self.cut_short:
+                        return skipped
         return skipped
 
     def _normalize(self, adv: torch.Tensor, global_batch: bool) -> torch.Tensor:
@@ -326,7 +326,9 @@ class PPOLearner(TrainerRuntime):
 
     @around("post_optim_step", before="pre_optim_step", result="skipped")
     def _optimizer_step(self) -> bool:
-        """Clip, step, zero. A non-finite gradient on any rank skips the step on every rank (returns True)."""
+        """Clip, step, zero. A non-finite gradient on any rank skips the step on every rank (returns True).
+        The same all-reduce tells every rank whether a stop's deadline leaves room for another step
+        (`cut_short`)."""
         t = self.config.train_config
         params = [p for p in self.model.parameters() if p.requires_grad]
         if self.scaler is not None:
@@ -334,8 +336,10 @@ class PPOLearner(TrainerRuntime):
         grads = [p.grad for p in params if p.grad is not None]
         # One norm over every gradient (non-finite iff one of them is): a few ops, not one check per tensor.
         norm = torch.nn.utils.get_total_norm(grads) if grads else torch.zeros((), device=self.device)
-        finite = self.all_reduce_sum(torch.isfinite(norm).float())
-        if finite.item() < self.world_size:
+        late = torch.tensor(float(self.stop_deadline.late(self.step_seconds)), device=norm.device)
+        finite, ranks_late = self.all_reduce_sum(torch.stack([torch.isfinite(norm).float(), late])).tolist()
+        self.cut_short = ranks_late > 0
+        if finite < self.world_size:
             log.warning("non-finite gradient on some rank: skipping this optimizer step on every rank")
             self.optimizer.zero_grad(set_to_none=True)
             if self.scaler is not None:

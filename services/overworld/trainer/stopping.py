@@ -5,7 +5,7 @@ never be completed. Told to stop, its reader returns what it has, the ranks agre
 came back short, and it is not trained: the last iteration trained is the one checkpointed.
 
 Updating: the stop may come with a deadline (the driver's pod's grace period). An update that would
-end too late for the checkpoint is cut short between optimizer steps (`StopDeadline.too_close`); the iteration
+end too late for the checkpoint is cut short between optimizer steps (`StopDeadline.late`); the iteration
 counts as trained with the steps it took, and is the one checkpointed."""
 
 from __future__ import annotations
@@ -70,7 +70,6 @@ def any_rank(short: bool, distributed: bool, device: torch.device) -> bool:
     return short
 
 
-
 class StopDeadline:
     """When a stop must be checkpointed by (time.monotonic()), once the driver has said, and what a
     checkpoint costs (the last one's time, `timed` by the runtime)."""
@@ -83,8 +82,7 @@ class StopDeadline:
         self.at = at
         log.info("stop requested with %.0fs to checkpoint in", at - time.monotonic())
 
-    def too_close(self, step_seconds: float, distributed: bool, device: torch.device) -> bool:
-        """Whether one more optimizer step and then the checkpoint would end after the deadline; every
-        rank gets the same answer (a collective when distributed: call it on every rank, at the same step)."""
-        late = self.at is not None and time.monotonic() + step_seconds + self.checkpoint_seconds + STOP_MARGIN_SECONDS > self.at
-        return any_rank(late, distributed, device)
+    def late(self, step_seconds: float) -> bool:
+        """Whether one more optimizer step and then the checkpoint would end after the deadline (this
+        rank's view: the learner agrees on it with the others in its optimizer step's all-reduce)."""
+        return self.at is not None and time.monotonic() + step_seconds + self.checkpoint_seconds + STOP_MARGIN_SECONDS > self.at
