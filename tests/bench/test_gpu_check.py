@@ -327,7 +327,7 @@ def test_the_box_carry_installs_and_imports_on_cpython_312(tmp_path: Path) -> No
     known = box.box_packages()
     wanted = [f"{n}=={known.get(n) or metadata.version(n)}" for n in ("numpy", "safetensors", "prometheus-client",
                                                                       "pillow", "imageio", "pyyaml", "cloudpickle",
-                                                                      "typing-extensions")]
+                                                                      "typing-extensions", "urllib3")]
     subprocess.run([python, "-m", "pip", "install", "-q", "--disable-pip-version-check", "--only-binary=:all:",
                     "--target", str(box_site), *wanted], check=True, capture_output=True)
     install = install_carry(tmp_path / carry.CARRY_DIR, carried, python)
