@@ -93,6 +93,10 @@ class Terminal:
             import termios
 
             fcntl.ioctl(0, termios.TIOCSCTTY, 0)
+            # A terminal's shell starts its foreground job with Ctrl-C's default action, whatever this
+            # process inherited: a test before this one may leave SIGINT ignored in pytest, and make
+            # started with it ignored stays ignorant of Ctrl-C (it then exits 0 after the run's 130).
+            signal.signal(signal.SIGINT, signal.SIG_DFL)
 
         self.proc = subprocess.Popen(argv, cwd=ROOT, stdin=slave, stdout=slave, stderr=slave, start_new_session=True,
                                      preexec_fn=controlling_terminal,
