@@ -7,6 +7,7 @@ from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
+import grpc
 import pytest
 
 from overworld.core.blobs.store import BlobStore, LocalBlobStore
@@ -72,13 +73,20 @@ class Cluster:
                                           1, rb.max_chunks, lambda: self.manager._spaces,
                                           leases=Leases(lambda: self.manager_client.leases().worker_ids, refresh=0.25),
                                           reservations=rb.reservations)
-        self.bs = serve([(replay_buffer_pb2_grpc.add_ReplayBufferServicer_to_server, self.buffer,
-                          "overworld.v1.ReplayBuffer")])
+        self.bs = self._serve_buffer(0)
         self.spaces, self.policy, _, _ = run_spaces(self.config)
         self.publish(1)
         self.buffer_client = ReplayBufferClient(self.bs.address)
         self.buffer_client.set_model_version(1)
         self.addresses = (self.ms.address, self.bs.address, self.rs.address)
+
+    def _serve_buffer(self, port: int) -> grpc.Server:
+        return serve([(replay_buffer_pb2_grpc.add_ReplayBufferServicer_to_server, self.buffer,
+                       "overworld.v1.ReplayBuffer")], port=port)
+
+    def serve_buffer_again(self) -> None:
+        """The replay buffer back on its address after `bs.stop` (a pod handing over), its state kept."""
+        self.bs = self._serve_buffer(int(self.addresses[1].rsplit(":", 1)[1]))
 
     def publish(self, version: int) -> None:
         with ModelRegistryClient(self.rs.address) as registry:

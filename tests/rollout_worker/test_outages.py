@@ -9,7 +9,6 @@ import time
 from overworld.core.grpc_util import serve
 from overworld.v1 import (
     model_registry_pb2_grpc,
-    replay_buffer_pb2_grpc,
     rollout_manager_pb2_grpc,
 )
 from tests.rollout_worker.test_worker import Running, wait_for
@@ -22,7 +21,6 @@ def test_outages_of_buffer_registry_and_manager(make_cluster) -> None:
     try:
         wait_for(lambda: w.sender.sent >= 6, 60, "fragments")
         # replay buffer down: the worker fills its queue and blocks, never more than 3 fragments
-        port = cluster.bs.port
         cluster.bs.stop(0)
         wait_for(lambda: w.sender.depth() == 3, 30, "a full send queue")
         steps = w.env_steps
@@ -32,8 +30,7 @@ def test_outages_of_buffer_registry_and_manager(make_cluster) -> None:
         cluster.rs.stop(0)
         cluster.ms.stop(0)
         time.sleep(2.0)
-        cluster.bs = serve([(replay_buffer_pb2_grpc.add_ReplayBufferServicer_to_server, cluster.buffer, "b")],
-                           port=port)
+        cluster.serve_buffer_again()
         cluster.rs = serve([(model_registry_pb2_grpc.add_ModelRegistryServicer_to_server, cluster.registry, "r")],
                            port=int(cluster.addresses[2].rsplit(":", 1)[1]))
         cluster.ms = serve([(rollout_manager_pb2_grpc.add_RolloutManagerServicer_to_server, cluster.manager, "m")],

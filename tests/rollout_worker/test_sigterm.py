@@ -11,11 +11,11 @@ import subprocess
 import sys
 import time
 from pathlib import Path
+from typing import BinaryIO
 
-from overworld.core.grpc_util import serve
 from overworld.rollout_manager.client import RolloutManagerClient
 from overworld.rollout_worker.client import RolloutWorkerClient
-from overworld.v1 import replay_buffer_pb2_grpc
+from overworld.rollout_worker.process import FINISH_SECONDS
 from tests.rollout_worker.conftest import Cluster, T
 from tests.rollout_worker.test_worker import wait_for
 from tests.support import alive, free_port, wait_port
@@ -36,7 +36,7 @@ def children(pid: int) -> set[int]:
     return out
 
 
-def start_worker(cluster: Cluster, port: int, log_file: object, *flags: str) -> subprocess.Popen[bytes]:
+def start_worker(cluster: Cluster, port: int, log_file: BinaryIO, *flags: str) -> subprocess.Popen[bytes]:
     manager_addr, buffer_addr, registry_addr = cluster.addresses
     env = {**os.environ, "OVERWORLD_LOG_FORMAT": "text", "PYTHONPATH": str(ROOT / "services")}
     return subprocess.Popen(
@@ -103,14 +103,12 @@ def test_sigterm_while_the_replay_buffer_is_away_waits_for_it(make_cluster, tmp_
             client = RolloutManagerClient(cluster.addresses[0])
             wait_for(lambda: any(w.fragments_sent >= 6 for w in client.fleet_status().workers), 90,
                      "the worker to send 6 fragments")
-            buffer_port = cluster.bs.port
             cluster.bs.stop(0)
             time.sleep(3.0)  # the worker's queue fills while the buffer is away
             proc.send_signal(signal.SIGTERM)
-            time.sleep(12.0)  # past the fragments' finish (8 s): the worker now waits on the buffer alone
+            time.sleep(FINISH_SECONDS + 4.0)  # past the fragments' finish: the worker waits on the buffer alone
             assert proc.poll() is None, log_path.read_text()[-3000:]
-            cluster.bs = serve([(replay_buffer_pb2_grpc.add_ReplayBufferServicer_to_server, cluster.buffer, "b")],
-                               port=buffer_port)
+            cluster.serve_buffer_again()
             assert proc.wait(60) == 0
         finally:
             if proc.poll() is None:
